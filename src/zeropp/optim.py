@@ -1,0 +1,42 @@
+"""Optimizer-side helpers that must see the whole model, not one shard."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .shard import get_state
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of a sharded model by their global norm, like
+    `torch.nn.utils.clip_grad_norm_` on the unsharded model; returns the norm.
+
+    One all-reduce of one number over the world. Padding elements carry zero
+    gradient, so they do not change the norm. A NaN or Inf gradient on any rank
+    makes the returned norm non-finite on every rank (and, as in torch, the
+    gradients then become non-finite too): a loop can test the norm and skip.
+    """
+    st = get_state(model)
+    norm_type = float(norm_type)
+    if norm_type not in (2.0, float("inf")):
+        raise ValueError(f"zeropp.clip_grad_norm_: norm_type={norm_type} is not supported; "
+                         "use 2.0 or inf")
+    grads = [f.primary_shard.grad for f in st.flats if f.primary_shard.grad is not None]
+    device = st.flats[0].primary_shard.device if st.flats else torch.device("cpu")
+    if norm_type == 2.0:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local += g.float().pow(2).sum()
+        total = st.comm.all_reduce(local.reshape(1), op="all_reduce/grad_norm")[0].sqrt()
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local = torch.maximum(local, g.float().abs().max())
+        total = st.comm.all_reduce(local.reshape(1), op="all_reduce/grad_norm",
+                                   reduce_op=dist.ReduceOp.MAX)[0]
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total

@@ -1,0 +1,333 @@
+"""shard(model, cfg): ZeRO-3 in place, by hooks on the model's units.
+
+A *unit* is a module whose parameters are gathered and freed together: by
+default every entry of every `nn.ModuleList` (a transformer's blocks) plus the
+root for the rest. Per unit and iteration:
+  forward pre-hook   wait for its gather (prefetched earlier), prefetch the next
+                     unit, point the module's parameters at the full weights
+  forward post-hook  free the full weights; hook the outputs for backward
+  output grad hook   (backward begins for this unit) gather again, prefetch the
+                     unit before it in forward order
+  leaf grad hook     its gradient is complete: reduce-scatter it, free
+  end of backward    wait for everything, free leftovers
+The model class is untouched and the training loop stays plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .collectives import Comm
+from .config import Config
+from .flat_param import FlatParam
+from .stats import CommStats
+from .topology import Topology, get_topology
+
+
+class Unit:
+    def __init__(self, name: str, module: nn.Module, flats: list[FlatParam],
+                 state: ShardState) -> None:
+        self.name, self.module, self.flats, self.state = name, module, flats, state
+        self.is_root = name == ""
+        self.backward_gathered = False
+        for f in flats:
+            f.on_grad_ready = self._flat_grad_ready
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name or '<root>'})"
+
+    def issue_gather(self) -> None:
+        op = "all_gather/backward" if self.state.backward_active else "all_gather/forward"
+        for f in self.flats:
+            f.issue_gather(self.state.comm, op=op, unit=self.name or "<root>")
+
+    def gather(self) -> None:
+        self.issue_gather()
+        for f in self.flats:
+            f.wait_gather()
+
+    def free(self) -> None:
+        for f in self.flats:
+            f.free()
+
+    # ---- hooks -----------------------------------------------------------------
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        st = self.state
+        if self.is_root and not st.backward_active:
+            st.begin_iteration()
+        self.gather()
+        if not st.backward_active:
+            st.forward_order.append(self)
+            st.prefetch_forward()
+        for f in self.flats:
+            f.use_views()
+        if st.cfg.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), st.cfg.param_dtype)
+        if (torch.is_grad_enabled() and not any(f.trainable for f in self.flats)
+                and self.flats):
+            # No leaf gradient will tell us when backward is done with frozen
+            # weights: learn it from the gradient reaching the unit's inputs.
+            args = _PostBackward.attach(self, args)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        st = self.state
+        if st.backward_active:
+            return output  # recomputation inside backward: weights still needed
+        self.free()
+        if self.is_root:
+            st.end_forward()
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        st = self.state
+        st.begin_backward()
+        if self.backward_gathered:
+            return
+        self.backward_gathered = True
+        self.gather()
+        st.prefetch_backward(self)
+
+    def _flat_grad_ready(self, flat: FlatParam) -> None:
+        st = self.state
+        st.begin_backward()
+        flat.reduce_grad(st.comm, st.cfg.reduce_dtype, unit=self.name or "<root>")
+        if not any(f.needs_reduce for f in self.flats):
+            self.free()
+
+    def post_backward_frozen(self) -> None:
+        self.free()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward marks the unit's backward done."""
+
+    @staticmethod
+    def forward(ctx, unit: Unit, *tensors: torch.Tensor):
+        ctx.unit = unit
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.post_backward_frozen()
+        return (None, *grads)
+
+    @staticmethod
+    def attach(unit: Unit, args: tuple) -> tuple:
+        idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not idx:
+            return args
+        outs = _PostBackward.apply(unit, *(args[i] for i in idx))
+        args = list(args)
+        for i, o in zip(idx, outs):
+            args[i] = o
+        return tuple(args)
+
+
+class ShardState:
+    """Per-model bookkeeping: the units, their order, and the phase of the step."""
+
+    def __init__(self, cfg: Config, topo: Topology) -> None:
+        self.cfg, self.topo = cfg, topo
+        self.stats = CommStats()
+        self.comm = Comm(topo, self.stats)
+        self.units: list[Unit] = []
+        self.forward_order: list[Unit] = []
+        self.last_forward_order: list[Unit] = []
+        self.backward_order: list[Unit] = []
+        self.backward_active = False
+
+    @property
+    def flats(self) -> list[FlatParam]:
+        return [f for u in self.units for f in u.flats]
+
+    # ---- forward -----------------------------------------------------------------
+    def begin_iteration(self) -> None:
+        if self.forward_order:
+            self.last_forward_order = self.forward_order
+        self.forward_order = []
+        for f in self.flats:
+            f.new_iteration()
+
+    def prefetch_forward(self) -> None:
+        """Issue the gather of the unit that ran next in the previous forward."""
+        k = len(self.forward_order)
+        if self.cfg.prefetch and k < len(self.last_forward_order):
+            self.last_forward_order[k].issue_gather()
+
+    def end_forward(self) -> None:
+        for u in self.units:  # e.g. a prefetch that the model did not use this time
+            u.free()
+        self.backward_order = list(reversed(self.forward_order))
+        self.last_forward_order = self.forward_order
+
+    # ---- backward ----------------------------------------------------------------
+    def begin_backward(self) -> None:
+        if self.backward_active:
+            return
+        self.backward_active = True
+        for u in self.units:
+            u.backward_gathered = False
+        Variable._execution_engine.queue_callback(self.end_backward)
+
+    def prefetch_backward(self, unit: Unit) -> None:
+        order = self.backward_order
+        if not self.cfg.prefetch or unit not in order:
+            return
+        for nxt in order[order.index(unit) + 1:]:
+            if not nxt.backward_gathered:
+                nxt.issue_gather()
+                return
+
+    def end_backward(self) -> None:
+        # Units whose gradient never arrived (not on the loss's path this time)
+        # still reduce zeros, so every rank issues the same collectives.
+        for u in self.units:
+            for f in u.flats:
+                if f.needs_reduce:
+                    f.reduce_grad(self.comm, self.cfg.reduce_dtype, unit=u.name or "<root>")
+            u.free()
+        self.backward_active = False
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                    and t.is_floating_point() and t.dtype != dtype else t, tree)
+
+
+# ---- building the units ------------------------------------------------------------
+def _unit_modules(model: nn.Module, unit_types: Optional[tuple]) -> dict[nn.Module, str]:
+    """Unit module -> name ("" for the root), in module order."""
+    units = {model: ""}
+    for name, m in model.named_modules():
+        if m is model or m in units:
+            continue
+        if unit_types is not None:
+            if isinstance(m, unit_types):
+                units[m] = name
+        elif isinstance(m, nn.ModuleList):
+            for i, child in enumerate(m):
+                if child not in units and any(True for _ in child.parameters()):
+                    units[child] = f"{name}.{i}"
+    return units
+
+
+def _assign_params(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Module, list]:
+    """Each parameter goes to the innermost unit holding it; a parameter held by
+    several units (tied weights across units) goes to the root, which is
+    gathered whenever any unit runs."""
+    regs: dict[nn.Parameter, list] = {}
+
+    def walk(mod: nn.Module, prefix: str, unit: nn.Module) -> None:
+        unit = mod if mod in units else unit
+        for name, p in mod._parameters.items():
+            if p is not None:
+                regs.setdefault(p, []).append((mod, name, prefix + name, unit))
+        for cname, child in mod._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{cname}.", unit)
+
+    walk(model, "", model)
+    owned: dict[nn.Module, list] = {u: [] for u in units}
+    for p, rs in regs.items():
+        owners = {r[3] for r in rs}
+        owner = owners.pop() if len(owners) == 1 else model
+        regs_unique = list(dict.fromkeys((r[0], r[1]) for r in rs))
+        owned[owner].append((p, regs_unique, [r[2] for r in rs]))
+    return owned
+
+
+def _optimizer_step_hook(state_ref: weakref.ref, masters: set) -> Any:
+    seen: dict[int, bool] = {}
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        st = state_ref()
+        if st is None:
+            return
+        if id(opt) not in seen:
+            seen[id(opt)] = any(id(p) in masters for g in opt.param_groups for p in g["params"])
+        if seen[id(opt)]:
+            st.stats.steps += 1
+    return hook
+
+
+def shard(model: nn.Module, cfg: Optional[Config] = None, *,
+          unit_types: Optional[tuple] = None) -> nn.Module:
+    """Shard `model` in place (ZeRO-3) and return it.
+
+    `unit_types`: module classes whose instances become units; default: the
+    entries of every `nn.ModuleList`. The root is always a unit.
+    """
+    cfg = cfg if cfg is not None else Config()
+    if not isinstance(cfg, Config):
+        raise TypeError(f"zeropp.shard: cfg must be a zeropp.Config, got {type(cfg).__name__}")
+    for m in model.modules():
+        if hasattr(m, "_zeropp_state"):
+            raise RuntimeError("zeropp.shard: this model (or a submodule of it) is already "
+                               "sharded; call shard() once, on the root model")
+    unsupported = [n for n in ("quantized_weights", "quantized_gradients",
+                               "quantized_nontrainable_weights") if getattr(cfg, n)]
+    if cfg.hpz_partition_size != 1:
+        unsupported.append("hpz_partition_size")
+    if unsupported:
+        raise NotImplementedError(
+            f"zeropp.shard: {', '.join(unsupported)} (ZeRO++) is not implemented in this "
+            "version; only ZeRO-3 is. Leave these at their defaults.")
+    if unit_types is not None:
+        unit_types = tuple(unit_types) if isinstance(unit_types, (list, tuple)) else (unit_types,)
+    topo = get_topology(cfg.node_size)
+    state = ShardState(cfg, topo)
+    units = _unit_modules(model, unit_types)
+    owned = _assign_params(model, units)
+    for mod, plist in owned.items():
+        for p, regs, _ in plist:
+            for m, name in regs:
+                del m._parameters[name]
+    for mod, name in units.items():
+        groups: dict[tuple, list] = {}
+        for entry in owned[mod]:
+            p = entry[0]
+            key = (p.requires_grad, cfg.param_dtype or p.dtype)
+            groups.setdefault(key, []).append(entry)
+        flats = [FlatParam(plist, rank=topo.rank, world_size=topo.world_size,
+                           compute_dtype=dtype, trainable=trainable)
+                 for (trainable, dtype), plist in groups.items()]
+        for k, f in enumerate(flats):
+            mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)
+        unit = Unit(name, mod, flats, state)
+        mod._zeropp_unit = unit
+        mod.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+        mod.register_forward_hook(unit.post_forward)
+        state.units.append(unit)
+    model._zeropp_state = state
+    masters = {id(f.primary_shard) for f in state.flats}
+    state._step_hook = register_optimizer_step_post_hook(
+        _optimizer_step_hook(weakref.ref(state), masters))
+    return model
+
+
+def get_state(model: nn.Module) -> ShardState:
+    st = getattr(model, "_zeropp_state", None)
+    if st is None:
+        raise ValueError("zeropp: this model was not sharded with zeropp.shard()")
+    return st
+
+
+def comm_stats(model: nn.Module) -> dict:
+    """Bytes this rank sent since the last reset (see stats.CommStats)."""
+    return get_state(model).stats.as_dict()
+
+
+def reset_comm_stats(model: nn.Module) -> None:
+    get_state(model).stats.reset()

@@ -1,0 +1,54 @@
+"""CommStats: what this rank sent, per collective, split the way the paper splits it.
+
+Every collective zeropp issues is recorded here by `collectives.py` with the
+bytes this rank puts on the wire, split into payload and scales (the fp32
+quantization scales of qwZ/qgZ) and into the part that stays inside the node
+versus the part that crosses a node boundary. `inter_node_bytes` summed over
+the ranks of a node is what that node's network interface transmits: the
+figure ZeRO++ exists to cut, and the one the emulated cluster's interface
+counters check.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+
+def _zero_op() -> dict:
+    return {"calls": 0, "payload_bytes": 0, "scale_bytes": 0,
+            "inter_node_bytes": 0, "intra_node_bytes": 0}
+
+
+class CommStats:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.by_op: dict[str, dict] = defaultdict(_zero_op)
+        self.by_unit: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.steps = 0
+
+    def record(self, op: str, *, sent: float, inter: float, scale: float = 0.0,
+               unit: Optional[str] = None) -> None:
+        """`sent`: all bytes this rank sends (payload + scales); `inter`: the part
+        of `sent` that leaves the node; `scale`: the part of `sent` that is scales."""
+        rec = self.by_op[op]
+        rec["calls"] += 1
+        rec["payload_bytes"] += round(sent - scale)
+        rec["scale_bytes"] += round(scale)
+        rec["inter_node_bytes"] += round(inter)
+        rec["intra_node_bytes"] += round(sent - inter)
+        if unit is not None:
+            self.by_unit[unit][op] += 1
+
+    def as_dict(self) -> dict:
+        ops = {k: dict(v) for k, v in self.by_op.items()}
+        return {
+            "inter_node_bytes": sum(v["inter_node_bytes"] for v in ops.values()),
+            "intra_node_bytes": sum(v["intra_node_bytes"] for v in ops.values()),
+            "scale_bytes": sum(v["scale_bytes"] for v in ops.values()),
+            "by_op": ops,
+            "by_unit": {u: dict(c) for u, c in self.by_unit.items()},
+            "steps": self.steps,
+        }

@@ -1,0 +1,92 @@
+"""Topology: who is where. World size W, ranks per node D, nodes N = W / D.
+
+Ranks are numbered node-major, as torchrun numbers them: rank r lives on node
+r // D at local index r % D. The process groups every technique needs are built
+here once, collectively, in the same order on every rank:
+- world: all W ranks (ZeRO-3's gather and reduce-scatter);
+- intra_node: the D ranks of this rank's node (hpZ, qgZ's first hop);
+- inter_node: the N ranks sharing this rank's local index (qgZ's second hop).
+World size 1 needs no process group at all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    rank: int
+    node_size: int
+    world_group: Any = None
+    intra_node_group: Any = None
+    inter_node_group: Any = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.node_size
+
+    @property
+    def node(self) -> int:
+        return self.node_of(self.rank)
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.node_size
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.node_size
+
+    def intra_node_ranks(self, node: Optional[int] = None) -> list[int]:
+        n = self.node if node is None else node
+        return list(range(n * self.node_size, (n + 1) * self.node_size))
+
+    def inter_node_ranks(self, local_rank: Optional[int] = None) -> list[int]:
+        j = self.local_rank if local_rank is None else local_rank
+        return [m * self.node_size + j for m in range(self.num_nodes)]
+
+
+_CACHE: dict[tuple, Topology] = {}
+
+
+def get_topology(node_size: Optional[int] = None) -> Topology:
+    """The topology of the current default process group (built once per layout).
+
+    `node_size` None reads LOCAL_WORLD_SIZE, which torchrun and zeropp's own
+    launcher set; without it all ranks are taken to share one node.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise RuntimeError(
+                "zeropp: WORLD_SIZE > 1 but torch.distributed is not initialized; "
+                "call torch.distributed.init_process_group() before zeropp.shard()")
+        return Topology(world_size=1, rank=0, node_size=1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if node_size is None:
+        node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if node_size < 1 or world % node_size != 0:
+        raise ValueError(
+            f"zeropp: node_size={node_size} must divide the world size {world} "
+            f"(ranks per node; set Config.node_size or LOCAL_WORLD_SIZE)")
+    key = (id(dist.group.WORLD), world, node_size)
+    if key in _CACHE:
+        return _CACHE[key]
+    base = Topology(world, rank, node_size)
+    # new_group is collective: every rank creates every group, in this order.
+    intra = inter = None
+    for n in range(base.num_nodes):
+        g = dist.new_group(base.intra_node_ranks(n))
+        if n == base.node:
+            intra = g
+    for j in range(node_size):
+        g = dist.new_group(base.inter_node_ranks(j))
+        if j == base.local_rank:
+            inter = g
+    topo = Topology(world, rank, node_size, dist.group.WORLD, intra, inter)
+    _CACHE[key] = topo
+    return topo
