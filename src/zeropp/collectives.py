@@ -25,7 +25,7 @@ native `reduce_scatter_tensor` is that ring already.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,15 +61,14 @@ class Comm:
         # Whether this rank's ring successor is on another node (see the note).
         self._ring_crosses = topo.node_of(succ) != topo.node
 
-    def _record_ring(self, op: str, nbytes: int, passes: int, unit: Optional[str]) -> None:
+    def _record_ring(self, op: str, nbytes: int, passes: int) -> None:
         g = self.topo.world_size
         sent = passes * (g - 1) / g * nbytes
-        self.stats.record(op, sent=sent, inter=sent if self._ring_crosses else 0.0, unit=unit)
+        self.stats.record(op, sent=sent, inter=sent if self._ring_crosses else 0.0)
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, op: str,
-                   unit: Optional[str] = None) -> Pending:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, op: str) -> Pending:
         """Gather every rank's `shard` into the flat `out` (rank order), asynchronously."""
-        self._record_ring(op, _nbytes(out), 1, unit)
+        self._record_ring(op, _nbytes(out), 1)
         if self.topo.world_size == 1:
             out.copy_(shard)
             return Pending()
@@ -77,11 +76,10 @@ class Comm:
                                            async_op=True)
         return Pending(work, keep=shard)
 
-    def reduce_scatter_sum(self, full: torch.Tensor, *, op: str,
-                           unit: Optional[str] = None) -> torch.Tensor:
+    def reduce_scatter_sum(self, full: torch.Tensor, *, op: str) -> torch.Tensor:
         """Sum `full` (flat, W equal chunks) over ranks; return this rank's chunk."""
         g, i = self.topo.world_size, self.topo.rank
-        self._record_ring(op, _nbytes(full), 1, unit)
+        self._record_ring(op, _nbytes(full), 1)
         if g == 1:
             return full.clone()
         chunks = full.view(g, -1)
@@ -106,7 +104,7 @@ class Comm:
     def all_reduce(self, t: torch.Tensor, *, op: str,
                    reduce_op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce of a small tensor (norms, flags)."""
-        self._record_ring(op, _nbytes(t), 2, None)
+        self._record_ring(op, _nbytes(t), 2)
         if self.topo.world_size > 1:
             dist.all_reduce(t, op=reduce_op, group=self.topo.world_group)
         return t

@@ -77,13 +77,14 @@ class FlatParam:
         self._free_storage()
 
     # ---- gather / free -------------------------------------------------------
-    def issue_gather(self, comm: Comm, *, op: str, unit: str) -> None:
-        """Start gathering the full weights (no-op if gathered or in flight)."""
+    def issue_gather(self, comm: Comm, *, op: str) -> bool:
+        """Start gathering the full weights; False if gathered or in flight."""
         if self.gathered or self.pending is not None:
-            return
+            return False
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         shard = self.primary_shard.detach().to(self.compute_dtype)
-        self.pending = comm.all_gather(self.full, shard, op=op, unit=unit)
+        self.pending = comm.all_gather(self.full, shard, op=op)
+        return True
 
     def wait_gather(self) -> None:
         if self.pending is not None:
@@ -126,7 +127,7 @@ class FlatParam:
             self.on_grad_ready(self)
 
     # ---- gradients -----------------------------------------------------------
-    def reduce_grad(self, comm: Comm, reduce_dtype: torch.dtype, *, unit: str) -> None:
+    def reduce_grad(self, comm: Comm, reduce_dtype: torch.dtype) -> None:
         """Reduce-scatter this iteration's full gradient to the mean over W and
         add it to the primary shard's `.grad` (accumulating micro-batches)."""
         self.needs_reduce = False
@@ -139,7 +140,7 @@ class FlatParam:
         w = self.world_size
         if reduce_dtype != torch.float32:
             g = g / w  # pre-divide: a low-precision sum of W gradients may overflow
-        part = comm.reduce_scatter_sum(g, op="reduce_scatter", unit=unit).float()
+        part = comm.reduce_scatter_sum(g, op="reduce_scatter").float()
         if reduce_dtype == torch.float32:
             part.div_(w)
         p = self.primary_shard

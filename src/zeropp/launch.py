@@ -16,6 +16,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import tempfile
@@ -40,8 +41,9 @@ def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout))
-        result = fn(*args)
-        q.put((rank, True, result))
+        # Plain pickle: torch's queue pickler would pass tensors as shared-memory
+        # handles, which die with this process.
+        q.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:
         q.put((rank, False, traceback.format_exc()))
     finally:
@@ -103,7 +105,7 @@ def _collect(procs: list, q: Any, timeout: float) -> list[Any]:
             continue
         if not ok:
             raise WorkerError(f"rank {rank} raised:\n{payload}")
-        results[rank] = payload
+        results[rank] = pickle.loads(payload)
     return [results[r] for r in range(len(procs))]
 
 

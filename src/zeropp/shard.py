@@ -36,6 +36,7 @@ class Unit:
                  state: ShardState) -> None:
         self.name, self.module, self.flats, self.state = name, module, flats, state
         self.is_root = name == ""
+        self.label = name or "<root>"
         self.backward_gathered = False
         for f in flats:
             f.on_grad_ready = self._flat_grad_ready
@@ -45,8 +46,9 @@ class Unit:
 
     def issue_gather(self) -> None:
         op = "all_gather/backward" if self.state.backward_active else "all_gather/forward"
-        for f in self.flats:
-            f.issue_gather(self.state.comm, op=op, unit=self.name or "<root>")
+        issued = [f.issue_gather(self.state.comm, op=op) for f in self.flats]
+        if any(issued):
+            self.state.stats.count_unit(self.label, op)
 
     def gather(self) -> None:
         self.issue_gather()
@@ -102,9 +104,13 @@ class Unit:
     def _flat_grad_ready(self, flat: FlatParam) -> None:
         st = self.state
         st.begin_backward()
-        flat.reduce_grad(st.comm, st.cfg.reduce_dtype, unit=self.name or "<root>")
+        self.reduce(flat)
         if not any(f.needs_reduce for f in self.flats):
             self.free()
+
+    def reduce(self, flat: FlatParam) -> None:
+        flat.reduce_grad(self.state.comm, self.state.cfg.reduce_dtype)
+        self.state.stats.count_unit(self.label, "reduce_scatter")
 
     def post_backward_frozen(self) -> None:
         self.free()
@@ -196,7 +202,7 @@ class ShardState:
         for u in self.units:
             for f in u.flats:
                 if f.needs_reduce:
-                    f.reduce_grad(self.comm, self.cfg.reduce_dtype, unit=u.name or "<root>")
+                    u.reduce(f)
             u.free()
         self.backward_active = False
 

@@ -12,8 +12,6 @@ counters check.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
-
 
 def _zero_op() -> dict:
     return {"calls": 0, "payload_bytes": 0, "scale_bytes": 0,
@@ -29,8 +27,7 @@ class CommStats:
         self.by_unit: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.steps = 0
 
-    def record(self, op: str, *, sent: float, inter: float, scale: float = 0.0,
-               unit: Optional[str] = None) -> None:
+    def record(self, op: str, *, sent: float, inter: float, scale: float = 0.0) -> None:
         """`sent`: all bytes this rank sends (payload + scales); `inter`: the part
         of `sent` that leaves the node; `scale`: the part of `sent` that is scales."""
         rec = self.by_op[op]
@@ -39,8 +36,10 @@ class CommStats:
         rec["scale_bytes"] += round(scale)
         rec["inter_node_bytes"] += round(inter)
         rec["intra_node_bytes"] += round(sent - inter)
-        if unit is not None:
-            self.by_unit[unit][op] += 1
+
+    def count_unit(self, unit: str, event: str) -> None:
+        """One unit-level event (a unit's gather may be several collectives)."""
+        self.by_unit[unit][event] += 1
 
     def as_dict(self) -> dict:
         ops = {k: dict(v) for k, v in self.by_op.items()}
