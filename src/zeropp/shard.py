@@ -279,7 +279,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     if not isinstance(cfg, Config):
         raise TypeError(f"zeropp.shard: cfg must be a zeropp.Config, got {type(cfg).__name__}")
     for m in model.modules():
-        if hasattr(m, "_zeropp_state"):
+        if hasattr(m, "_zeropp_state") or hasattr(m, "_zeropp_unit"):
             raise RuntimeError("zeropp.shard: this model (or a submodule of it) is already "
                                "sharded; call shard() once, on the root model")
     unsupported = [n for n in ("quantized_weights", "quantized_gradients",

@@ -1,0 +1,46 @@
+"""Config validates every field at construction, naming field, value and range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeropp
+
+BAD = [
+    ("quantized_weights", 1), ("quantized_weights", "yes"),
+    ("quantized_gradients", None), ("quantized_nontrainable_weights", 0),
+    ("prefetch", "no"),
+    ("hpz_partition_size", 0), ("hpz_partition_size", -2), ("hpz_partition_size", 2.0),
+    ("hpz_partition_size", True),
+    ("node_size", 0), ("node_size", 1.5), ("node_size", "2"),
+    ("param_dtype", torch.int8), ("param_dtype", "bf16"),
+    ("reduce_dtype", None), ("reduce_dtype", torch.float64),
+    ("weight_bits", 3), ("weight_bits", 16), ("grad_bits", 2), ("grad_bits", 8.0),
+    ("block_size", 0), ("block_size", 7), ("block_size", 1 << 21), ("block_size", 64.0),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD)
+def test_invalid_field_raises_value_error_naming_field_value_and_range(field, value):
+    with pytest.raises(ValueError) as e:
+        zeropp.Config(**{field: value})
+    msg = str(e.value)
+    assert f"{field}={value!r}" in msg and "allowed" in msg
+
+
+def test_defaults_are_plain_zero3():
+    c = zeropp.Config()
+    assert (c.quantized_weights, c.hpz_partition_size, c.quantized_gradients) == (False, 1, False)
+    assert c.reduce_dtype == torch.float32 and c.param_dtype is None
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        zeropp.Config().node_size = 4
+
+
+def test_valid_values_are_accepted():
+    c = zeropp.Config(node_size=8, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                      weight_bits=4, grad_bits=8, block_size=256, hpz_partition_size=8)
+    assert c.replace(node_size=2).node_size == 2

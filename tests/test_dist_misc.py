@@ -1,0 +1,62 @@
+"""Distributed behaviours beyond fp32 parity: bf16 compute, non-finite
+gradients, and prefetch not changing results."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+import zeropp
+from cases import batch, build, loss_of, train
+from zeropp.launch import spawn
+
+STEPS = 8
+
+
+def _train(param_dtype, prefetch: bool):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = zeropp.shard(build("gpt"), zeropp.Config(param_dtype=param_dtype, prefetch=prefetch))
+    losses, _ = train("gpt", "adamw", model, steps=STEPS, accum=1, world=world, rank=rank,
+                      clip=None, clip_fn=None)
+    return losses
+
+
+def _non_finite_norm():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = zeropp.shard(build("gpt"))
+    x, y = batch("gpt", 0, 0, world, rank)
+    loss = loss_of("gpt", model, x, y)
+    if rank == 1:
+        loss = loss * float("nan")
+    loss.backward()
+    return float(zeropp.clip_grad_norm_(model, 1.0))
+
+
+def _reference_losses():
+    model = build("gpt")
+    return train("gpt", "adamw", model, steps=STEPS, accum=1, world=2, rank=None,
+                 clip=None, clip_fn=None)[0]
+
+
+def _mean_by_step(results):
+    return [sum(r[s] for r in results) / len(results) for s in range(STEPS)]
+
+
+def test_bf16_compute_tracks_fp32_reference_within_1pct():
+    got = _mean_by_step(spawn(_train, 2, args=(torch.bfloat16, True), timeout=120))
+    ref = _reference_losses()
+    for s, (a, b) in enumerate(zip(got, ref)):
+        assert abs(a - b) <= 0.01 * b, (s, a, b)
+
+
+def test_prefetch_off_gives_identical_losses():
+    on = _mean_by_step(spawn(_train, 2, args=(None, True), timeout=120))
+    off = _mean_by_step(spawn(_train, 2, args=(None, False), timeout=120))
+    assert on == off
+
+
+def test_nan_on_one_rank_makes_the_norm_non_finite_on_every_rank():
+    norms = spawn(_non_finite_norm, 2, timeout=120)
+    assert all(math.isnan(n) for n in norms), norms

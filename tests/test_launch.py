@@ -1,0 +1,53 @@
+"""The spawn helper: results by rank, failures surface fast with the traceback."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zeropp.launch import WorkerError, spawn
+
+
+def _rank_info():
+    t = torch.tensor([dist.get_rank()], dtype=torch.float32)
+    dist.all_reduce(t)
+    return dist.get_rank(), int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]), t.item()
+
+
+def _raise_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank one")
+    dist.barrier()  # rank 0 would wait here until gloo's timeout
+
+
+def _hang():
+    time.sleep(600)
+
+
+def test_results_come_back_in_rank_order_with_node_layout():
+    out = spawn(_rank_info, 4, 2, timeout=60)
+    assert out == [(0, 0, 2, 6.0), (1, 1, 2, 6.0), (2, 0, 2, 6.0), (3, 1, 2, 6.0)]
+
+
+def test_failing_rank_traceback_is_raised_within_seconds():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 raised") as e:
+        spawn(_raise_on_rank_1, 2, timeout=120)
+    assert "boom from rank one" in str(e.value)
+    assert time.monotonic() - t0 < 30
+
+
+def test_hung_world_is_killed_at_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="did not finish within 3s"):
+        spawn(_hang, 2, timeout=3)
+    assert time.monotonic() - t0 < 20
+
+
+def test_node_size_must_divide_world_size():
+    with pytest.raises(ValueError, match="node_size=3"):
+        spawn(_hang, 4, 3)

@@ -1,0 +1,118 @@
+"""World size 1 (no process group at all) and bad calls to shard()."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import zeropp
+from cases import FrozenMLP
+from zeropp.train.model import GPT, GPTConfig
+
+
+def _train_both(ref: nn.Module, steps: int = 3):
+    model = zeropp.shard(copy.deepcopy(ref))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randint(0, 64, (2, 8), generator=g)
+        for m, opt in zip((ref, model), opts):
+            m(x, x)[1].backward()
+            opt.step()
+            opt.zero_grad()
+    return model
+
+
+def test_world_size_1_without_process_group_is_bit_exact():
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_embd=16, n_head=2))
+    model = _train_both(ref)
+    sd = zeropp.full_state_dict(model)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k
+
+
+def test_tied_embedding_is_stored_once_and_listed_under_both_names():
+    torch.manual_seed(0)
+    model = zeropp.shard(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_embd=16,
+                                       n_head=2)))
+    sd = zeropp.full_state_dict(model)
+    assert torch.equal(sd["wte.weight"], sd["lm_head.weight"])
+    root_numel = sum(f.numel for f in model._zeropp_state.units[0].flats)
+    assert root_numel == 64 * 16 + 8 * 16 + 2 * 16  # wte once, wpe, ln_f
+
+
+def test_parameters_are_one_master_shard_per_unit_in_fp32():
+    model = zeropp.shard(FrozenMLP().to(torch.bfloat16))
+    params = list(model.parameters())
+    assert all(p.dtype == torch.float32 for p in params)
+    # layers.0, layers.1 (frozen), layers.2 split into a trainable and a frozen flat
+    assert [p.requires_grad for p in params] == [True, False, True, False]
+
+
+def test_frozen_parameters_get_no_gradient():
+    model = zeropp.shard(FrozenMLP())
+    model(torch.randn(3, 12)).sum().backward()
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert frozen and all(p.grad is None for p in frozen)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_model_without_parameters_works():
+    model = zeropp.shard(nn.Sequential(nn.ReLU(), nn.Tanh()))
+    x = torch.randn(4, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad is not None and list(model.parameters()) == []
+
+
+class _WithEmpty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.empty = nn.Parameter(torch.zeros(3, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.empty.sum()
+
+
+def test_zero_element_parameter_works():
+    torch.manual_seed(0)
+    ref = _WithEmpty()
+    model = zeropp.shard(copy.deepcopy(ref))
+    x = torch.randn(2, 4)
+    ref(x).sum().backward()
+    model(x).sum().backward()
+    sd = zeropp.full_state_dict(model)
+    assert sd["empty"].shape == (3, 0)
+    expected = torch.cat([ref.lin.weight.grad.flatten(), ref.lin.bias.grad])
+    assert torch.equal(model._zeropp_flat0.grad[:15], expected)
+
+
+def test_shard_twice_raises_clear_error():
+    model = zeropp.shard(FrozenMLP())
+    with pytest.raises(RuntimeError, match="already sharded"):
+        zeropp.shard(model)
+    with pytest.raises(RuntimeError, match="already sharded"):
+        zeropp.shard(model.layers[0])
+
+
+def test_shard_rejects_a_non_config():
+    with pytest.raises(TypeError, match="zeropp.Config"):
+        zeropp.shard(FrozenMLP(), {"quantized_weights": True})
+
+
+def test_comm_stats_on_unsharded_model_raises():
+    with pytest.raises(ValueError, match="not sharded"):
+        zeropp.comm_stats(nn.Linear(2, 2))
+
+
+def test_mixed_precision_bf16_computes_in_bf16_and_keeps_fp32_masters():
+    torch.manual_seed(0)
+    model = zeropp.shard(FrozenMLP(), zeropp.Config(param_dtype=torch.bfloat16))
+    out = model(torch.randn(3, 12))  # fp32 input is cast to bf16 at each unit
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
