@@ -34,6 +34,11 @@ from .stats import CommStats
 from .topology import Topology
 
 
+# torch 2.13 renamed the flat collectives (the old names warn); torch 2.4 has only those.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class Pending:
     """An issued collective: `wait()` blocks until its output is ready. Keeps the
     input alive while the backend may still read it."""
@@ -72,8 +77,7 @@ class Comm:
         if self.topo.world_size == 1:
             out.copy_(shard)
             return Pending()
-        work = dist.all_gather_into_tensor(out, shard, group=self.topo.world_group,
-                                           async_op=True)
+        work = _all_gather_flat(out, shard, group=self.topo.world_group, async_op=True)
         return Pending(work, keep=shard)
 
     def reduce_scatter_sum(self, full: torch.Tensor, *, op: str) -> torch.Tensor:
@@ -86,7 +90,7 @@ class Comm:
         group = self.topo.world_group
         if dist.get_backend(group) == "nccl":
             out = torch.empty_like(chunks[0])
-            dist.reduce_scatter_tensor(out, full, group=group)
+            _reduce_scatter_flat(out, full, group=group)
             return out
         # Ring: at step s rank i passes on the partial sum of chunk (i-1-s) and
         # receives that of chunk (i-2-s); after G-1 steps it holds chunk i.
