@@ -7,9 +7,9 @@ import math
 
 import torch
 import torch.distributed as dist
+from cases import batch, build, loss_of, train
 
 import zeropp
-from cases import batch, build, loss_of, train
 from zeropp.launch import spawn
 
 STEPS = 8

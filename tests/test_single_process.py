@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
+from cases import FrozenMLP
 from torch import nn
 
 import zeropp
-from cases import FrozenMLP
 from zeropp.train.model import GPT, GPTConfig
 
 

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from cases import build, train
 
 import zeropp
-from cases import build, train
 from zeropp.launch import spawn
 
 STEPS = 20
@@ -122,12 +122,28 @@ def test_each_rank_holds_only_its_shard(world):
 def test_each_unit_gathered_exactly_twice_per_micro_batch(world):
     w, d, results, refs = world
     for r in results:
-        for i, (name, opt, accum, clip) in enumerate(CASES):
+        for i, (name, _opt, accum, _clip) in enumerate(CASES):
             stats = r[i]["stats"]
             assert stats["steps"] == STEPS
             for unit, ops in stats["by_unit"].items():
                 assert ops["all_gather/forward"] == STEPS * accum, (name, unit)
                 assert ops["all_gather/backward"] == STEPS * accum, (name, unit)
+
+
+def test_every_gpt_block_is_prefetched_in_forward_and_backward(world):
+    """The root runs first in forward and in backward, so nothing precedes it to
+    prefetch it; every block's gather is issued before the block runs (in
+    forward from the second iteration on: the order is learnt from the first)."""
+    w, d, results, refs = world
+    for i, (name, _opt, accum, _clip) in enumerate(CASES):
+        if name != "gpt":
+            continue
+        for unit, ops in results[0][i]["stats"]["by_unit"].items():
+            expected = 0 if unit == "<root>" else STEPS * accum
+            # forward prefetch follows the previous forward's order: none in the first
+            first = 1 if unit != "<root>" else 0
+            assert ops.get("prefetch/forward", 0) == expected - first, (name, unit)
+            assert ops.get("prefetch/backward", 0) == expected, (name, unit)
 
 
 def test_inter_node_bytes_equal_analytic_zero3_within_1pct(world):

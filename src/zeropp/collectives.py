@@ -33,7 +33,6 @@ import torch.distributed as dist
 from .stats import CommStats
 from .topology import Topology
 
-
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.4 has only those.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -22,8 +22,9 @@ import signal
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 
 class WorkerError(RuntimeError):

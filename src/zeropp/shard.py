@@ -42,13 +42,15 @@ class Unit:
             f.on_grad_ready = self._flat_grad_ready
 
     def __repr__(self) -> str:
-        return f"Unit({self.name or '<root>'})"
+        return f"Unit({self.label})"
 
-    def issue_gather(self) -> None:
-        op = "all_gather/backward" if self.state.backward_active else "all_gather/forward"
-        issued = [f.issue_gather(self.state.comm, op=op) for f in self.flats]
+    def issue_gather(self, prefetch: bool = False) -> None:
+        phase = "backward" if self.state.backward_active else "forward"
+        issued = [f.issue_gather(self.state.comm, op=f"all_gather/{phase}") for f in self.flats]
         if any(issued):
-            self.state.stats.count_unit(self.label, op)
+            self.state.stats.count_unit(self.label, f"all_gather/{phase}")
+            if prefetch:
+                self.state.stats.count_unit(self.label, f"prefetch/{phase}")
 
     def gather(self) -> None:
         self.issue_gather()
@@ -84,6 +86,7 @@ class Unit:
         if st.backward_active:
             return output  # recomputation inside backward: weights still needed
         self.free()
+        st.finished_order.append(self)
         if self.is_root:
             st.end_forward()
         if torch.is_grad_enabled():
@@ -151,6 +154,7 @@ class ShardState:
         self.units: list[Unit] = []
         self.forward_order: list[Unit] = []
         self.last_forward_order: list[Unit] = []
+        self.finished_order: list[Unit] = []   # by post-forward: inner units first
         self.backward_order: list[Unit] = []
         self.backward_active = False
 
@@ -162,7 +166,7 @@ class ShardState:
     def begin_iteration(self) -> None:
         if self.forward_order:
             self.last_forward_order = self.forward_order
-        self.forward_order = []
+        self.forward_order, self.finished_order = [], []
         for f in self.flats:
             f.new_iteration()
 
@@ -170,12 +174,15 @@ class ShardState:
         """Issue the gather of the unit that ran next in the previous forward."""
         k = len(self.forward_order)
         if self.cfg.prefetch and k < len(self.last_forward_order):
-            self.last_forward_order[k].issue_gather()
+            self.last_forward_order[k].issue_gather(prefetch=True)
 
     def end_forward(self) -> None:
         for u in self.units:  # e.g. a prefetch that the model did not use this time
             u.free()
-        self.backward_order = list(reversed(self.forward_order))
+        # Backward reaches a unit when its output's gradient is ready, so the
+        # unit whose forward finished last (the root, around all others) comes
+        # first: reverse the order in which forwards finished.
+        self.backward_order = list(reversed(self.finished_order))
         self.last_forward_order = self.forward_order
 
     # ---- backward ----------------------------------------------------------------
@@ -193,7 +200,7 @@ class ShardState:
             return
         for nxt in order[order.index(unit) + 1:]:
             if not nxt.backward_gathered:
-                nxt.issue_gather()
+                nxt.issue_gather(prefetch=True)
                 return
 
     def end_backward(self) -> None:
@@ -296,10 +303,10 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     state = ShardState(cfg, topo)
     units = _unit_modules(model, unit_types)
     owned = _assign_params(model, units)
-    for mod, plist in owned.items():
-        for p, regs, _ in plist:
-            for m, name in regs:
-                del m._parameters[name]
+    for plist in owned.values():
+        for _, regs, _ in plist:
+            for m, attr in regs:
+                del m._parameters[attr]
     for mod, name in units.items():
         groups: dict[tuple, list] = {}
         for entry in owned[mod]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+
 def _zero_op() -> dict:
     return {"calls": 0, "payload_bytes": 0, "scale_bytes": 0,
             "inter_node_bytes": 0, "intra_node_bytes": 0}

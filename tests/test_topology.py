@@ -1,0 +1,52 @@
+"""Topology: node-major rank map and the world / intra-node / inter-node groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeropp
+from zeropp.launch import WorkerError, spawn
+from zeropp.topology import Topology
+
+
+def test_node_major_rank_map_for_2_nodes_of_4():
+    t = Topology(world_size=8, rank=5, node_size=4)
+    assert (t.num_nodes, t.node, t.local_rank) == (2, 1, 1)
+    assert t.intra_node_ranks() == [4, 5, 6, 7]
+    assert t.inter_node_ranks() == [1, 5]
+
+
+def test_single_process_topology_needs_no_process_group():
+    t = zeropp.get_topology()
+    assert (t.world_size, t.rank, t.node_size, t.num_nodes) == (1, 0, 1, 1)
+
+
+def _group_sums():
+    topo = zeropp.get_topology()  # node size from LOCAL_WORLD_SIZE
+    out = {}
+    for name, g in [("world", topo.world_group), ("intra", topo.intra_node_group),
+                    ("inter", topo.inter_node_group)]:
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t, group=g)
+        out[name] = t.item()
+    return topo.node, topo.local_rank, out
+
+
+def test_groups_connect_the_right_ranks_at_3_nodes_of_2():
+    res = spawn(_group_sums, 6, 2, timeout=120)
+    for r, (node, local, sums) in enumerate(res):
+        assert (node, local) == (r // 2, r % 2)
+        assert sums["world"] == sum(range(6))
+        assert sums["intra"] == 2 * node + (2 * node + 1)      # ranks of my node
+        assert sums["inter"] == local + (local + 2) + (local + 4)  # my local index on each node
+
+
+def _bad_node_size():
+    zeropp.shard(torch.nn.Linear(2, 2), zeropp.Config(node_size=3))
+
+
+def test_node_size_not_dividing_world_is_a_clear_error():
+    with pytest.raises(WorkerError, match="node_size=3 must divide the world size 4"):
+        spawn(_bad_node_size, 4, 2, timeout=60)
