@@ -116,3 +116,20 @@ def test_mixed_precision_bf16_computes_in_bf16_and_keeps_fp32_masters():
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+
+
+def test_no_grad_eval_forward_between_steps_changes_nothing():
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_embd=16, n_head=2))
+    model = zeropp.shard(copy.deepcopy(ref))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randint(0, 64, (2, 8), generator=g)
+        for m, opt in zip((ref, model), opts):
+            m(x, x)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            assert torch.equal(model(x, x)[1], ref(x, x)[1])
+    assert all(f.full.untyped_storage().size() == 0 for f in model._zeropp_state.flats)

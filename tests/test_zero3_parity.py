@@ -158,3 +158,17 @@ def test_inter_node_bytes_equal_analytic_zero3_within_1pct(world):
         ranks = range(node * d, (node + 1) * d)
         measured = sum(results[r][i]["stats"]["inter_node_bytes"] for r in ranks) / STEPS
         assert abs(measured - analytic) <= 0.01 * analytic, (node, measured, analytic)
+
+
+def test_every_byte_sent_is_either_intra_or_inter_node(world):
+    """Each rank sends (W-1)/W of every gathered / reduced buffer (ring): per
+    step 3 * (W-1)/W * 4 bytes * params, split into intra- plus inter-node."""
+    w, d, results, refs = world
+    i = CASES.index(("gpt", "sgd", 1, None))
+    analytic = 3 * (w - 1) / w * 4 * results[0][i]["numel"]
+    for r in results:
+        s = r[i]["stats"]
+        sent = sum(v["payload_bytes"] + v["scale_bytes"] for v in s["by_op"].values())
+        assert sent == s["intra_node_bytes"] + s["inter_node_bytes"]
+        assert abs(sent / STEPS - analytic) <= 0.01 * analytic
+        assert s["scale_bytes"] == 0  # nothing is quantized in ZeRO-3

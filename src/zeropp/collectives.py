@@ -68,7 +68,8 @@ class Comm:
     def _record_ring(self, op: str, nbytes: int, passes: int) -> None:
         g = self.topo.world_size
         sent = passes * (g - 1) / g * nbytes
-        self.stats.record(op, sent=sent, inter=sent if self._ring_crosses else 0.0)
+        self.stats.record(op, group="world", sent=sent,
+                          inter=sent if self._ring_crosses else 0.0)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, op: str) -> Pending:
         """Gather every rank's `shard` into the flat `out` (rank order), asynchronously."""

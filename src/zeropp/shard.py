@@ -262,15 +262,17 @@ def _assign_params(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Mod
 
 
 def _optimizer_step_hook(state_ref: weakref.ref, masters: set) -> Any:
-    seen: dict[int, bool] = {}
+    """Count optimizer steps that update this model's master shards (any
+    optimizer, no engine object: a global post-step hook filters by parameter)."""
+    ours: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         st = state_ref()
         if st is None:
             return
-        if id(opt) not in seen:
-            seen[id(opt)] = any(id(p) in masters for g in opt.param_groups for p in g["params"])
-        if seen[id(opt)]:
+        if opt not in ours:
+            ours[opt] = any(id(p) in masters for g in opt.param_groups for p in g["params"])
+        if ours[opt]:
             st.stats.steps += 1
     return hook
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 
 def _zero_op() -> dict:
-    return {"calls": 0, "payload_bytes": 0, "scale_bytes": 0,
+    return {"group": "", "calls": 0, "payload_bytes": 0, "scale_bytes": 0,
             "inter_node_bytes": 0, "intra_node_bytes": 0}
 
 
@@ -28,10 +28,13 @@ class CommStats:
         self.by_unit: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.steps = 0
 
-    def record(self, op: str, *, sent: float, inter: float, scale: float = 0.0) -> None:
-        """`sent`: all bytes this rank sends (payload + scales); `inter`: the part
-        of `sent` that leaves the node; `scale`: the part of `sent` that is scales."""
+    def record(self, op: str, *, group: str, sent: float, inter: float,
+               scale: float = 0.0) -> None:
+        """`group`: "world", "intra_node", "inter_node" or "hpz"; `sent`: all bytes
+        this rank sends (payload + scales); `inter`: the part of `sent` that
+        leaves the node; `scale`: the part of `sent` that is scales."""
         rec = self.by_op[op]
+        rec["group"] = group
         rec["calls"] += 1
         rec["payload_bytes"] += round(sent - scale)
         rec["scale_bytes"] += round(scale)
