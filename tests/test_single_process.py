@@ -133,3 +133,24 @@ def test_no_grad_eval_forward_between_steps_changes_nothing():
         with torch.no_grad():
             assert torch.equal(model(x, x)[1], ref(x, x)[1])
     assert all(f.full.untyped_storage().size() == 0 for f in model._zeropp_state.flats)
+
+
+def test_unit_types_choose_the_units():
+    from zeropp.train.model import Block
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_embd=16, n_head=2)
+
+    def gpt():
+        torch.manual_seed(0)
+        return GPT(cfg)
+    auto = zeropp.shard(gpt())
+    by_type = zeropp.shard(gpt(), unit_types=(Block,))
+    linears = zeropp.shard(gpt(), unit_types=nn.Linear)
+    names = [[u.name for u in m._zeropp_state.units] for m in (auto, by_type, linears)]
+    assert names[0] == names[1] == ["", "h.0", "h.1"]
+    # lm_head's weight is tied to the embedding (the root's), so that unit holds nothing
+    assert names[2] == ["", "h.0.attn.qkv", "h.0.attn.proj", "h.0.mlp.fc", "h.0.mlp.proj",
+                        "h.1.attn.qkv", "h.1.attn.proj", "h.1.mlp.fc", "h.1.mlp.proj",
+                        "lm_head"]
+    x = torch.randint(0, 64, (2, 8))
+    losses = [m(x, x)[1] for m in (auto, by_type, linears)]
+    assert losses[0] == losses[1] == losses[2]

@@ -25,6 +25,7 @@ CASES = [  # (model, optimizer, micro-batches per step, clip)
     ("mlp", "sgd", 1, None),
     ("gpt", "sgd", 2, None),
     ("mlp", "sgd", 2, None),
+    ("gpt", "adamw", 2, 0.5),
 ]
 LAYOUTS = {"W4_D2": (4, 2), "W3_D1": (3, 1)}
 
