@@ -216,7 +216,8 @@ assert sys.byteorder == "little", "INT4 packing assumes a little-endian host"
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Integer values in [-8, 7] (any integer or float dtype, even count) ->
     uint8, two per byte (low nibble first)."""
-    pairs = (q.reshape(-1) + 8).to(torch.uint8).view(torch.int16)  # lo | hi << 8
+    # via int8: fp32 -> uint8 conversion is 5x slower than fp32 -> int8 here
+    pairs = (q.reshape(-1).to(torch.int8) + 8).view(torch.int16)  # lo | hi << 8
     return (pairs & 0x0F).bitwise_or_((pairs >> 4) & 0xF0).to(torch.uint8)
 
 

@@ -1,0 +1,233 @@
+"""zeropp.quant: error bounds, exactness, wire format, edge cases, rotation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zeropp.quant import QTensor, dequantize, pack_int4, quantize, rotate, unpack_int4, unrotate
+
+QMAX = {8: 127, 4: 7}
+EPS32 = 2.0 ** -23
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _elementwise_scale(q: QTensor) -> torch.Tensor:
+    return q.scales.repeat_interleave(q.block_size)[:q.numel].view(q.shape)
+
+
+def _tensor(draw, max_numel=600):
+    shape = draw(st.lists(st.integers(1, 12), min_size=1, max_size=3))
+    shape = shape if math.prod(shape) <= max_numel else [max_numel]
+    seed = draw(st.integers(0, 2**31 - 1))
+    log_scale = draw(st.floats(-20, 20))
+    dtype = draw(st.sampled_from(DTYPES))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * math.exp(log_scale)
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    return x.to(dtype)
+
+
+@st.composite
+def cases(draw):
+    return (_tensor(draw), draw(st.sampled_from([8, 4])),
+            draw(st.sampled_from([2, 4, 6, 8, 30, 64, 100, 256, 2048])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_round_to_nearest_error_is_at_most_half_a_step(case):
+    """|x - dq(q(x))| <= scale/2 elementwise, plus fp32 rounding of x/scale and
+    of the product (a few ulps of |x| and of qmax*scale)."""
+    x, bits, block = case
+    q = quantize(x, bits, block)
+    err = (x.float() - dequantize(q, torch.float32)).abs()
+    s = _elementwise_scale(q)
+    bound = s / 2 + 4 * EPS32 * (x.float().abs() + QMAX[bits] * s)
+    assert bool((err <= bound).all()), (err - bound).max()
+    assert q.data.numel() == -(-x.numel() // block) * block * bits // 8
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_stochastic_rounding_error_is_below_one_step(case):
+    x, bits, block = case
+    g = torch.Generator().manual_seed(7)
+    q = quantize(x, bits, block, stochastic=True, generator=g)
+    err = (x.float() - dequantize(q, torch.float32)).abs()
+    s = _elementwise_scale(q)
+    assert bool((err <= s * (1 + 4 * EPS32) + 4 * EPS32 * x.float().abs()).all())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_is_unbiased(bits):
+    """Mean of N=4000 draws within 6 standard errors of x for each of 256
+    elements. One draw's error has variance <= scale^2/4, so the standard error
+    is <= scale/(2 sqrt N); a 6-sigma miss anywhere has probability < 1e-6,
+    and the seed is fixed, so the test is deterministic as well."""
+    n = 4000
+    x = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    total = torch.zeros_like(x, dtype=torch.float64)
+    for _ in range(n):
+        total += dequantize(quantize(x, bits, 64, stochastic=True, generator=g)).double()
+    mean = total / n
+    s = _elementwise_scale(quantize(x, bits, 64)).double()
+    assert bool(((mean - x.double()).abs() <= 6 * s / (2 * math.sqrt(n))).all())
+    # and plain rounding is biased where stochastic is not: it is a real check
+    assert not torch.equal(quantize(x, bits, 64, stochastic=True, generator=g).data,
+                           quantize(x, bits, 64).data)
+
+
+def test_stochastic_rounding_is_reproducible_from_the_generator():
+    x = torch.randn(1000)
+    a = quantize(x, 4, 64, stochastic=True, generator=torch.Generator().manual_seed(3))
+    b = quantize(x, 4, 64, stochastic=True, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.to_bytes(), b.to_bytes())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([8, 4]), st.sampled_from([2, 8, 64, 256]), st.integers(1, 6),
+       st.integers(-30, 30), st.integers(0, 10_000))
+def test_values_on_the_grid_come_back_exactly(bits, block, nblocks, exp, seed):
+    qmax = QMAX[bits]
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(-qmax, qmax + 1, (nblocks, block), generator=g)
+    k[:, 0] = qmax  # every block spans the full range, so scale = 2**exp exactly
+    x = (k.float() * 2.0 ** exp).view(-1)
+    assert torch.equal(dequantize(quantize(x, bits, block)), x)
+
+
+def test_int4_pack_unpack_is_a_bijection_on_all_256_bytes():
+    b = torch.arange(256, dtype=torch.uint8)
+    v = unpack_int4(b)
+    assert v.min() == -8 and v.max() == 7 and v.numel() == 512
+    assert torch.equal(pack_int4(v), b)
+    assert len({(int(v[2 * i]), int(v[2 * i + 1])) for i in range(256)}) == 256
+
+
+def test_int4_nibble_order_is_low_nibble_first():
+    assert pack_int4(torch.tensor([1, -2], dtype=torch.int8)).item() == (1 + 8) | ((-2 + 8) << 4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases(), st.integers(0, 3))
+def test_to_bytes_from_bytes_round_trips_at_any_offset(case, offset):
+    x, bits, block = case
+    q = quantize(x, bits, block)
+    wire = q.to_bytes()
+    assert wire.dtype == torch.uint8
+    assert wire.numel() == QTensor.wire_bytes(x.numel(), bits, block)
+    assert wire.numel() == q.payload_bytes + q.scale_bytes
+    buf = torch.zeros(wire.numel() + offset, dtype=torch.uint8)
+    buf[offset:] = wire  # e.g. one rank's piece of a gathered buffer
+    r = QTensor.from_bytes(buf[offset:], x.shape, x.dtype, bits, block)
+    assert torch.equal(dequantize(r), dequantize(q))
+
+
+def test_from_bytes_rejects_a_wrong_length():
+    with pytest.raises(ValueError, match="expected 68 uint8 bytes"):
+        QTensor.from_bytes(torch.zeros(10, dtype=torch.uint8), (64,), torch.float32, 8, 64)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_all_zeros_have_scale_zero_and_come_back_exact(bits):
+    q = quantize(torch.zeros(300), bits, 64)
+    assert torch.equal(q.scales, torch.zeros(5))
+    assert torch.equal(dequantize(q), torch.zeros(300))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_one_element_and_ragged_last_block(bits):
+    assert dequantize(quantize(torch.tensor([-3.5]), bits, 64)).item() == -3.5
+    x = torch.randn(130)
+    q = quantize(x, bits, 64)  # 3 blocks, the last holding 2 values
+    assert q.scales.numel() == 3 and dequantize(q).shape == (130,)
+    assert (x - dequantize(q)).abs().max() <= q.scales.max() / 2 * (1 + 1e-6)
+
+
+def test_huge_dynamic_range_in_one_tensor():
+    x = torch.tensor([1e-30, -1e30, 1e-30, 2e-30])
+    q = quantize(x, 8, 2)
+    y = dequantize(q)
+    assert y[1] == -1e30 and y[0] == 0  # one block: the small value is below a step
+    # the second block has its own scale: 1e-30 sits exactly half a step off the grid
+    s = q.scales[1].item()
+    assert (y[2:] - x[2:]).abs().max() <= s / 2 + 4 * EPS32 * 127 * s
+    assert not q.has_non_finite()
+
+
+def test_subnormals_stay_within_half_a_step():
+    x = torch.tensor([1e-40, -3e-41, 1e-44, 0.0, 1.4e-45, 0.0])
+    for bits in (8, 4):
+        q = quantize(x, bits, 2)
+        assert bool((q.scales[:3] > 0).all())  # no non-zero block rounded to scale 0
+        err = (x - dequantize(q)).abs()
+        assert bool((err <= _elementwise_scale(q) / 2 + 1.5e-45).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_come_back_in_their_dtype(dtype):
+    x = torch.randn(500).to(dtype)
+    q = quantize(x, 8, 64)
+    y = dequantize(q)
+    assert y.dtype == dtype
+    step = _elementwise_scale(q)
+    assert bool(((x.float() - y.float()).abs() <= step / 2 + x.float().abs() * 2 ** -7).all())
+
+
+def test_empty_tensor():
+    q = quantize(torch.zeros(0, 5), 4, 64)
+    assert q.scales.numel() == 0 and dequantize(q).shape == (0, 5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_flags_its_block_and_never_returns_finite_garbage(bad):
+    x = torch.randn(256)
+    x[70] = bad
+    q = quantize(x, 8, 64)
+    assert q.has_non_finite()
+    y = dequantize(q)
+    assert not bool(torch.isfinite(y[64:128]).all())
+    ok = torch.cat([x[:64], x[128:]])
+    assert (ok - torch.cat([y[:64], y[128:]])).abs().max() <= q.scales[0:1].max() + 1
+    assert not quantize(torch.randn(256), 8, 64).has_non_finite()
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="bits=3"):
+        quantize(torch.ones(4), 3)
+    with pytest.raises(ValueError, match="block_size=7"):
+        quantize(torch.ones(4), 8, 7)
+    with pytest.raises(ValueError, match="block_size=48"):
+        rotate(torch.ones(4), 0, 48)
+
+
+@pytest.mark.parametrize("block", [2, 64, 2048])
+def test_hadamard_inverse_recovers_x_to_1e6_relative(block):
+    x = torch.randn(3, 1000)
+    y = rotate(x, seed=11, block_size=block)
+    back = unrotate(y, seed=11, block_size=block, shape=x.shape)
+    assert (back - x).norm() <= 1e-6 * x.norm()
+    assert abs(y.norm() - x.norm()) <= 1e-5 * x.norm()  # orthogonal: norm kept
+
+
+def test_hadamard_rotation_lowers_int4_error_on_heavy_tails():
+    """Student-t with 2 degrees of freedom, 64K samples, blocks of 256.
+    Measured here: INT4 MSE 0.888 without rotation, 0.113 with (7.9x lower);
+    the test asks for at least 4x."""
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 16
+    z = torch.randn(n, generator=g)
+    chi2 = torch.randn(n, 2, generator=g).pow(2).sum(1)
+    x = z / torch.sqrt(chi2 / 2)
+    plain = (dequantize(quantize(x, 4, 256)) - x).pow(2).mean().item()
+    y = rotate(x, seed=5, block_size=256)
+    back = unrotate(dequantize(quantize(y, 4, 256)), seed=5, block_size=256, shape=x.shape)
+    rotated = (back - x).pow(2).mean().item()
+    assert rotated < plain / 4, (plain, rotated)
