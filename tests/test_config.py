@@ -17,7 +17,8 @@ BAD = [
     ("param_dtype", torch.int8), ("param_dtype", "bf16"),
     ("reduce_dtype", None), ("reduce_dtype", torch.float64),
     ("weight_bits", 3), ("weight_bits", 16), ("grad_bits", 2), ("grad_bits", 8.0),
-    ("block_size", 0), ("block_size", 7), ("block_size", 1 << 21), ("block_size", 64.0),
+    ("block_size", 0), ("block_size", 7), ("block_size", 12), ("block_size", 1 << 21),
+    ("block_size", 64.0), ("intra_node_grad_bits", 2),
 ]
 
 

@@ -17,9 +17,7 @@ def full_state_dict(model: nn.Module, *, all_ranks: bool = False) -> dict[str, t
     out: dict[str, torch.Tensor] = {}
     for u in st.units:
         for f in u.flats:
-            full = torch.empty(f.padded_numel, dtype=torch.float32,
-                               device=f.primary_shard.device)
-            st.comm.all_gather(full, f.primary_shard.detach(), op="all_gather/state_dict").wait()
+            full = f.gather_master(st.comm)
             out.update({k: v.clone() for k, v in f.unflatten(full).items()})
     if not all_ranks and st.topo.rank != 0:
         return {}

@@ -1,4 +1,6 @@
-"""Every collective zeropp issues, each recorded in CommStats as it goes out.
+"""Every collective zeropp issues, each recorded in CommStats as it goes out:
+the plain ones of ZeRO-3, the quantized gather of qwZ (`dequantize_gathered`)
+and the hierarchical quantized reduce-scatter of qgZ (`reduce_scatter_qgz`).
 
 [Note: counting bytes]
 We count what this rank really puts on the wire under the algorithm that
@@ -12,8 +14,11 @@ another node:
 - ring reduce-scatter of an S-byte input: the same (G-1)/G * S per rank, the
   same crossing rule.
 - ring all-reduce: 2 * (G-1)/G * S per rank.
-These rules matched the emulated cluster's interface counters within 0.3%
-(ENVIRONMENT.md).
+- all-to-all of an S-byte input over G ranks: S/G to each peer, inter-node
+  exactly when the peer is on another node; nothing for the piece kept.
+Scales are counted apart from payload, in the same proportion as they sit in
+the buffer. These rules matched the emulated cluster's interface counters
+within 0.3% (ENVIRONMENT.md).
 
 [Note: reduce-scatter on gloo]
 gloo's `reduce_scatter_tensor` is an all-reduce inside: twice the bytes of a
@@ -25,13 +30,14 @@ native `reduce_scatter_tensor` is that ring already.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from .quant import QTensor, dequantize, quantize
 from .stats import CommStats
-from .topology import Topology
+from .topology import Topology, hpz_group
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.4 has only those.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -39,16 +45,19 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 class Pending:
-    """An issued collective: `wait()` blocks until its output is ready. Keeps the
-    input alive while the backend may still read it."""
+    """An issued collective: `wait()` blocks until its output is ready, then
+    runs `then` (e.g. dequantization). Keeps the input alive meanwhile."""
 
-    def __init__(self, work: Any = None, keep: Any = None) -> None:
-        self._work, self._keep = work, keep
+    def __init__(self, work: Any = None, keep: Any = None,
+                 then: Optional[Callable[[], None]] = None) -> None:
+        self._work, self._keep, self._then = work, keep, then
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
-        self._work = self._keep = None
+        if self._then is not None:
+            self._then()
+        self._work = self._keep = self._then = None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -56,38 +65,63 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Comm:
-    """The world-group collectives of ZeRO-3, recorded in `stats`."""
+    """The collectives over this rank's groups ("world", "intra_node",
+    "inter_node", "hpz"), recorded in `stats`."""
 
-    def __init__(self, topo: Topology, stats: CommStats) -> None:
+    def __init__(self, topo: Topology, stats: CommStats, hpz_size: int = 1) -> None:
         self.topo, self.stats = topo, stats
-        self.world_ranks = list(range(topo.world_size))
-        succ = (topo.rank + 1) % topo.world_size
-        # Whether this rank's ring successor is on another node (see the note).
-        self._ring_crosses = topo.node_of(succ) != topo.node
+        self.groups = {"world": topo.world_group, "intra_node": topo.intra_node_group,
+                       "inter_node": topo.inter_node_group}
+        if hpz_size > 1:
+            self.groups["hpz"] = hpz_group(topo, hpz_size)
+        self.ranks = {g: topo.group_ranks(g, hpz_size) for g in self.groups}
 
-    def _record_ring(self, op: str, nbytes: int, passes: int) -> None:
-        g = self.topo.world_size
-        sent = passes * (g - 1) / g * nbytes
-        self.stats.record(op, group="world", sent=sent,
-                          inter=sent if self._ring_crosses else 0.0)
+    def _record_ring(self, op: str, group: str, nbytes: int, passes: int,
+                     scale_bytes: int = 0) -> None:
+        ranks = self.ranks[group]
+        g = len(ranks)
+        succ = ranks[(ranks.index(self.topo.rank) + 1) % g]
+        frac = passes * (g - 1) / g
+        sent = frac * nbytes
+        crosses = self.topo.node_of(succ) != self.topo.node
+        self.stats.record(op, group=group, sent=sent, inter=sent if crosses else 0.0,
+                          scale=frac * scale_bytes)
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, op: str) -> Pending:
-        """Gather every rank's `shard` into the flat `out` (rank order), asynchronously."""
-        self._record_ring(op, _nbytes(out), 1)
-        if self.topo.world_size == 1:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, op: str,
+                   group: str = "world", scale_bytes: int = 0,
+                   then: Optional[Callable[[], None]] = None) -> Pending:
+        """Gather every group rank's `shard` into the flat `out` (group-rank
+        order), asynchronously. `scale_bytes`: how much of `out` is scales."""
+        self._record_ring(op, group, _nbytes(out), 1, scale_bytes)
+        if len(self.ranks[group]) == 1:
             out.copy_(shard)
-            return Pending()
-        work = _all_gather_flat(out, shard, group=self.topo.world_group, async_op=True)
-        return Pending(work, keep=shard)
+            return Pending(then=then)
+        work = _all_gather_flat(out, shard, group=self.groups[group], async_op=True)
+        return Pending(work, keep=shard, then=then)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, op: str, group: str,
+                   scale_bytes_per_peer: int = 0) -> None:
+        """Equal-split all-to-all of flat buffers: piece k of `inp` goes to group rank k."""
+        ranks = self.ranks[group]
+        piece = _nbytes(inp) // len(ranks)
+        for peer in ranks:
+            if peer != self.topo.rank:
+                inter = self.topo.node_of(peer) != self.topo.node
+                self.stats.record(op, group=group, sent=piece, inter=piece if inter else 0.0,
+                                  scale=scale_bytes_per_peer)
+        if len(ranks) == 1:
+            out.copy_(inp)
+        else:
+            dist.all_to_all_single(out, inp, group=self.groups[group])
 
     def reduce_scatter_sum(self, full: torch.Tensor, *, op: str) -> torch.Tensor:
-        """Sum `full` (flat, W equal chunks) over ranks; return this rank's chunk."""
+        """Sum `full` (flat, W equal chunks) over the world; return this rank's chunk."""
         g, i = self.topo.world_size, self.topo.rank
-        self._record_ring(op, _nbytes(full), 1)
+        self._record_ring(op, "world", _nbytes(full), 1)
         if g == 1:
             return full.clone()
         chunks = full.view(g, -1)
-        group = self.topo.world_group
+        group = self.groups["world"]
         if dist.get_backend(group) == "nccl":
             out = torch.empty_like(chunks[0])
             _reduce_scatter_flat(out, full, group=group)
@@ -107,8 +141,73 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, *, op: str,
                    reduce_op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
-        """In-place all-reduce of a small tensor (norms, flags)."""
-        self._record_ring(op, _nbytes(t), 2)
+        """In-place all-reduce of a small tensor (norms, flags) over the world."""
+        self._record_ring(op, "world", _nbytes(t), 2)
         if self.topo.world_size > 1:
-            dist.all_reduce(t, op=reduce_op, group=self.topo.world_group)
+            dist.all_reduce(t, op=reduce_op, group=self.groups["world"])
         return t
+
+    # ---- qgZ -----------------------------------------------------------------------
+    def reduce_scatter_qgz(self, g: torch.Tensor, *, block: int, intra_bits: int,
+                           inter_bits: int, op: str = "reduce_scatter/qgz") -> torch.Tensor:
+        """qgZ: the mean over the world of `g` (fp32, W equal chunks of whole
+        blocks), this rank's chunk, by two quantized all-to-alls (SPEC.md, qgZ).
+
+        Hop 1 (inside the node): chunk p is for rank p = m*D + j; the N chunks
+        for local index j go, INT-quantized, to local peer j, which dequantizes
+        the D pieces it receives and sums them in fp32. Hop 2 (across nodes,
+        among the ranks of local index j): the node-partial sum for node m is
+        re-quantized and sent to node m, which sums the N pieces in fp32.
+        A node sends (N-1)/N * |g|/... at `inter_bits` per value across its
+        boundary instead of a ring's (W-1)/W * |g| at full width. One node or
+        one rank per node skips the hop that would not move anything; padding,
+        not fallbacks, handles any size.
+        """
+        topo = self.topo
+        n, d, w = topo.num_nodes, topo.node_size, topo.world_size
+        if w == 1:
+            return g.clone()
+        chunk = g.numel() // w
+        by_local = g.view(n, d, chunk).transpose(0, 1)  # [j, m]: slot (p mod D)*N + p // D
+        if d > 1:
+            partial = self._quantized_a2a_sum(by_local.reshape(d, n * chunk), group="intra_node",
+                                              op=f"{op}/intra", bits=intra_bits, block=block)
+        else:
+            partial = by_local.reshape(-1)  # no intra-node hop: nothing to quantize
+        if n > 1:
+            mine = self._quantized_a2a_sum(partial.view(n, chunk), group="inter_node",
+                                           op=f"{op}/inter", bits=inter_bits, block=block)
+        else:
+            mine = partial
+        return mine / w
+
+    def _quantized_a2a_sum(self, pieces: torch.Tensor, *, group: str, op: str, bits: int,
+                           block: int) -> torch.Tensor:
+        """Row k of `pieces` goes, quantized, to group rank k; returns the fp32
+        sum of the rows received."""
+        k, numel = pieces.shape
+        wb = QTensor.wire_bytes(numel, bits, block)
+        send = torch.empty(k * wb, dtype=torch.uint8, device=pieces.device)
+        for r in range(k):
+            quantize(pieces[r], bits, block, out=send[r * wb:(r + 1) * wb])
+        recv = torch.empty_like(send)
+        self.all_to_all(recv, send, op=op, group=group,
+                        scale_bytes_per_peer=-(-numel // block) * 4)
+        total = torch.zeros(numel, dtype=torch.float32, device=pieces.device)
+        part = torch.empty_like(total)
+        for r in range(k):
+            q = QTensor.from_bytes(recv[r * wb:(r + 1) * wb], (numel,), torch.float32, bits,
+                                   block)
+            total += dequantize(q, out=part)
+        return total
+
+
+# ---- qwZ ---------------------------------------------------------------------------
+def dequantize_gathered(gathered: torch.Tensor, full: torch.Tensor, *, pieces: int,
+                        bits: int, block: int) -> None:
+    """Dequantize a gathered buffer of `pieces` equal wire-format shards into
+    the flat `full` (compute dtype), each shard into its slot."""
+    wb, numel = gathered.numel() // pieces, full.numel() // pieces
+    for r in range(pieces):
+        q = QTensor.from_bytes(gathered[r * wb:(r + 1) * wb], (numel,), full.dtype, bits, block)
+        dequantize(q, out=full[r * numel:(r + 1) * numel])

@@ -9,8 +9,11 @@ at construction time rather than deep inside a collective.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -36,6 +39,9 @@ class Config:
     """Dtype gradients are summed in across ranks."""
     weight_bits: int = 8
     grad_bits: int = 4
+    """qgZ bits per value on the inter-node hop (and the intra-node hop, unless set below)."""
+    intra_node_grad_bits: Optional[int] = None
+    """qgZ bits on the intra-node hop; None = grad_bits (SDP4Bit uses 8 here, 4 across)."""
     block_size: int = 2048
     """Elements per quantization block (one fp32 scale each)."""
     prefetch: bool = True
@@ -54,16 +60,108 @@ class Config:
                    "None, torch.float32, torch.bfloat16 or torch.float16")
         _check("reduce_dtype", self.reduce_dtype, self.reduce_dtype in _FLOAT_DTYPES,
                "torch.float32, torch.bfloat16 or torch.float16")
-        for name in ("weight_bits", "grad_bits"):
+        for name in ("weight_bits", "grad_bits", "intra_node_grad_bits"):
             v = getattr(self, name)
-            _check(name, v, _is_int(v) and v in _BITS, "4 or 8")
+            if v is not None or name != "intra_node_grad_bits":
+                _check(name, v, _is_int(v) and v in _BITS, "4 or 8" if name !=
+                       "intra_node_grad_bits" else "None, 4 or 8")
         _check("block_size", self.block_size,
-               _is_int(self.block_size) and 2 <= self.block_size <= 1 << 20
-               and self.block_size % 2 == 0,
-               "an even integer in [2, 1048576] (INT4 packs two values per byte)")
+               _is_int(self.block_size) and 8 <= self.block_size <= 1 << 20
+               and self.block_size % 8 == 0,
+               "a multiple of 8 in [8, 1048576] (keeps wire pieces 4-byte aligned)")
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any technique quantizes (then shards are padded to whole blocks)."""
+        return (self.quantized_weights or self.quantized_gradients
+                or self.quantized_nontrainable_weights)
+
+    @classmethod
+    def from_deepspeed(cls, ds_config: Union[dict, str, os.PathLike], **overrides) -> Config:
+        """A Config from a DeepSpeed config (a dict or a JSON file's path).
+
+        Reads `zero_optimization` (stage must be 3) and its ZeRO++ keys, and the
+        `bf16` / `fp16` sections for the compute dtype. Keys that do not apply
+        to zeropp are listed in one warning; a bad value is an error naming the
+        DeepSpeed key. `overrides` are Config fields that win over the file.
+        """
+        ds = _load_ds(ds_config)
+        zo = ds.get("zero_optimization")
+        if not isinstance(zo, dict):
+            raise ValueError("DeepSpeed config: a 'zero_optimization' section (a JSON object) "
+                             "is required")
+        if zo.get("stage") != 3:
+            raise ValueError(f"DeepSpeed config: zero_optimization.stage={zo.get('stage')!r} is "
+                             "invalid; allowed: 3 (zeropp is ZeRO stage 3)")
+        kwargs: dict[str, Any] = {}
+        ignored = [k for k in ds if k not in ("zero_optimization", "bf16", "fp16")]
+        for key, value in zo.items():
+            if key == "stage":
+                continue
+            if key not in _DS_KEYS:
+                ignored.append(f"zero_optimization.{key}")
+                continue
+            field = _DS_KEYS[key]
+            try:
+                cls(**{field: value})
+            except ValueError as e:
+                raise ValueError(str(e).replace(f"zeropp.Config: {field}",
+                                                f"DeepSpeed config: zero_optimization.{key}")
+                                 ) from None
+            kwargs[field] = value
+        enabled = []
+        for section, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+            sec = ds.get(section, {})
+            if not isinstance(sec, dict):
+                raise ValueError(f"DeepSpeed config: {section}={sec!r} is invalid; allowed: a JSON "
+                                 "object such as {\"enabled\": true}")
+            on = sec.get("enabled", False)
+            if not isinstance(on, bool):
+                raise ValueError(f"DeepSpeed config: {section}.enabled={on!r} is invalid; "
+                                 "allowed: true or false")
+            ignored += [f"{section}.{k}" for k in sec if k != "enabled"]
+            if on:
+                enabled.append(section)
+                kwargs["param_dtype"] = getattr(torch, dtype)
+        if len(enabled) > 1:
+            raise ValueError("DeepSpeed config: bf16.enabled and fp16.enabled are both true; "
+                             "allowed: at most one")
+        if ignored:
+            warnings.warn("zeropp: these DeepSpeed config keys do not apply and are ignored: "
+                          + ", ".join(sorted(ignored)), stacklevel=2)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+_DS_KEYS = {
+    "zero_quantized_weights": "quantized_weights",
+    "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
+    "zero_hpz_partition_size": "hpz_partition_size",
+    "zero_quantized_gradients": "quantized_gradients",
+}
+
+
+def _load_ds(ds_config: Union[dict, str, os.PathLike]) -> dict:
+    if isinstance(ds_config, dict):
+        return ds_config
+    if not isinstance(ds_config, (str, os.PathLike)):
+        raise TypeError(f"from_deepspeed: expected a dict or a path, got "
+                        f"{type(ds_config).__name__}")
+    try:
+        with open(ds_config, encoding="utf-8") as f:
+            ds = json.load(f)
+    except OSError as e:
+        raise ValueError(f"DeepSpeed config: cannot read {os.fspath(ds_config)!r}: "
+                         f"{e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"DeepSpeed config: {os.fspath(ds_config)!r} is not valid JSON "
+                         f"(line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not isinstance(ds, dict):
+        raise ValueError(f"DeepSpeed config: {os.fspath(ds_config)!r} must hold a JSON object")
+    return ds
 
 
 def _is_int(v) -> bool:

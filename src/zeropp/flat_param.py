@@ -28,7 +28,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .collectives import Comm, Pending
+from .collectives import Comm, Pending, dequantize_gathered
+from .config import Config
+from .quant import QTensor, quantize
+from .secondary import SecondaryShard
+from .topology import Topology
 
 
 @dataclass
@@ -44,29 +48,42 @@ class ParamInfo:
 
 class FlatParam:
     def __init__(self, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
-                 *, rank: int, world_size: int, compute_dtype: torch.dtype,
+                 *, topo: Topology, cfg: Config, compute_dtype: torch.dtype,
                  trainable: bool) -> None:
         self.trainable, self.compute_dtype = trainable, compute_dtype
-        self.world_size = world_size
+        self.world_size = w = topo.world_size
         self.infos: list[ParamInfo] = []
         offset = 0
         for p, regs, fqns in params:
             self.infos.append(ParamInfo(fqns, regs, p.shape, p.numel(), offset))
             offset += p.numel()
         self.numel = offset
-        # At least one element per rank, so an all-empty unit needs no special case.
-        self.shard_numel = max(1, math.ceil(self.numel / world_size))
-        self.padded_numel = self.shard_numel * world_size
+        # qwZ: weights travel as `weight_bits` integers; frozen ones may be stored so.
+        self.int_storage = not trainable and cfg.quantized_nontrainable_weights
+        self.quantized_gather = cfg.quantized_weights or self.int_storage
+        self.weight_bits = cfg.weight_bits
+        # Quantized shards hold whole blocks, so blocks never straddle two ranks:
+        # any size, any W. A unit smaller than a block per rank uses one smaller
+        # block per shard (a multiple of 8 keeps the wire pieces 4-byte aligned).
+        per_rank = max(1, math.ceil(self.numel / w))
+        self.block = min(cfg.block_size, -(-per_rank // 8) * 8) if cfg.quantized else 1
+        self.shard_numel = -(-per_rank // self.block) * self.block
+        self.padded_numel = self.shard_numel * w
         self.split_sizes = [i.numel for i in self.infos] + [self.padded_numel - self.numel]
         device = params[0][0].device
         with torch.no_grad():
             flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
             for (p, _, _), info in zip(params, self.infos):
                 flat[info.offset:info.offset + info.numel].copy_(p.detach().reshape(-1))
-            lo = rank * self.shard_numel
-            self.primary_shard = nn.Parameter(flat[lo:lo + self.shard_numel].clone(),
-                                              requires_grad=trainable)
+            shard = flat[topo.rank * self.shard_numel:(topo.rank + 1) * self.shard_numel]
+            if self.int_storage:  # stored as the wire bytes it is gathered as
+                shard = quantize(shard, self.weight_bits, self.block).to_bytes()
+            self.primary_shard = nn.Parameter(shard.clone(), requires_grad=trainable)
         del flat
+        # hpZ: this rank's index in its partition of P ranks, and its slice.
+        self.hpz_size = cfg.hpz_partition_size
+        self.hpz_index = topo.rank % self.hpz_size
+        self.secondary: Optional[SecondaryShard] = None
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         self._install_views(self.full)  # placeholders, so modules keep their attributes
         self.leaf: Optional[torch.Tensor] = None
@@ -76,15 +93,56 @@ class FlatParam:
         self.on_grad_ready: Optional[Callable[[FlatParam], None]] = None
         self._free_storage()
 
+    @property
+    def version(self) -> int:
+        return self.primary_shard._version
+
     # ---- gather / free -------------------------------------------------------
-    def issue_gather(self, comm: Comm, *, op: str) -> bool:
-        """Start gathering the full weights; False if gathered or in flight."""
+    def issue_gather(self, comm: Comm, *, phase: str) -> bool:
+        """Start gathering the full weights; False if gathered or in flight.
+        From the hpZ group when a secondary shard is current, else the world."""
         if self.gathered or self.pending is not None:
             return False
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        shard = self.primary_shard.detach().to(self.compute_dtype)
-        self.pending = comm.all_gather(self.full, shard, op=op)
+        from_hpz = self.secondary is not None and self.secondary.valid_for(self.version)
+        group = "hpz" if from_hpz else "world"
+        send = self.secondary.data if from_hpz else self._world_send()
+        if not self.quantized_gather:
+            self.pending = comm.all_gather(self.full, send, op=f"all_gather/{phase}",
+                                           group=group,
+                                           then=lambda: self._gathered(self.full, from_hpz))
+            return True
+        wb = QTensor.wire_bytes(self.shard_numel, self.weight_bits, self.block)
+        out = torch.empty(self.world_size * wb, dtype=torch.uint8, device=self.full.device)
+
+        def then() -> None:
+            dequantize_gathered(out, self.full, pieces=self.world_size, bits=self.weight_bits,
+                                block=self.block)
+            self._gathered(out, from_hpz)
+        scales = self.world_size * (self.shard_numel // self.block) * 4
+        self.pending = comm.all_gather(out, send, op=f"all_gather/{phase}", group=group,
+                                       scale_bytes=scales, then=then)
         return True
+
+    def _world_send(self) -> torch.Tensor:
+        """What this rank contributes to a world gather: its primary shard in the
+        compute dtype, or (qwZ) quantized, payload and scales in one buffer."""
+        shard = self.primary_shard.detach()
+        if self.int_storage:
+            return shard
+        if self.quantized_gather:
+            return quantize(shard, self.weight_bits, self.block).to_bytes()
+        return shard.to(self.compute_dtype)
+
+    def _gathered(self, gathered: torch.Tensor, from_hpz: bool) -> None:
+        """A world gather just completed: with hpZ on, keep this rank's slice."""
+        if self.hpz_size > 1 and not from_hpz:
+            self.secondary = SecondaryShard.keep(gathered, size=self.hpz_size,
+                                                 index=self.hpz_index, version=self.version)
+
+    def drop_stale_secondary(self) -> None:
+        if self.secondary is not None and not self.secondary.valid_for(self.version):
+            self.secondary = None
 
     def wait_gather(self) -> None:
         if self.pending is not None:
@@ -127,22 +185,30 @@ class FlatParam:
             self.on_grad_ready(self)
 
     # ---- gradients -----------------------------------------------------------
-    def reduce_grad(self, comm: Comm, reduce_dtype: torch.dtype) -> None:
-        """Reduce-scatter this iteration's full gradient to the mean over W and
-        add it to the primary shard's `.grad` (accumulating micro-batches)."""
+    def reduce_grad(self, comm: Comm, cfg: Config) -> None:
+        """Reduce-scatter this iteration's full gradient to the mean over W
+        (plain ring, or qgZ) and add it to the primary shard's `.grad`
+        (accumulating micro-batches)."""
         self.needs_reduce = False
         g = None if self.leaf is None else self.leaf.grad
-        if g is None:  # no gradient reached us: contribute zeros, keep ranks in step
-            g = torch.zeros(self.padded_numel, dtype=reduce_dtype, device=self.full.device)
-        else:
+        if g is not None:
             self.leaf.grad = None
-            g = g.to(reduce_dtype)
         w = self.world_size
-        if reduce_dtype != torch.float32:
-            g = g / w  # pre-divide: a low-precision sum of W gradients may overflow
-        part = comm.reduce_scatter_sum(g, op="reduce_scatter").float()
-        if reduce_dtype == torch.float32:
-            part.div_(w)
+        if cfg.quantized_gradients:  # quantized hops, sums in fp32 whatever reduce_dtype
+            g = (torch.zeros(self.padded_numel, device=self.full.device) if g is None
+                 else g.float())
+            part = comm.reduce_scatter_qgz(
+                g, block=self.block, inter_bits=cfg.grad_bits,
+                intra_bits=cfg.intra_node_grad_bits or cfg.grad_bits)
+        else:
+            rd = cfg.reduce_dtype
+            g = (torch.zeros(self.padded_numel, dtype=rd, device=self.full.device) if g is None
+                 else g.to(rd))
+            if rd != torch.float32:
+                g = g / w  # pre-divide: a low-precision sum of W gradients may overflow
+            part = comm.reduce_scatter_sum(g, op="reduce_scatter").float()
+            if rd == torch.float32:
+                part.div_(w)
         p = self.primary_shard
         if p.grad is None:
             p.grad = part
@@ -150,6 +216,22 @@ class FlatParam:
             p.grad.add_(part)
 
     # ---- consolidation -------------------------------------------------------
+    def gather_master(self, comm: Comm) -> torch.Tensor:
+        """The full flat fp32 master weights (every rank's shard), for export.
+        Frozen weights stored as integers come back dequantized."""
+        shard = self.primary_shard.detach()
+        if self.int_storage:
+            out = torch.empty(self.world_size * shard.numel(), dtype=torch.uint8,
+                              device=shard.device)
+            comm.all_gather(out, shard, op="all_gather/state_dict").wait()
+            full = torch.empty(self.padded_numel, dtype=torch.float32, device=shard.device)
+            dequantize_gathered(out, full, pieces=self.world_size, bits=self.weight_bits,
+                                block=self.block)
+            return full
+        full = torch.empty(self.padded_numel, dtype=torch.float32, device=shard.device)
+        comm.all_gather(full, shard, op="all_gather/state_dict").wait()
+        return full
+
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Original tensors (every name) from a full flat buffer."""
         out = {}

@@ -46,7 +46,7 @@ class Unit:
 
     def issue_gather(self, prefetch: bool = False) -> None:
         phase = "backward" if self.state.backward_active else "forward"
-        issued = [f.issue_gather(self.state.comm, op=f"all_gather/{phase}") for f in self.flats]
+        issued = [f.issue_gather(self.state.comm, phase=phase) for f in self.flats]
         if any(issued):
             self.state.stats.count_unit(self.label, f"all_gather/{phase}")
             if prefetch:
@@ -112,7 +112,7 @@ class Unit:
             self.free()
 
     def reduce(self, flat: FlatParam) -> None:
-        flat.reduce_grad(self.state.comm, self.state.cfg.reduce_dtype)
+        flat.reduce_grad(self.state.comm, self.state.cfg)
         self.state.stats.count_unit(self.label, "reduce_scatter")
 
     def post_backward_frozen(self) -> None:
@@ -150,7 +150,10 @@ class ShardState:
     def __init__(self, cfg: Config, topo: Topology) -> None:
         self.cfg, self.topo = cfg, topo
         self.stats = CommStats()
-        self.comm = Comm(topo, self.stats)
+        if topo.world_size % cfg.hpz_partition_size:
+            raise ValueError(f"zeropp: hpz_partition_size={cfg.hpz_partition_size} must divide "
+                             f"the world size {topo.world_size}")
+        self.comm = Comm(topo, self.stats, cfg.hpz_partition_size)
         self.units: list[Unit] = []
         self.forward_order: list[Unit] = []
         self.last_forward_order: list[Unit] = []
@@ -274,6 +277,8 @@ def _optimizer_step_hook(state_ref: weakref.ref, masters: set) -> Any:
             ours[opt] = any(id(p) in masters for g in opt.param_groups for p in g["params"])
         if ours[opt]:
             st.stats.steps += 1
+            for f in st.flats:  # hpZ: free secondaries of weights that just changed
+                f.drop_stale_secondary()
     return hook
 
 
@@ -291,14 +296,6 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
         if hasattr(m, "_zeropp_state") or hasattr(m, "_zeropp_unit"):
             raise RuntimeError("zeropp.shard: this model (or a submodule of it) is already "
                                "sharded; call shard() once, on the root model")
-    unsupported = [n for n in ("quantized_weights", "quantized_gradients",
-                               "quantized_nontrainable_weights") if getattr(cfg, n)]
-    if cfg.hpz_partition_size != 1:
-        unsupported.append("hpz_partition_size")
-    if unsupported:
-        raise NotImplementedError(
-            f"zeropp.shard: {', '.join(unsupported)} (ZeRO++) is not implemented in this "
-            "version; only ZeRO-3 is. Leave these at their defaults.")
     if unit_types is not None:
         unit_types = tuple(unit_types) if isinstance(unit_types, (list, tuple)) else (unit_types,)
     topo = get_topology(cfg.node_size)
@@ -315,8 +312,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
             p = entry[0]
             key = (p.requires_grad, cfg.param_dtype or p.dtype)
             groups.setdefault(key, []).append(entry)
-        flats = [FlatParam(plist, rank=topo.rank, world_size=topo.world_size,
-                           compute_dtype=dtype, trainable=trainable)
+        flats = [FlatParam(plist, topo=topo, cfg=cfg, compute_dtype=dtype, trainable=trainable)
                  for (trainable, dtype), plist in groups.items()]
         for k, f in enumerate(flats):
             mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)

@@ -5,7 +5,9 @@ r // D at local index r % D. The process groups every technique needs are built
 here once, collectively, in the same order on every rank:
 - world: all W ranks (ZeRO-3's gather and reduce-scatter);
 - intra_node: the D ranks of this rank's node (hpZ, qgZ's first hop);
-- inter_node: the N ranks sharing this rank's local index (qgZ's second hop).
+- inter_node: the N ranks sharing this rank's local index (qgZ's second hop);
+- hpz: the P consecutive ranks of this rank's hpZ partition (P = the
+  `hpz_partition_size`; P = D, the usual choice, is the intra-node group).
 World size 1 needs no process group at all.
 """
 
@@ -50,8 +52,46 @@ class Topology:
         j = self.local_rank if local_rank is None else local_rank
         return [m * self.node_size + j for m in range(self.num_nodes)]
 
+    def hpz_ranks(self, size: int) -> list[int]:
+        g = self.rank // size
+        return list(range(g * size, (g + 1) * size))
+
+    def group_ranks(self, group: str, hpz_size: int = 1) -> list[int]:
+        """Global ranks of this rank's group named `group`, in group-rank order."""
+        if group == "world":
+            return list(range(self.world_size))
+        if group == "intra_node":
+            return self.intra_node_ranks()
+        if group == "inter_node":
+            return self.inter_node_ranks()
+        if group == "hpz":
+            return self.hpz_ranks(hpz_size)
+        raise ValueError(f"unknown group {group!r}")
+
 
 _CACHE: dict[tuple, Topology] = {}
+_HPZ_CACHE: dict[tuple, Any] = {}
+
+
+def hpz_group(topo: Topology, size: int) -> Any:
+    """The process group of this rank's hpZ partition (collective on first use:
+    every rank must ask for the same size in the same order)."""
+    if topo.world_size % size:
+        raise ValueError(f"zeropp: hpz_partition_size={size} must divide the world size "
+                         f"{topo.world_size}")
+    if size == topo.node_size:
+        return topo.intra_node_group
+    if topo.world_size == 1 or size == 1:
+        return None
+    key = (id(topo.world_group), size)
+    if key not in _HPZ_CACHE:
+        mine = None
+        for g in range(topo.world_size // size):
+            grp = dist.new_group(list(range(g * size, (g + 1) * size)))
+            if g == topo.rank // size:
+                mine = grp
+        _HPZ_CACHE[key] = (topo.world_group, mine)  # holds WORLD so its id stays unique
+    return _HPZ_CACHE[key][1]
 
 
 def get_topology(node_size: Optional[int] = None) -> Topology:
