@@ -158,10 +158,10 @@ class Comm:
         the D pieces it receives and sums them in fp32. Hop 2 (across nodes,
         among the ranks of local index j): the node-partial sum for node m is
         re-quantized and sent to node m, which sums the N pieces in fp32.
-        A node sends (N-1)/N * |g|/... at `inter_bits` per value across its
-        boundary instead of a ring's (W-1)/W * |g| at full width. One node or
-        one rank per node skips the hop that would not move anything; padding,
-        not fallbacks, handles any size.
+        Across its boundary a node sends (N-1)/N of |g| values at `inter_bits`
+        each (plus scales) where a ring sends (W-1)/W of them at full width.
+        One node or one rank per node skips the hop that would move nothing;
+        padding, not fallbacks, handles any size.
         """
         topo = self.topo
         n, d, w = topo.num_nodes, topo.node_size, topo.world_size

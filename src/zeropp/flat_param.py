@@ -63,10 +63,12 @@ class FlatParam:
         self.quantized_gather = cfg.quantized_weights or self.int_storage
         self.weight_bits = cfg.weight_bits
         # Quantized shards hold whole blocks, so blocks never straddle two ranks:
-        # any size, any W. A unit smaller than a block per rank uses one smaller
-        # block per shard (a multiple of 8 keeps the wire pieces 4-byte aligned).
+        # any size, any W. Each shard is cut into as few blocks of at most
+        # `block_size` as it needs, of equal size rounded up to a multiple of 8
+        # (keeps wire pieces 4-byte aligned): padding stays under 8 per block.
         per_rank = max(1, math.ceil(self.numel / w))
-        self.block = min(cfg.block_size, -(-per_rank // 8) * 8) if cfg.quantized else 1
+        nblocks = -(-per_rank // cfg.block_size)
+        self.block = -(-per_rank // nblocks // 8) * 8 if cfg.quantized else 1
         self.shard_numel = -(-per_rank // self.block) * self.block
         self.padded_numel = self.shard_numel * w
         self.split_sizes = [i.numel for i in self.infos] + [self.padded_numel - self.numel]
@@ -106,10 +108,10 @@ class FlatParam:
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         from_hpz = self.secondary is not None and self.secondary.valid_for(self.version)
         group = "hpz" if from_hpz else "world"
+        op = f"all_gather/{phase}" + ("/hpz" if from_hpz else "")
         send = self.secondary.data if from_hpz else self._world_send()
         if not self.quantized_gather:
-            self.pending = comm.all_gather(self.full, send, op=f"all_gather/{phase}",
-                                           group=group,
+            self.pending = comm.all_gather(self.full, send, op=op, group=group,
                                            then=lambda: self._gathered(self.full, from_hpz))
             return True
         wb = QTensor.wire_bytes(self.shard_numel, self.weight_bits, self.block)
@@ -120,8 +122,8 @@ class FlatParam:
                                 block=self.block)
             self._gathered(out, from_hpz)
         scales = self.world_size * (self.shard_numel // self.block) * 4
-        self.pending = comm.all_gather(out, send, op=f"all_gather/{phase}", group=group,
-                                       scale_bytes=scales, then=then)
+        self.pending = comm.all_gather(out, send, op=op, group=group, scale_bytes=scales,
+                                       then=then)
         return True
 
     def _world_send(self) -> torch.Tensor:
