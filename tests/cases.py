@@ -93,3 +93,17 @@ def train(name: str, opt_name: str, model: nn.Module, *, steps: int, accum: int,
         opt.zero_grad()
         losses.append(total)
     return losses, norms
+
+
+def task_batch(step: int, world: int, rank: int | None):
+    """A learnable task for loss-parity runs: each row counts up from a random
+    start with a random stride (1-3) modulo 64; the model must infer the stride."""
+    g = torch.Generator().manual_seed(step)
+    n = MICRO_BATCH * world
+    start = torch.randint(0, 64, (n, 1), generator=g)
+    stride = torch.randint(1, 4, (n, 1), generator=g)
+    seq = (start + stride * torch.arange(17)) % 64
+    x, y = seq[:, :-1], seq[:, 1:]
+    if rank is not None:
+        x, y = x[rank * MICRO_BATCH:(rank + 1) * MICRO_BATCH], y[rank * MICRO_BATCH:(rank + 1) * MICRO_BATCH]
+    return x, y
