@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(VPY) -m pytest -q
 
 bench: $(STAMP)
-	$(VPY) benchmarks/zero3_vs_fsdp2.py
+	$(VPY) benchmarks/loopback.py --configs zero3,qwz,hpz,qgz,zeropp,fsdp2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
