@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 import torch
 import torch.distributed as dist
 from cases import batch, build, loss_of, train
@@ -23,13 +25,13 @@ def _train(param_dtype, prefetch: bool):
     return losses
 
 
-def _non_finite_norm():
+def _non_finite_norm(kw: dict, bad: float):
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = zeropp.shard(build("gpt"))
+    model = zeropp.shard(build("gpt"), zeropp.Config(**kw))
     x, y = batch("gpt", 0, 0, world, rank)
     loss = loss_of("gpt", model, x, y)
     if rank == 1:
-        loss = loss * float("nan")
+        loss = loss * bad
     loss.backward()
     return float(zeropp.clip_grad_norm_(model, 1.0))
 
@@ -57,6 +59,9 @@ def test_prefetch_off_gives_identical_losses():
     assert on == off
 
 
-def test_nan_on_one_rank_makes_the_norm_non_finite_on_every_rank():
-    norms = spawn(_non_finite_norm, 2, timeout=120)
-    assert all(math.isnan(n) for n in norms), norms
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("kw", [{}, {"quantized_weights": True, "hpz_partition_size": 2,
+                                    "quantized_gradients": True}], ids=["zero3", "zeropp"])
+def test_non_finite_loss_on_one_rank_makes_the_norm_non_finite_on_every_rank(kw, bad):
+    norms = spawn(_non_finite_norm, 4, 2, args=(kw, bad), timeout=120)
+    assert all(not math.isfinite(n) for n in norms), norms
