@@ -14,10 +14,10 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _report import report
 
 import zeropp
 from zeropp.launch import spawn
@@ -148,12 +148,7 @@ def main() -> None:
     lines += ["", "Largest gap of each config's rank-0 loss to " + base + "'s, step by step: "
               + ", ".join(f"{k} {max(abs(u - v) for u, v in zip(out[0]['losses'][k], ref)):.1e}"
                           for k in a.configs if k != base) + ".", ""]
-    text = "\n".join(lines)
-    print(text)
-    if a.write:
-        path = Path(__file__).with_name("RESULTS.md")
-        old = path.read_text() if path.exists() else "# Benchmark results\n\n"
-        path.write_text(old.rstrip("\n") + "\n\n" + text)
+    report(lines, a.write)
 
 
 if __name__ == "__main__":

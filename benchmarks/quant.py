@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
+from _report import report
 
 from zeropp.quant import dequantize, quantize, rotate, unrotate
 
@@ -87,12 +87,7 @@ def main() -> None:
               "bandwidth. Plain vectorized torch ops over cache-sized (4 MiB) chunks of "
               "blocks, no torch.compile; INT4 pays for nibble packing. Run-to-run noise "
               "on this shared 2-core machine is about 20%.", ""]
-    text = "\n".join(lines)
-    print(text)
-    if a.write:
-        path = Path(__file__).with_name("RESULTS.md")
-        old = path.read_text() if path.exists() else "# Benchmark results\n\n"
-        path.write_text(old.rstrip("\n") + "\n\n" + text)
+    report(lines, a.write)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from cases import build, task_batch, train
 
 import zeropp
-from cases import build, task_batch, train
 from zeropp.flat_param import FlatParam
 from zeropp.launch import spawn
 from zeropp.quant import QTensor
