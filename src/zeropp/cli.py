@@ -1,65 +1,205 @@
-"""`zeropp train`: the main job (later issues grow it). Also `python -m zeropp`."""
+"""`zeropp train`: the main job. Also `python -m zeropp train`; across machines,
+`torchrun ... -m zeropp.train` with the same options (see train/__main__.py).
+
+Bad input ends in one line on stderr and exit status 2, before any worker starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
+import time
+import warnings
+from pathlib import Path
 from typing import Optional
+
+import torch
 
 import zeropp
 
 from .launch import WorkerError, spawn
-from .train.data import DataError, load_tokens
-from .train.loop import TrainArgs, train_worker
+from .train.data import DataError
+from .train.loop import TrainArgs, prepare_tokens, train_worker
+from .train.model import PRESETS
+from .train.report import plot, summarize, table
+from .train.tokenizer import TokenizerError
+
+# The configurations --compare knows, as Config switches ("D" = the node size).
+NAMED = {
+    "zero3": {},
+    "qwz": {"quantized_weights": True},
+    "hpz": {"hpz_partition_size": "D"},
+    "qgz": {"quantized_gradients": True},
+    "zeropp": {"quantized_weights": True, "hpz_partition_size": "D",
+               "quantized_gradients": True},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CACHE = Path.home() / ".cache" / "zeropp"
 
 
-def _train(ns: argparse.Namespace) -> int:
+class UsageError(ValueError):
+    """Bad input: reported in one line, exit status 2."""
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    d = TrainArgs()
+    g = p.add_argument_group("launch")
+    g.add_argument("--nproc", type=int, default=4, help="ranks on this machine (default 4)")
+    g.add_argument("--node-size", type=int, default=2,
+                   help="ranks per (emulated) node; ranks are node-major (default 2)")
+    g.add_argument("--out", default=None, help="run directory (default runs/<time>)")
+    g = p.add_argument_group("data and model")
+    g.add_argument("--data", default=None, help="a UTF-8 text file (default: Shakespeare)")
+    g.add_argument("--tokenizer", default=d.tokenizer, choices=["bytes", "bpe"])
+    g.add_argument("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}")
+    g.add_argument("--hf-model", default=None, choices=["gpt2", "llama"],
+                   help="a transformers model of the preset's size, built offline")
+    g = p.add_argument_group("optimization")
+    for name in ("steps", "batch", "seq_len", "accum", "warmup", "seed", "eval_every",
+                 "eval_batches", "log_every"):
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("lr", "min_lr_ratio", "weight_decay", "clip"):
+        g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    g = p.add_argument_group("ZeRO++ (default: all three on)")
+    g.add_argument("--qwz", action=argparse.BooleanOptionalAction, default=True,
+                   help="quantized (INT8) weight all-gather")
+    g.add_argument("--hpz", type=int, default=None,
+                   help="hpZ partition size; default the node size, 1 = off")
+    g.add_argument("--qgz", action=argparse.BooleanOptionalAction, default=True,
+                   help="hierarchical INT4 gradient reduce-scatter")
+    g.add_argument("--quantized-nontrainable", action="store_true")
+    g.add_argument("--grad-bits", type=int, default=4)
+    g.add_argument("--intra-grad-bits", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=2048)
+    g.add_argument("--param-dtype", default="fp32", choices=list(DTYPES),
+                   help="compute dtype (fp32 default: bf16 matmul is ~150x slower on "
+                        "CPUs without bf16 units)")
+    g.add_argument("--deepspeed-config", default=None, metavar="FILE",
+                   help="read the ZeRO++ switches and dtype from a DeepSpeed JSON config")
+    g.add_argument("--compare", default=None, metavar="NAMES",
+                   help=f"run these one after another and plot them together: "
+                        f"{','.join(NAMED)}")
+
+
+def configs_from(ns: argparse.Namespace) -> list[tuple[str, zeropp.Config]]:
+    """(name, Config) for each run the options ask for; raises UsageError."""
+    try:
+        base = dict(node_size=ns.node_size, param_dtype=DTYPES[ns.param_dtype],
+                    grad_bits=ns.grad_bits, intra_node_grad_bits=ns.intra_grad_bits,
+                    block_size=ns.block_size,
+                    quantized_nontrainable_weights=ns.quantized_nontrainable)
+        if ns.compare:
+            names = [c.strip() for c in ns.compare.split(",") if c.strip()]
+            bad = [c for c in names if c not in NAMED]
+            if bad or not names:
+                raise UsageError(f"--compare: unknown configuration {bad[0] if bad else ''!r}; "
+                                 f"choose from {', '.join(NAMED)}")
+            return [(c, zeropp.Config(**base, **{k: ns.node_size if v == "D" else v
+                                                 for k, v in NAMED[c].items()})) for c in names]
+        if ns.deepspeed_config:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cfg = zeropp.Config.from_deepspeed(ns.deepspeed_config, node_size=ns.node_size)
+            for w in caught:
+                print(f"zeropp train: warning: {w.message}", file=sys.stderr)
+            return [("run", cfg)]
+        hpz = ns.node_size if ns.hpz is None else ns.hpz
+        return [("run", zeropp.Config(**base, quantized_weights=ns.qwz, hpz_partition_size=hpz,
+                                      quantized_gradients=ns.qgz))]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def train_args_from(ns: argparse.Namespace) -> TrainArgs:
+    fields = {f.name for f in dataclasses.fields(TrainArgs)} - {"extra"}
+    a = TrainArgs(**{k: getattr(ns, k) for k in fields})
+    if a.model not in PRESETS:
+        raise UsageError(f"unknown model preset {a.model!r}; choose one of {', '.join(PRESETS)}")
+    for k in ("steps", "batch", "seq_len", "accum", "eval_every", "eval_batches", "log_every"):
+        if getattr(a, k) < 1:
+            raise UsageError(f"--{k.replace('_', '-')} must be at least 1, got {getattr(a, k)}")
+    if a.hf_model:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise UsageError("--hf-model needs transformers: pip install 'zeropp[hf]'") from None
+    return a
+
+
+def _config_json(a: TrainArgs, cfg: zeropp.Config, ns: argparse.Namespace) -> str:
+    c = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
+         for k, v in dataclasses.asdict(cfg).items()}
+    launch = {"nproc": ns.nproc, "node_size": ns.node_size, "torch": torch.__version__}
+    return json.dumps({"train": dataclasses.asdict(a), "zeropp": c, "launch": launch}, indent=2)
+
+
+def run_train(ns: argparse.Namespace) -> int:
     if ns.nproc < 1 or ns.node_size < 1 or ns.nproc % ns.node_size:
-        print(f"zeropp train: --nproc {ns.nproc} must be a positive multiple of "
-              f"--node-size {ns.node_size}", file=sys.stderr)
-        return 2
-    a = TrainArgs(steps=ns.steps, batch=ns.batch, seq_len=ns.seq_len, n_layer=ns.n_layer,
-                  n_embd=ns.n_embd, lr=ns.lr, seed=ns.seed, data=ns.data)
+        raise UsageError(f"--nproc {ns.nproc} must be a positive multiple of --node-size "
+                         f"{ns.node_size}")
+    a = train_args_from(ns)
+    runs = configs_from(ns)
+    run_dir = Path(ns.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     try:
-        load_tokens(a.data, a.seq_len)  # fail here, in one line, not in 4 workers
-        cfg = zeropp.Config(node_size=ns.node_size)
-    except (DataError, ValueError) as e:
-        print(f"zeropp train: {e}", file=sys.stderr)
-        return 2
-    try:
-        out = spawn(train_worker, ns.nproc, ns.node_size, args=(a, cfg), timeout=ns.timeout)
-    except WorkerError as e:
-        print(f"zeropp train failed: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("zeropp train: interrupted; workers stopped", file=sys.stderr)
-        return 130
-    h = out[0]["history"]
-    per_step = sum(r["inter_node_bytes"] for r in h) / len(h)
-    print(f"done: loss {h[0]['loss']:.3f} -> {h[-1]['loss']:.3f} in {len(h)} steps; "
-          f"inter-node {per_step / 1e6:.2f} MB per node per step "
-          f"(ZeRO-3 analytic {out[0]['zero3_inter_node_bytes'] / 1e6:.2f} MB)")
+        ids, vocab = prepare_tokens(a, CACHE)
+    except (DataError, TokenizerError) as e:
+        raise UsageError(str(e)) from None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokens_file = run_dir / "tokens.pt"
+    torch.save(ids.to(torch.int32), tokens_file)
+    print(f"zeropp train: {len(ids):,} tokens (vocab {vocab}), {ns.nproc} ranks as "
+          f"{ns.nproc // ns.node_size} nodes x {ns.node_size}, model {a.hf_model or a.model}, "
+          f"{a.steps} steps; run directory {run_dir}", flush=True)
+    rows, curves = [], {}
+    for name, cfg in runs:
+        sub = run_dir / name if ns.compare else run_dir
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / "config.json").write_text(_config_json(a, cfg, ns))
+        if ns.compare:
+            print(f"--- {name}: qwZ={cfg.quantized_weights} hpZ={cfg.hpz_partition_size} "
+                  f"qgZ={cfg.quantized_gradients}", flush=True)
+        out = spawn(train_worker, ns.nproc, ns.node_size,
+                    args=(a, cfg, str(sub), str(tokens_file), vocab), timeout=None,
+                    pg_timeout=1800)[0]
+        rows.append(summarize(name, out))
+        curves[name] = out["history"]
+        (sub / "summary.json").write_text(json.dumps(rows[-1], indent=2))
+        if not ns.compare:
+            plot(curves, sub / "loss.png", f"zeropp: {a.hf_model or a.model}, {ns.nproc} ranks")
+    tokens_file.unlink()
+    if ns.compare:
+        drew = plot(curves, run_dir / "compare.png", f"zeropp: {', '.join(curves)}")
+        (run_dir / "summary.md").write_text(table(rows) + "\n")
+    else:
+        drew = (run_dir / "loss.png").exists()
+    print("\n" + table(rows))
+    print(f"\nZeRO-3's analytic inter-node bytes: {out['zero3_inter_node_bytes'] / 1e6:.2f} MB "
+          f"per node per step.")
+    print(f"Files in {run_dir}/: config.json, metrics.jsonl, summary.json"
+          + (", loss plot " + ("compare.png" if ns.compare else "loss.png") if drew
+             else " (no plot: matplotlib is not installed)"))
     return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="zeropp")
+    p = argparse.ArgumentParser(prog="zeropp", description="ZeRO-3 + ZeRO++ in plain PyTorch")
     sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train a small GPT on Shakespeare with zeropp")
-    d = TrainArgs()
-    t.add_argument("--nproc", type=int, default=4, help="ranks on this machine")
-    t.add_argument("--node-size", type=int, default=2, help="ranks per (emulated) node")
-    t.add_argument("--steps", type=int, default=d.steps)
-    t.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
-    t.add_argument("--seq-len", type=int, default=d.seq_len)
-    t.add_argument("--n-layer", type=int, default=d.n_layer)
-    t.add_argument("--n-embd", type=int, default=d.n_embd)
-    t.add_argument("--lr", type=float, default=d.lr)
-    t.add_argument("--seed", type=int, default=d.seed)
-    t.add_argument("--data", default=None, help="a UTF-8 text file (default: Shakespeare)")
-    t.add_argument("--timeout", type=float, default=1800, help="seconds before giving up")
+    t = sub.add_parser("train", help="train a GPT on Shakespeare (or your text) with zeropp")
+    add_train_args(t)
     ns = p.parse_args(argv)
-    return _train(ns)
+    try:
+        return run_train(ns)
+    except UsageError as e:
+        print(f"zeropp {ns.cmd}: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:
+        print(f"zeropp {ns.cmd} failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"zeropp {ns.cmd}: interrupted; all workers stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

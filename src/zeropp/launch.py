@@ -33,6 +33,9 @@ class WorkerError(RuntimeError):
 
 def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
             args: Sequence, q: Any, timeout: float, threads: int, backend: str) -> None:
+    # Ctrl-C reaches the whole process group; the parent alone handles it (and
+    # kills us), so workers do not each print a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % node_size),
                       LOCAL_WORLD_SIZE=str(node_size), GROUP_RANK=str(rank // node_size))
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -53,13 +56,16 @@ def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
 
 
 def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
-          args: Sequence = (), timeout: float = 180.0, threads: int = 1,
-          backend: str = "gloo") -> list[Any]:
+          args: Sequence = (), timeout: Optional[float] = 180.0, threads: int = 1,
+          backend: str = "gloo", pg_timeout: Optional[float] = None) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes; return results by rank.
 
     `fn` must be importable by name (a module-level function). Raises
     WorkerError naming the failing rank, with its traceback, on any failure.
+    `timeout`: seconds for the whole run (None: no limit); `pg_timeout`: the
+    process group's collective timeout (default: `timeout`, or 30 minutes).
     """
+    pg_timeout = pg_timeout or timeout or 1800.0
     node_size = world_size if node_size is None else node_size
     if node_size < 1 or world_size % node_size:
         raise ValueError(f"spawn: node_size={node_size} must divide world_size={world_size}")
@@ -71,7 +77,7 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
         init_file = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(r, world_size, node_size, init_file, fn, tuple(args), q,
-                                   timeout, threads, backend))
+                                   pg_timeout, threads, backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -84,9 +90,9 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
             _stop(procs, grace=10.0 if ok else 0.0)
 
 
-def _collect(procs: list, q: Any, timeout: float) -> list[Any]:
+def _collect(procs: list, q: Any, timeout: Optional[float]) -> list[Any]:
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout if timeout is not None else float("inf")
     while len(results) < len(procs):
         try:
             rank, ok, payload = q.get(timeout=0.1)

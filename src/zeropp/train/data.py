@@ -34,21 +34,26 @@ def shakespeare_text() -> str:
     return text
 
 
-def load_tokens(path: Optional[str], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Byte tokens of the text, split 90/10 into train and validation."""
+def load_text(path: Optional[str]) -> str:
+    """The training text: the Shakespeare corpus, or the user's UTF-8 file."""
     if path is None:
-        text = shakespeare_text()
-    else:
-        p = Path(path)
-        if not p.is_file():
-            raise DataError(f"data file {path!r} does not exist")
-        text = p.read_text(encoding="utf-8", errors="replace")
-    data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-    n_val = max(seq_len + 1, len(data) // 10)
-    if len(data) < n_val + seq_len + 1:
-        raise DataError(f"text has {len(data)} bytes; need more than {n_val + seq_len + 1} "
-                        f"for sequences of {seq_len} plus a validation split")
-    return data[:-n_val], data[-n_val:]
+        return shakespeare_text()
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"data file {path!r} does not exist")
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise DataError(f"data file {path!r} is empty")
+    return text
+
+
+def split_tokens(ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed split: the last 10% (at least one sequence) is validation."""
+    n_val = max(seq_len + 1, len(ids) // 10)
+    if len(ids) < n_val + seq_len + 1:
+        raise DataError(f"the text has {len(ids)} tokens; sequences of {seq_len} need at least "
+                        f"{n_val + seq_len + 1} (one for training, one for validation)")
+    return ids[:-n_val], ids[-n_val:]
 
 
 def get_batch(data: torch.Tensor, batch: int, seq_len: int,

@@ -2,106 +2,213 @@
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 import zeropp
 
-from .data import get_batch, load_tokens
-from .model import GPT, GPTConfig
+from .data import get_batch, load_text, split_tokens
+from .model import GPT, PRESETS, GPTConfig
+from .tokenizer import encode
 
 
 @dataclass
 class TrainArgs:
-    steps: int = 100
-    batch: int = 8            # sequences per rank per step
-    seq_len: int = 64
-    n_layer: int = 4
-    n_embd: int = 128
-    n_head: int = 4
-    lr: float = 3e-3
-    warmup: int = 5
+    steps: int = 300
+    batch: int = 4            # sequences per rank per micro-batch
+    seq_len: int = 128
+    accum: int = 1            # micro-batches per step
+    model: str = "gpt-6x256"
+    hf_model: Optional[str] = None   # "gpt2" | "llama": built from a config, offline
+    tokenizer: str = "bytes"
+    lr: float = 2e-3
+    warmup: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
     clip: float = 1.0
     seed: int = 0
     data: Optional[str] = None
-    eval_every: int = 25
+    eval_every: int = 50
+    eval_batches: int = 8
+    log_every: int = 10
+    extra: dict = field(default_factory=dict)
 
 
 def lr_at(step: int, a: TrainArgs) -> float:
-    """Linear warmup, then cosine decay to a tenth of the peak."""
+    """Linear warmup, then cosine decay to `min_lr_ratio` of the peak."""
     if step < a.warmup:
         return a.lr * (step + 1) / a.warmup
-    t = (step - a.warmup) / max(1, a.steps - a.warmup)
-    return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    t = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
+    return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def _mean_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+def prepare_tokens(a: TrainArgs, cache_dir: Path) -> tuple[torch.Tensor, int]:
+    """Token ids of the corpus (validated: errors are DataError/TokenizerError)."""
+    ids, vocab = encode(load_text(a.data), a.tokenizer, cache_dir)
+    split_tokens(ids, a.seq_len)  # too short fails here, before any worker starts
+    return ids, vocab
 
 
-def _bytes_per_node(model: torch.nn.Module, topo: zeropp.Topology) -> torch.Tensor:
-    """[inter, intra] bytes each node sent since the last reset, summed over its ranks."""
-    s = zeropp.comm_stats(model)
-    t = torch.zeros(topo.num_nodes, 2, dtype=torch.float64)
-    t[topo.node] = torch.tensor([s["inter_node_bytes"], s["intra_node_bytes"]], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t
+class HFCausalLM(nn.Module):
+    """A transformers causal LM behind the same (idx, targets) -> (logits, loss) call."""
+
+    def __init__(self, kind: str, vocab: int, a: TrainArgs) -> None:
+        super().__init__()
+        try:
+            import transformers as tf
+        except ImportError:
+            raise ValueError("--hf-model needs transformers (pip install 'zeropp[hf]')") from None
+        p = PRESETS[a.model]
+        if kind == "gpt2":
+            self.hf = tf.GPT2LMHeadModel(tf.GPT2Config(
+                vocab_size=vocab, n_positions=a.seq_len, n_embd=p["n_embd"],
+                n_layer=p["n_layer"], n_head=p["n_head"]))
+        elif kind == "llama":
+            self.hf = tf.LlamaForCausalLM(tf.LlamaConfig(
+                vocab_size=vocab, hidden_size=p["n_embd"], intermediate_size=4 * p["n_embd"],
+                num_hidden_layers=p["n_layer"], num_attention_heads=p["n_head"],
+                max_position_embeddings=a.seq_len))
+        else:
+            raise ValueError(f"unknown --hf-model {kind!r}; choose gpt2 or llama")
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        logits = self.hf(input_ids=idx).logits
+        loss = None if targets is None else F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return logits, loss
+
+
+def build_model(a: TrainArgs, vocab: int) -> nn.Module:
+    if a.model not in PRESETS:
+        raise ValueError(f"unknown model preset {a.model!r}; choose one of "
+                         f"{', '.join(PRESETS)}")
+    torch.manual_seed(a.seed)  # the same initial weights on every rank
+    if a.hf_model:
+        return HFCausalLM(a.hf_model, vocab, a)
+    return GPT(GPTConfig(vocab_size=vocab, block_size=a.seq_len, **PRESETS[a.model]))
+
+
+def zero3_inter_node_bytes(n_params: int, param_bytes: int, world: int) -> float:
+    """ZeRO-3's analytic bytes per node per step across nodes: forward and
+    backward ring gathers at the compute width, one fp32 ring reduce-scatter."""
+    return (world - 1) / world * n_params * (2 * param_bytes + 4) if world > 1 else 0.0
 
 
 @torch.no_grad()
-def _val_loss(model, val, a: TrainArgs, rank: int) -> float:
-    gen = torch.Generator().manual_seed(10_000 + rank)
-    losses = [model(*get_batch(val, a.batch, a.seq_len, gen))[1].item() for _ in range(4)]
-    return _mean_over_ranks(sum(losses) / len(losses))
+def _val_loss(model, val, a: TrainArgs, rank: int, world: int) -> float:
+    gen = torch.Generator().manual_seed(10_000 + rank)  # the same batches every eval
+    losses = [model(*get_batch(val, a.batch, a.seq_len, gen))[1].item()
+              for _ in range(a.eval_batches)]
+    t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / world
 
 
-def train_worker(a: TrainArgs, cfg: zeropp.Config) -> dict:
-    rank = dist.get_rank()
-    say = print if rank == 0 else (lambda *_, **__: None)
-    train_data, val = load_tokens(a.data, a.seq_len)
-    torch.manual_seed(a.seed)  # same initial weights on every rank
-    model = GPT(GPTConfig(vocab_size=256, block_size=a.seq_len, n_layer=a.n_layer,
-                          n_head=a.n_head, n_embd=a.n_embd))
+class _Progress:
+    """A live bar on a terminal (tqdm), a plain line every `every` steps otherwise."""
+
+    def __init__(self, total: int, every: int, enabled: bool) -> None:
+        self.every, self.enabled, self.bar = every, enabled, None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, file=sys.stderr, dynamic_ncols=True, unit="step")
+
+    def update(self, step: int, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        elif step % self.every == 0:
+            print(f"step {step:5d} | {text}", flush=True)
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: str,
+                 vocab: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(run_dir)
+    ids = torch.load(tokens_file, weights_only=True).long()
+    train_ids, val_ids = split_tokens(ids, a.seq_len)
+    model = build_model(a, vocab)
     n_params = sum(p.numel() for p in model.parameters())
+    param_bytes = (cfg.param_dtype or next(model.parameters()).dtype).itemsize
     zeropp.shard(model, cfg)
     topo = model._zeropp_state.topo
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
+                            betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # each rank its own rows
-    M = n_params * 4  # fp32 bytes
-    zero3 = 3 * (topo.world_size - 1) / topo.world_size * M
-    say(f"GPT {n_params / 1e6:.2f}M params, {topo.world_size} ranks = {topo.num_nodes} nodes "
-        f"x {topo.node_size}; ZeRO-3 analytic inter-node bytes per node per step: "
-        f"{zero3 / 1e6:.2f} MB ({asdict(a)})")
-    say(f"{'step':>5} {'loss':>7} {'lr':>8} {'norm':>6} {'s/step':>7} "
-        f"{'inter-node MB/node':>19} {'intra-node MB/node':>19}")
-    history = []
-    for step in range(a.steps):
-        t0 = time.perf_counter()
-        zeropp.reset_comm_stats(model)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, a)
-        x, y = get_batch(train_data, a.batch, a.seq_len, gen)
-        _, loss = model(x, y)
-        loss.backward()
-        norm = zeropp.clip_grad_norm_(model, a.clip)
-        if torch.isfinite(norm):
-            opt.step()
-        opt.zero_grad()
-        sent = _bytes_per_node(model, topo)
-        dt = time.perf_counter() - t0
-        loss_g = _mean_over_ranks(loss.item())
-        inter, intra = sent[:, 0].mean().item(), sent[:, 1].mean().item()
-        history.append({"step": step, "loss": loss_g, "inter_node_bytes": inter,
-                        "intra_node_bytes": intra, "step_time": dt})
-        say(f"{step:5d} {loss_g:7.4f} {lr_at(step, a):8.2e} {norm.item():6.3f} {dt:7.2f} "
-            f"{inter / 1e6:19.2f} {intra / 1e6:19.2f}")
-        if a.eval_every and (step + 1) % a.eval_every == 0:
-            say(f"      val loss {_val_loss(model, val, a, rank):.4f}")
-    return {"history": history, "n_params": n_params, "zero3_inter_node_bytes": zero3}
+    zero3 = zero3_inter_node_bytes(n_params, param_bytes, world)
+    tokens_per_step = a.batch * a.seq_len * a.accum * world
+    metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None  # noqa: SIM115
+    bar = _Progress(a.steps, a.log_every, rank == 0)
+    history, skipped, val = [], 0, None
+    try:
+        for step in range(a.steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, a)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            zeropp.reset_comm_stats(model)
+            loss_sum = 0.0
+            for _ in range(a.accum):
+                x, y = get_batch(train_ids, a.batch, a.seq_len, gen)
+                _, loss = model(x, y)
+                (loss / a.accum).backward()
+                loss_sum += loss.item() / a.accum
+            norm = float(zeropp.clip_grad_norm_(model, a.clip))
+            ok = math.isfinite(norm)
+            if ok:
+                opt.step()
+            else:  # a NaN/Inf gradient on any rank: every rank skips this step
+                skipped += 1
+            opt.zero_grad()
+            dt = time.perf_counter() - t0
+            # one small all-reduce: the mean loss and each node's bytes this step
+            s = zeropp.comm_stats(model)
+            v = torch.zeros(1 + 2 * topo.num_nodes, dtype=torch.float64)
+            v[0] = loss_sum / world
+            v[1 + topo.node] = s["inter_node_bytes"]
+            v[1 + topo.num_nodes + topo.node] = s["intra_node_bytes"]
+            dist.all_reduce(v)
+            inter = v[1:1 + topo.num_nodes].max().item()
+            intra = v[1 + topo.num_nodes:].max().item()
+            row = {"step": step, "train_loss": v[0].item(), "lr": lr, "grad_norm": norm,
+                   "step_time": dt, "tokens_per_s": tokens_per_step / dt,
+                   "inter_node_bytes": inter, "intra_node_bytes": intra, "skipped": not ok}
+            if (step + 1) % a.eval_every == 0 or step == a.steps - 1:
+                val = row["val_loss"] = _val_loss(model, val_ids, a, rank, world)
+            history.append(row)
+            if metrics is not None:
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+            bar.update(step, f"loss {row['train_loss']:.3f}"
+                       + (f" val {val:.3f}" if val is not None else "")
+                       + f" | {row['tokens_per_s']:,.0f} tok/s | inter-node "
+                       f"{inter / 1e6:.2f} MB/step" + (" | SKIPPED (non-finite)" if not ok
+                                                      else ""))
+            if not ok:
+                bar.note(f"step {step}: non-finite gradient norm; step skipped")
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+    return {"history": history, "n_params": n_params, "zero3_inter_node_bytes": zero3,
+            "skipped": skipped, "world": world, "nodes": topo.num_nodes}

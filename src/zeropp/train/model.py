@@ -99,3 +99,12 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
         return logits, loss
+
+
+# Presets for `zeropp train --model`. Byte-level vocabulary unless a tokenizer says otherwise.
+PRESETS = {
+    "tiny": dict(n_layer=2, n_embd=64, n_head=2),      # tests
+    "small": dict(n_layer=4, n_embd=128, n_head=4),
+    "gpt-6x256": dict(n_layer=6, n_embd=256, n_head=8),  # the default
+    "gpt-6x384": dict(n_layer=6, n_embd=384, n_head=6),
+}

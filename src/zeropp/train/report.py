@@ -1,0 +1,58 @@
+"""What a run leaves behind for a person: the loss plot and the summary table."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+
+def summarize(name: str, result: dict) -> dict:
+    h = result["history"]
+    vals = [r["val_loss"] for r in h if "val_loss" in r]
+    steady = [r["tokens_per_s"] for r in h[1:]] or [h[0]["tokens_per_s"]]
+    inter = statistics.mean(r["inter_node_bytes"] for r in h)
+    z3 = result["zero3_inter_node_bytes"]
+    return {"config": name, "steps": len(h), "final_train_loss": h[-1]["train_loss"],
+            "final_val_loss": vals[-1] if vals else float("nan"),
+            "tokens_per_s": statistics.median(steady), "inter_node_MB_per_step": inter / 1e6,
+            "vs_zero3_analytic": inter / z3 if z3 else float("nan"),
+            "skipped_steps": result["skipped"]}
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| config | steps | final val loss | final train loss | tokens/s | "
+            "inter-node MB/step/node | vs ZeRO-3 analytic | skipped |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['steps']} | {r['final_val_loss']:.4f} | "
+                     f"{r['final_train_loss']:.4f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['inter_node_MB_per_step']:.2f} | {r['vs_zero3_analytic']:.3f} | "
+                     f"{r['skipped_steps']} |")
+    return "\n".join(lines)
+
+
+def plot(curves: dict[str, list[dict]], path: Path, title: str) -> bool:
+    """Train loss (lines) and validation loss (markers) per configuration.
+    Returns False (and draws nothing) when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, h in curves.items():
+        line, = ax.plot([r["step"] for r in h], [r["train_loss"] for r in h], lw=1,
+                        alpha=0.8, label=f"{name} train")
+        v = [(r["step"], r["val_loss"]) for r in h if "val_loss" in r]
+        if v:
+            ax.plot(*zip(*v), "o--", color=line.get_color(), ms=4, label=f"{name} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
