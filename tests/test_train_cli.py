@@ -124,3 +124,15 @@ def test_ctrl_c_stops_every_worker_within_seconds(tmp_path):
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_torchrun_launch_runs_the_same_job(tmp_path):
+    out = tmp_path / "tr"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    r = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
+                        "zeropp.train", *SMALL, "--steps", "4", "--eval-every", "2", "--out",
+                        str(out)], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+    assert (out / "config.json").exists() and (out / "loss.png").exists()
+    assert not list(out.glob("tokens-node*.pt"))

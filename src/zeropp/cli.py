@@ -175,8 +175,9 @@ def run_train(ns: argparse.Namespace) -> int:
     else:
         drew = (run_dir / "loss.png").exists()
     print("\n" + table(rows))
-    print(f"\nZeRO-3's analytic inter-node bytes: {out['zero3_inter_node_bytes'] / 1e6:.2f} MB "
-          f"per node per step.")
+    if out["nodes"] > 1:
+        print(f"\nZeRO-3's analytic inter-node bytes: "
+              f"{out['zero3_inter_node_bytes'] / 1e6:.2f} MB per node per step.")
     print(f"Files in {run_dir}/: config.json, metrics.jsonl, summary.json"
           + (", loss plot " + ("compare.png" if ns.compare else "loss.png") if drew
              else " (no plot: matplotlib is not installed)"))

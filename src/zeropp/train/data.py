@@ -58,7 +58,7 @@ def split_tokens(ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.T
 
 def get_batch(data: torch.Tensor, batch: int, seq_len: int,
               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    ix = torch.randint(len(data) - seq_len - 1, (batch,), generator=gen)
+    ix = torch.randint(len(data) - seq_len - 1, (batch,), generator=gen).tolist()
     x = torch.stack([data[i:i + seq_len] for i in ix])
     y = torch.stack([data[i + 1:i + 1 + seq_len] for i in ix])
     return x, y

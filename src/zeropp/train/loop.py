@@ -98,18 +98,19 @@ def build_model(a: TrainArgs, vocab: int) -> nn.Module:
     return GPT(GPTConfig(vocab_size=vocab, block_size=a.seq_len, **PRESETS[a.model]))
 
 
-def zero3_inter_node_bytes(n_params: int, param_bytes: int, world: int) -> float:
+def zero3_inter_node_bytes(n_params: int, param_bytes: int, world: int, nodes: int) -> float:
     """ZeRO-3's analytic bytes per node per step across nodes: forward and
-    backward ring gathers at the compute width, one fp32 ring reduce-scatter."""
-    return (world - 1) / world * n_params * (2 * param_bytes + 4) if world > 1 else 0.0
+    backward ring gathers at the compute width, one fp32 ring reduce-scatter
+    (nothing crosses when there is one node)."""
+    return (world - 1) / world * n_params * (2 * param_bytes + 4) if nodes > 1 else 0.0
 
 
 @torch.no_grad()
 def _val_loss(model, val, a: TrainArgs, rank: int, world: int) -> float:
-    gen = torch.Generator().manual_seed(10_000 + rank)  # the same batches every eval
+    gen = torch.Generator().manual_seed(10_000 + rank)  # the same batches every eval (CPU RNG)
     losses = [model(*get_batch(val, a.batch, a.seq_len, gen))[1].item()
               for _ in range(a.eval_batches)]
-    t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+    t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64, device=val.device)
     dist.all_reduce(t)
     return t.item() / world
 
@@ -145,9 +146,12 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
                  vocab: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(run_dir)
-    ids = torch.load(tokens_file, weights_only=True).long()
+    # NCCL means one GPU per rank; gloo trains on the CPU
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    ids = torch.load(tokens_file, weights_only=True).long().to(device)
     train_ids, val_ids = split_tokens(ids, a.seq_len)
-    model = build_model(a, vocab)
+    model = build_model(a, vocab).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = (cfg.param_dtype or next(model.parameters()).dtype).itemsize
     zeropp.shard(model, cfg)
@@ -155,7 +159,7 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
                             betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # each rank its own rows
-    zero3 = zero3_inter_node_bytes(n_params, param_bytes, world)
+    zero3 = zero3_inter_node_bytes(n_params, param_bytes, world, topo.num_nodes)
     tokens_per_step = a.batch * a.seq_len * a.accum * world
     metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None  # noqa: SIM115
     bar = _Progress(a.steps, a.log_every, rank == 0)
@@ -183,7 +187,7 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
             dt = time.perf_counter() - t0
             # one small all-reduce: the mean loss and each node's bytes this step
             s = zeropp.comm_stats(model)
-            v = torch.zeros(1 + 2 * topo.num_nodes, dtype=torch.float64)
+            v = torch.zeros(1 + 2 * topo.num_nodes, dtype=torch.float64, device=device)
             v[0] = loss_sum / world
             v[1 + topo.node] = s["inter_node_bytes"]
             v[1 + topo.num_nodes + topo.node] = s["intra_node_bytes"]

@@ -26,7 +26,9 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['config']} | {r['steps']} | {r['final_val_loss']:.4f} | "
                      f"{r['final_train_loss']:.4f} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['inter_node_MB_per_step']:.2f} | {r['vs_zero3_analytic']:.3f} | "
+                     f"{r['inter_node_MB_per_step']:.2f} | "
+                     + (f"{r['vs_zero3_analytic']:.3f}" if r['vs_zero3_analytic'] == r['vs_zero3_analytic']
+                        else "n/a (one node)") + " | "
                      f"{r['skipped_steps']} |")
     return "\n".join(lines)
 

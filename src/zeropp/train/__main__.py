@@ -1,0 +1,74 @@
+"""The main job under torchrun, for one machine or many:
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 \\
+        -m zeropp.train --steps 1000 --out runs/big     # same options as `zeropp train`
+
+torchrun numbers ranks node-major and sets LOCAL_WORLD_SIZE, which becomes the
+node size. NCCL when CUDA is available, gloo otherwise. `--compare` is for the
+single-machine launcher (`zeropp train`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..cli import CACHE, UsageError, _config_json, add_train_args, configs_from, train_args_from
+from .data import DataError
+from .loop import prepare_tokens, train_worker
+from .report import plot, summarize, table
+from .tokenizer import TokenizerError
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="torchrun ... -m zeropp.train")
+    add_train_args(p)
+    ns = p.parse_args()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ns.nproc, ns.node_size = world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    try:
+        if ns.compare:
+            raise UsageError("--compare runs under `zeropp train` on one machine, not torchrun")
+        a = train_args_from(ns)
+        (_, cfg), = configs_from(ns)
+        run_dir = Path(ns.out or f"runs/torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+        # each machine's first rank prepares its own copy (no shared filesystem assumed)
+        tokens_file = run_dir / f"tokens-node{rank // ns.node_size}.pt"
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            ids, vocab = prepare_tokens(a, CACHE)
+            torch.save(ids.to(torch.int32), tokens_file)
+            if rank == 0:
+                (run_dir / "config.json").write_text(_config_json(a, cfg, ns))
+        else:
+            vocab = None
+        info = [vocab]
+        dist.broadcast_object_list(info, src=0)
+        dist.barrier()
+        out = train_worker(a, cfg, str(run_dir), str(tokens_file), info[0])
+    except (UsageError, DataError, TokenizerError) as e:
+        if rank == 0:
+            print(f"zeropp.train: {e}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    dist.barrier()
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        tokens_file.unlink(missing_ok=True)
+    if rank == 0:
+        row = summarize("run", out)
+        plot({"run": out["history"]}, run_dir / "loss.png", f"zeropp: {world} ranks")
+        print("\n" + table([row]) + f"\n\nFiles in {run_dir}/")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
