@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -24,11 +25,11 @@ def table(rows: list[dict]) -> str:
             "inter-node MB/step/node | vs ZeRO-3 analytic | skipped |")
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        vs = r["vs_zero3_analytic"]
         lines.append(f"| {r['config']} | {r['steps']} | {r['final_val_loss']:.4f} | "
                      f"{r['final_train_loss']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['inter_node_MB_per_step']:.2f} | "
-                     + (f"{r['vs_zero3_analytic']:.3f}" if r['vs_zero3_analytic'] == r['vs_zero3_analytic']
-                        else "n/a (one node)") + " | "
+                     f"{'n/a (one node)' if math.isnan(vs) else f'{vs:.3f}'} | "
                      f"{r['skipped_steps']} |")
     return "\n".join(lines)
 
