@@ -10,13 +10,21 @@ gather and the matching free.
 `full` is one flat buffer whose storage is allocated for a gather and resized
 to zero bytes to free it; the same storage object lives on, so tensors that
 autograd saved in forward (views of it) see the weights again once backward
-re-gathers into it. Each iteration makes `leaf = full.data`: a leaf tensor on
-that storage with a version counter of its own, so the collective writing
-into `full` before backward does not trip autograd's in-place check. The
-module's parameters become views `leaf.split(...)` set as plain attributes;
-autograd sums all their gradients into `leaf.grad` (one flat buffer, padding
-included as zeros) and fires our post-accumulate hook once per backward: the
-natural moment to reduce-scatter the unit.
+re-gathers into it. `leaf = full.data`, made once, is a leaf tensor on that
+storage with a version counter of its own, so the collectives writing into
+`full` do not trip autograd's in-place check. Each forward points the
+module's parameters at fresh views `leaf.split(...)` (plain attributes);
+autograd sums every gradient reaching them, from every graph in the same
+backward call, into `leaf.grad` (one flat buffer, padding included as zeros)
+and fires our post-accumulate hook once: the moment to reduce-scatter the
+unit. A graph backwarded later fires it again and accumulates, as in PyTorch.
+
+[Note: updates the engine cannot see]
+hpZ's secondary shard is dropped after every optimizer step over the master
+shard and whenever the shard's version counter moves (`load_state_dict`,
+in-place ops) or its storage is replaced (`p.data = ...`). An in-place write
+through `.data` changes neither: after one, drop the secondaries yourself
+(`f.secondary = None` for the unit's flats).
 """
 
 from __future__ import annotations
@@ -87,8 +95,12 @@ class FlatParam:
         self.hpz_index = topo.rank % self.hpz_size
         self.secondary: Optional[SecondaryShard] = None
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
+        # One leaf for the flat's lifetime, on `full`'s storage (see the note).
+        self.leaf = self.full.data
+        if trainable:
+            self.leaf.requires_grad_(True)
+            self.leaf.register_post_accumulate_grad_hook(self._grad_ready)
         self._install_views(self.full)  # placeholders, so modules keep their attributes
-        self.leaf: Optional[torch.Tensor] = None
         self.pending: Optional[Pending] = None
         self.gathered = False
         self.needs_reduce = False
@@ -96,8 +108,10 @@ class FlatParam:
         self._free_storage()
 
     @property
-    def version(self) -> int:
-        return self.primary_shard._version
+    def version(self) -> tuple[int, int]:
+        """Changes when the master shard is written in place or replaced."""
+        p = self.primary_shard
+        return p._version, p.data_ptr()
 
     # ---- gather / free -------------------------------------------------------
     def issue_gather(self, comm: Comm, *, phase: str) -> bool:
@@ -142,10 +156,6 @@ class FlatParam:
             self.secondary = SecondaryShard.keep(gathered, size=self.hpz_size,
                                                  index=self.hpz_index, version=self.version)
 
-    def drop_stale_secondary(self) -> None:
-        if self.secondary is not None and not self.secondary.valid_for(self.version):
-            self.secondary = None
-
     def wait_gather(self) -> None:
         if self.pending is not None:
             self.pending.wait()
@@ -162,16 +172,8 @@ class FlatParam:
         self.full.untyped_storage().resize_(0)
 
     # ---- views ---------------------------------------------------------------
-    def new_iteration(self) -> None:
-        self.leaf = None
-
     def use_views(self) -> None:
         """Point the module attributes at views of the gathered weights (see the note)."""
-        if self.leaf is None:
-            self.leaf = self.full.data
-            if self.trainable:
-                self.leaf.requires_grad_(True)
-                self.leaf.register_post_accumulate_grad_hook(self._grad_ready)
         if self.trainable and torch.is_grad_enabled():
             self.needs_reduce = True
         self._install_views(self.leaf)
@@ -192,20 +194,16 @@ class FlatParam:
         (plain ring, or qgZ) and add it to the primary shard's `.grad`
         (accumulating micro-batches)."""
         self.needs_reduce = False
-        g = None if self.leaf is None else self.leaf.grad
-        if g is not None:
-            self.leaf.grad = None
+        g, self.leaf.grad = self.leaf.grad, None
         w = self.world_size
         if cfg.quantized_gradients:  # quantized hops, sums in fp32 whatever reduce_dtype
-            g = (torch.zeros(self.padded_numel, device=self.full.device) if g is None
-                 else g.float())
             part = comm.reduce_scatter_qgz(
-                g, block=self.block, inter_bits=cfg.grad_bits,
+                g.float(),
+                block=self.block, inter_bits=cfg.grad_bits,
                 intra_bits=cfg.intra_node_grad_bits or cfg.grad_bits)
         else:
             rd = cfg.reduce_dtype
-            g = (torch.zeros(self.padded_numel, dtype=rd, device=self.full.device) if g is None
-                 else g.to(rd))
+            g = g.to(rd)
             if rd != torch.float32:
                 g = g / w  # pre-divide: a low-precision sum of W gradients may overflow
             part = comm.reduce_scatter_sum(g, op="reduce_scatter").float()

@@ -10,9 +10,11 @@ DeepSpeed's fp16 secondary, and backward dequantizes the very bytes forward
 did, so both see bit-identical weights (DeepSpeed re-quantizes dequantized
 weights, so its backward sees weights quantized twice).
 
-Staleness is decided by the master shard's version counter (bumped by every
-in-place update: optimizer steps, `load_state_dict`, checkpoint loads), so no
-call is needed after a step or a load; frozen parameters keep their slice.
+A secondary is dropped after every optimizer step over its master shard (a
+post-step hook: fused optimizers do not bump version counters) and is stale
+once the shard's version counter moves or its storage is replaced
+(`load_state_dict`, checkpoint loads), so no call is needed after a step or a
+load; frozen parameters keep their slice.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import torch
 @dataclass
 class SecondaryShard:
     data: torch.Tensor   # slice of the gathered buffer: compute dtype, or wire bytes (qwZ)
-    version: int         # the master shard's version when it was kept
+    version: tuple       # the master shard's (version counter, storage) when kept
 
     @classmethod
     def keep(cls, gathered: torch.Tensor, *, size: int, index: int,
-             version: int) -> SecondaryShard:
+             version: tuple) -> SecondaryShard:
         return cls(gathered.view(size, -1)[index].clone(), version)
 
-    def valid_for(self, version: int) -> bool:
+    def valid_for(self, version: tuple) -> bool:
         return self.version == version

@@ -15,6 +15,7 @@ The model class is untouched and the training loop stays plain PyTorch.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Optional
 
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import Comm
 from .config import Config
@@ -64,7 +65,7 @@ class Unit:
     # ---- hooks -----------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         st = self.state
-        if self.is_root and not st.backward_active:
+        if self.is_root and not _in_backward():
             st.begin_iteration()
         self.gather()
         if not st.backward_active:
@@ -78,7 +79,7 @@ class Unit:
                 and self.flats):
             # No leaf gradient will tell us when backward is done with frozen
             # weights: learn it from the gradient reaching the unit's inputs.
-            args = _PostBackward.attach(self, args)
+            args, kwargs = _PostBackward.attach(self, args, kwargs)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -86,23 +87,32 @@ class Unit:
         if st.backward_active:
             return output  # recomputation inside backward: weights still needed
         self.free()
-        st.finished_order.append(self)
+        hooked = False
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward)
+                    hooked = True
+        if hooked:  # only units that backward will reach are worth prefetching
+            st.finished_order.append(self)
         if self.is_root:
             st.end_forward()
-        if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "zeropp: backward with create_graph=True (double backward, e.g. a gradient "
+                "penalty) through sharded units is not supported: their weights are freed "
+                "after use")
         st = self.state
         st.begin_backward()
-        if self.backward_gathered:
-            return
-        self.backward_gathered = True
+        # Gather even if this backward gathered the unit before: a unit used by
+        # two graphs (or twice in one) may have been freed after its first use.
         self.gather()
-        st.prefetch_backward(self)
+        if not self.backward_gathered:
+            self.backward_gathered = True
+            st.prefetch_backward(self)
 
     def _flat_grad_ready(self, flat: FlatParam) -> None:
         st = self.state
@@ -133,15 +143,15 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
     @staticmethod
-    def attach(unit: Unit, args: tuple) -> tuple:
-        idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    def attach(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        leaves, spec = tree_flatten((args, kwargs))
+        idx = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not idx:
-            return args
-        outs = _PostBackward.apply(unit, *(args[i] for i in idx))
-        args = list(args)
+            return args, kwargs
+        outs = _PostBackward.apply(unit, *(leaves[i] for i in idx))
         for i, o in zip(idx, outs):
-            args[i] = o
-        return tuple(args)
+            leaves[i] = o
+        return tree_unflatten(leaves, spec)
 
 
 class ShardState:
@@ -167,11 +177,15 @@ class ShardState:
 
     # ---- forward -----------------------------------------------------------------
     def begin_iteration(self) -> None:
+        """A root forward outside backward. Leftovers of an interrupted forward
+        or backward (an exception the loop caught) are freed, so every unit is
+        gathered afresh from the current weights."""
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order, self.finished_order = [], []
-        for f in self.flats:
-            f.new_iteration()
+        self.backward_active = False
+        for u in self.units:
+            u.free()
 
     def prefetch_forward(self) -> None:
         """Issue the gather of the unit that ran next in the previous forward."""
@@ -207,14 +221,30 @@ class ShardState:
                 return
 
     def end_backward(self) -> None:
-        # Units whose gradient never arrived (not on the loss's path this time)
-        # still reduce zeros, so every rank issues the same collectives.
+        # A unit whose gradient never arrived (not on the loss's path) keeps
+        # .grad None, as in plain PyTorch. Ranks must agree on which units
+        # those are (as they must in FSDP): collectives follow backward order.
         for u in self.units:
             for f in u.flats:
-                if f.needs_reduce:
-                    u.reduce(f)
+                f.needs_reduce = False
             u.free()
         self.backward_active = False
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread right now."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output: pytrees, and dataclasses inside them."""
+    found = []
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += _tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return found
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -264,9 +294,11 @@ def _assign_params(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Mod
     return owned
 
 
-def _optimizer_step_hook(state_ref: weakref.ref, masters: set) -> Any:
-    """Count optimizer steps that update this model's master shards (any
-    optimizer, no engine object: a global post-step hook filters by parameter)."""
+def _optimizer_step_hook(state_ref: weakref.ref) -> Any:
+    """After any optimizer step that updates this model's master shards (no
+    engine object: a global post-step hook filters by parameter): count the
+    step and drop the hpZ secondaries of the shards it updated. Their version
+    counters cannot tell: fused optimizers update in place without bumping them."""
     ours: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -274,11 +306,12 @@ def _optimizer_step_hook(state_ref: weakref.ref, masters: set) -> Any:
         if st is None:
             return
         if opt not in ours:
-            ours[opt] = any(id(p) in masters for g in opt.param_groups for p in g["params"])
+            held = {id(p) for g in opt.param_groups for p in g["params"]}
+            ours[opt] = [f for f in st.flats if id(f.primary_shard) in held]
         if ours[opt]:
             st.stats.steps += 1
-            for f in st.flats:  # hpZ: free secondaries of weights that just changed
-                f.drop_stale_secondary()
+            for f in ours[opt]:
+                f.secondary = None
     return hook
 
 
@@ -322,9 +355,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
         mod.register_forward_hook(unit.post_forward)
         state.units.append(unit)
     model._zeropp_state = state
-    masters = {id(f.primary_shard) for f in state.flats}
-    state._step_hook = register_optimizer_step_post_hook(
-        _optimizer_step_hook(weakref.ref(state), masters))
+    state._step_hook = register_optimizer_step_post_hook(_optimizer_step_hook(weakref.ref(state)))
     return model
 
 

@@ -1,0 +1,208 @@
+"""Training-loop patterns beyond forward-backward-step, each against plain
+PyTorch on the same model (world size 1 runs every hook; hpZ needs W=2)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import zeropp
+from zeropp.launch import spawn
+
+
+class Blocks(nn.Module):
+    def __init__(self, n: int = 3, frozen: bool = False, ckpt: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(n))
+        self.aux = nn.ModuleList([nn.Linear(8, 2)])  # a head not every loss uses
+        self.out = nn.Linear(8, 3)
+        self.ckpt = ckpt
+        if frozen:
+            self.blocks.requires_grad_(False)
+
+    def forward(self, x, use_aux: bool = False):
+        h = torch.tanh(self.inp(x))
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=False) if self.ckpt else torch.tanh(b(h))
+        self.aux_out = self.aux[0](h)
+        return self.out(h)
+
+
+def _pair(**kw):
+    ref = Blocks(**kw)
+    return ref, zeropp.shard(copy.deepcopy(ref))
+
+
+def _grads(model) -> torch.Tensor:
+    """The model's gradient as one flat vector (sharded: gathered, W=1)."""
+    if hasattr(model, "_zeropp_state"):
+        return torch.cat([f.primary_shard.grad[:f.numel] for f in model._zeropp_state.flats
+                          if f.primary_shard.grad is not None])
+    return None
+
+
+def _ref_grads(model) -> torch.Tensor:
+    """Reference gradient in the engine's flat order (units in module order)."""
+    order = [model.inp, model.out, *model.blocks, *model.aux]  # root's params first
+    parts = []
+    for m in order:
+        if m.weight.grad is not None:
+            parts += [m.weight.grad.flatten(), m.bias.grad]
+    return torch.cat(parts)
+
+
+X = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+X2 = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+
+
+def test_two_forwards_then_one_backward():
+    ref, model = _pair()
+    for m in (ref, model):
+        (m(X).sum() + m(X2).pow(2).sum()).backward()
+    assert torch.allclose(_grads(model), _ref_grads(ref), atol=1e-6)
+
+
+def test_no_grad_forward_between_forward_and_backward():
+    ref, model = _pair()
+    for m in (ref, model):
+        loss = m(X).sum()
+        with torch.no_grad():
+            m(X2)
+        loss.backward()
+    assert torch.allclose(_grads(model), _ref_grads(ref), atol=1e-6)
+
+
+def test_activation_checkpointing_of_units():
+    ref, model = _pair(ckpt=True)
+    for m in (ref, model):
+        m(X).sum().backward()
+    assert torch.allclose(_grads(model), _ref_grads(ref), atol=1e-6)
+
+
+def test_unit_off_the_loss_path_keeps_grad_none_and_adamw_leaves_it():
+    ref, model = _pair()
+    aux_before = model.aux[0]._zeropp_flat0.detach().clone()
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5) for m in (ref, model)]
+    for m, opt in zip((ref, model), opts):
+        m(X).sum().backward()
+        opt.step()
+    assert ref.aux[0].weight.grad is None and model.aux[0]._zeropp_flat0.grad is None
+    assert torch.equal(model.aux[0]._zeropp_flat0.detach(), aux_before)
+
+
+def test_frozen_unit_used_twice_and_called_with_keywords_is_freed_in_backward():
+    class TwiceKw(Blocks):
+        def forward(self, x):
+            h = torch.tanh(self.inp(x))
+            for b in self.blocks:
+                h = torch.tanh(b(input=h))   # keyword-only input
+                h = torch.tanh(b(input=h))   # the same frozen unit again
+            return self.out(h)
+
+    torch.manual_seed(0)
+    ref = TwiceKw(frozen=True)
+    model = zeropp.shard(copy.deepcopy(ref))
+    flats = model._zeropp_state.flats
+    most = [0]
+
+    def track(grad):  # called during backward: how many units are gathered now?
+        most[0] = max(most[0], sum(f.gathered for f in flats if not f.trainable))
+    for m in (ref, model):
+        h = m(X)
+        if m is model:
+            h.register_hook(track)
+            for b in model.blocks:
+                b.register_full_backward_hook(lambda *a: track(None))
+        h.sum().backward()
+    assert torch.allclose(_grads(model), _ref_grads(ref), atol=1e-6)
+    assert most[0] <= 2  # frozen units are freed as backward leaves them, not at the end
+
+
+@dataclass
+class Out:
+    y: torch.Tensor
+    note: str = "a dataclass, not a pytree"
+
+
+def test_unit_returning_a_dataclass():
+    class DC(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            return Out(self.lin(x))
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList([DC(), DC()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x).y)
+            return x
+
+    ref = M()
+    model = zeropp.shard(copy.deepcopy(ref))
+    for m in (ref, model):
+        m(X).sum().backward()
+    g = torch.cat([model.layers[i]._zeropp_flat0.grad[:42] for i in range(2)])
+    r = torch.cat([torch.cat([ref.layers[i].lin.weight.grad.flatten(), ref.layers[i].lin.bias.grad])
+                   for i in range(2)])
+    assert torch.allclose(g, r, atol=1e-6)
+
+
+def test_double_backward_is_a_clear_error():
+    _, model = _pair()
+    x = X.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)
+
+
+def test_an_exception_in_forward_does_not_leave_stale_weights():
+    ref, model = _pair()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    original = model.blocks[1].forward
+    model.blocks[1].forward = lambda x: (_ for _ in ()).throw(ValueError("bad batch"))
+    with pytest.raises(ValueError):
+        model(X)
+    model.blocks[1].forward = original
+    for m, opt in zip((ref, model), opts):
+        m(X).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.allclose(model(X2), ref(X2), atol=1e-6)
+
+
+def _fused(kw: dict) -> list[float]:
+    model = zeropp.shard(Blocks(), zeropp.Config(**kw))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    x = X[dist.get_rank()::2]
+    losses = []
+    for _ in range(4):
+        loss = F.mse_loss(model(x), torch.ones(x.shape[0], 3))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_hpz_refreshes_after_a_fused_optimizer_step():
+    """Fused AdamW updates the shards without bumping their version counter;
+    hpZ must still serve the new weights after each step."""
+    plain = spawn(_fused, 2, 2, args=({},), timeout=60)
+    hpz = spawn(_fused, 2, 2, args=({"hpz_partition_size": 2},), timeout=60)
+    assert plain == hpz
+    assert plain[0][0] != plain[0][-1]
