@@ -6,8 +6,8 @@ root for the rest. Per unit and iteration:
   forward pre-hook   wait for its gather (prefetched earlier), prefetch the next
                      unit, point the module's parameters at the full weights
   forward post-hook  free the full weights; hook the outputs for backward
-  output grad hook   (backward begins for this unit) gather again, prefetch the
-                     unit before it in forward order
+  output grad hook   (backward reaches this unit) gather again, prefetch the
+                     unit backward reaches next
   leaf grad hook     its gradient is complete: reduce-scatter it, free
   end of backward    wait for everything, free leftovers
 The model class is untouched and the training loop stays plain PyTorch.
