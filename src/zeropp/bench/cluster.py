@@ -1,0 +1,142 @@
+"""An emulated multi-node cluster on one machine: network namespaces as nodes.
+
+Each node is a namespace `<prefix><i>` with one veth `cl0` (address
+10.77.0.<i+1>) plugged into a bridge in a switch namespace `<prefix>sw`. Both
+directions of every node's link are capped with `tbf` at `rate`; traffic
+between the ranks of one node stays on that namespace's loopback, unshaped.
+The interface byte counters of `cl0` (read inside the namespace) are the
+ground truth for what crossed nodes. Needs root and `ip netns` (iproute2);
+`available()` says why not otherwise.
+
+Always cleaned up: on exit from the `with` block, on error, on Ctrl-C; and
+namespaces left by a killed run (same prefix) are removed before a new one.
+PID 1 does not reap orphans here, so every helper is started with subprocess
+and waited for.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from typing import Optional
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
+MAX_NODES = 253  # 10.77.0.1 .. 10.77.0.253 on one /24
+
+
+class ClusterError(RuntimeError):
+    """The emulated cluster cannot be built or used; the message says why."""
+
+
+def parse_rate(rate: str) -> str:
+    """A tc rate such as 100mbit or 1gbit; anything else is a clear error."""
+    if not isinstance(rate, str) or not _RATE.match(rate.strip().lower()):
+        raise ValueError(f"unparsable link rate {rate!r}; use a number followed by bit, kbit, "
+                         "mbit or gbit, e.g. 100mbit or 1gbit")
+    return rate.strip().lower()
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when namespaces can be made here, else (False, the reason)."""
+    if os.geteuid() != 0:
+        return False, "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return False, "iproute2 (ip, tc) is not installed"
+    probe = "zppprobe"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return False, f"`ip netns add` failed: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return True, ""
+
+
+def _ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ClusterError(f"`ip {' '.join(args)}` failed: {r.stderr.strip()}")
+
+
+def _tc(ns: str, dev: str, rate: str) -> None:
+    r = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                        "burst", "65536", "latency", "20ms"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ClusterError(f"tc tbf {rate} on {ns}/{dev} failed: {r.stderr.strip()}")
+
+
+def leftovers(prefix: str) -> list[str]:
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+    return [n for n in names if re.fullmatch(re.escape(prefix) + r"(\d+|sw)", n)]
+
+
+class Cluster:
+    def __init__(self, nodes: int, rate: str = "100mbit", prefix: str = "zpp") -> None:
+        if not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
+            raise ValueError(f"nodes={nodes!r} is invalid; the emulated subnet holds 1 to "
+                             f"{MAX_NODES} nodes")
+        self.nodes, self.rate, self.prefix = nodes, parse_rate(rate), prefix
+        self.switch = f"{prefix}sw"
+
+    def ns(self, i: int) -> str:
+        return f"{self.prefix}{i}"
+
+    @staticmethod
+    def addr(i: int) -> str:
+        return f"10.77.0.{i + 1}"
+
+    def __enter__(self) -> Cluster:
+        ok, why = available()
+        if not ok:
+            raise ClusterError(why)
+        self.teardown()  # a killed run's namespaces must not break this one
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for i in range(self.nodes):
+                ns, port = self.ns(i), f"p{i}"
+                _ip("netns", "add", ns)
+                _ip("link", "add", "cl0", "netns", ns, "type", "veth", "peer", "name", port,
+                    "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _ip("-n", ns, "link", "set", "cl0", "up")
+                _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "cl0")
+                _tc(ns, "cl0", self.rate)            # uplink
+                _tc(self.switch, port, self.rate)    # downlink
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def teardown(self) -> None:
+        for name in leftovers(self.prefix):
+            for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                                      text=True).stdout.split():
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+    def counters(self, i: int) -> tuple[int, int]:
+        """(rx, tx) bytes of node i's link, read inside its namespace."""
+        r = subprocess.run(["ip", "netns", "exec", self.ns(i), "cat", "/proc/net/dev"],
+                           capture_output=True, text=True, check=True)
+        for line in r.stdout.splitlines():
+            if line.strip().startswith("cl0:"):
+                f = line.split(":", 1)[1].split()
+                return int(f[0]), int(f[8])
+        raise ClusterError(f"no cl0 interface in {self.ns(i)}")
+
+    def popen(self, i: int, cmd: Sequence[str], env: Optional[dict] = None,
+              **kw) -> subprocess.Popen:
+        """Start `cmd` inside node i (gloo told to use the node's link)."""
+        full_env = dict(os.environ, GLOO_SOCKET_IFNAME="cl0", **(env or {}))
+        return subprocess.Popen(["ip", "netns", "exec", self.ns(i), *cmd], env=full_env, **kw)
