@@ -1,5 +1,6 @@
-"""`zeropp train`: the main job. Also `python -m zeropp train`; across machines,
-`torchrun ... -m zeropp.train` with the same options (see train/__main__.py).
+"""`zeropp train`: the main job (also `python -m zeropp train`; across machines,
+`torchrun ... -m zeropp.train` with the same options, see train/__main__.py), and
+`zeropp plan`: the cost model of each configuration on a cluster you describe.
 
 Bad input ends in one line on stderr and exit status 2, before any worker starts.
 """
@@ -184,13 +185,45 @@ def run_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_plan(ns: argparse.Namespace) -> int:
+    from .bench.plan import Cluster, format_table, plan, recommend
+    try:
+        c = Cluster(params=ns.params, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
+                    inter_gbps=ns.inter_gbps, intra_gbps=ns.intra_gbps,
+                    tokens_per_gpu=ns.tokens_per_gpu, tflops=ns.tflops,
+                    param_bytes=ns.param_bytes, reduce_bytes=ns.reduce_bytes, units=ns.units,
+                    alpha_us=ns.alpha_us, overlap=ns.overlap)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    rows = plan(c)
+    print(format_table(c, rows))
+    print("\n" + recommend(rows))
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="zeropp", description="ZeRO-3 + ZeRO++ in plain PyTorch")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a GPT on Shakespeare (or your text) with zeropp")
     add_train_args(t)
+    pl = sub.add_parser("plan", help="predict each configuration's step time on a cluster")
+    pl.add_argument("--params", type=float, required=True, help="e.g. 7e9")
+    pl.add_argument("--nodes", type=int, required=True)
+    pl.add_argument("--gpus-per-node", type=int, required=True)
+    pl.add_argument("--inter-gbps", type=float, required=True, help="per node link")
+    pl.add_argument("--intra-gbps", type=float, default=2400.0, help="per GPU in a node")
+    pl.add_argument("--tokens-per-gpu", type=int, default=2048)
+    pl.add_argument("--tflops", type=float, default=300.0, help="achieved per GPU")
+    pl.add_argument("--param-bytes", type=int, default=2, help="compute dtype width")
+    pl.add_argument("--reduce-bytes", type=int, default=2, help="ZeRO-3 gradient width")
+    pl.add_argument("--units", type=int, default=32, help="transformer blocks")
+    pl.add_argument("--alpha-us", type=float, default=10.0, help="latency per message hop")
+    pl.add_argument("--overlap", type=float, default=0.0,
+                    help="fraction of the shorter of compute/communication hidden (0..1)")
     ns = p.parse_args(argv)
     try:
+        if ns.cmd == "plan":
+            return run_plan(ns)
         return run_train(ns)
     except UsageError as e:
         print(f"zeropp {ns.cmd}: {e}", file=sys.stderr)

@@ -1,0 +1,59 @@
+"""`zeropp plan`: its arithmetic against SPEC.md's table, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeropp.bench.plan import Cluster, plan, predict
+from zeropp.cli import main
+
+BIG = Cluster(params=7e9, nodes=256, gpus_per_node=8, inter_gbps=100, intra_gbps=2400,
+              tokens_per_gpu=2048, tflops=300)
+M = 7e9 * 2
+
+
+def test_zero3_moves_3m_and_zeropp_075m_across_nodes_per_step():
+    """SPEC.md: ZeRO-3 M + M + M = 3M; ZeRO++ 0.5M (qwZ) + 0 (hpZ) + 0.25M (qgZ)
+    = 0.75M, as the node count grows ((W-1)/W -> 1), scales included (+0.2%)."""
+    z3, zpp = predict(BIG, "zero3"), predict(BIG, "zeropp")
+    assert z3["cross"] / M == pytest.approx(3.0, rel=0.01)
+    assert (z3["fwd"], z3["bwd"], z3["grad"]) == pytest.approx((M, M, M), rel=0.01)
+    assert zpp["cross"] / M == pytest.approx(0.75, rel=0.01)
+    assert zpp["fwd"] / M == pytest.approx(0.5, rel=0.01) and zpp["bwd"] == 0
+    assert zpp["grad"] / M == pytest.approx(0.25, rel=0.01)
+
+
+def test_hpz_secondary_memory_for_7b_on_8_gpus_is_175gb_or_half_with_qwz():
+    assert predict(BIG, "hpz")["secondary"] == pytest.approx(1.75e9, rel=0.001)
+    assert predict(BIG, "zeropp")["secondary"] == pytest.approx(0.875e9, rel=0.01)
+
+
+def test_one_node_moves_nothing_across_and_speedup_follows_the_bottleneck():
+    one = Cluster(params=1e9, nodes=1, gpus_per_node=8, inter_gbps=100, intra_gbps=2400,
+                  tokens_per_gpu=2048, tflops=300)
+    assert all(predict(one, k)["cross"] == 0 for k in ("zero3", "zeropp"))
+    slow = plan(Cluster(params=1e9, nodes=4, gpus_per_node=8, inter_gbps=10, intra_gbps=2400,
+                        tokens_per_gpu=2048, tflops=300))
+    fast = plan(Cluster(params=1e9, nodes=4, gpus_per_node=8, inter_gbps=1600,
+                        intra_gbps=2400, tokens_per_gpu=2048, tflops=300))
+    assert slow[-1]["speedup"] > fast[-1]["speedup"] > 1
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--nodes", "0"], "nodes=0 must be an integer >= 1"),
+    (["--inter-gbps", "-1"], "inter_gbps=-1.0 must be positive"),
+    (["--overlap", "2"], "overlap=2.0 must be in [0, 1]"),
+])
+def test_bad_plan_input_is_one_line(args, msg, capsys):
+    base = {"--params": "7e9", "--nodes": "16", "--gpus-per-node": "8", "--inter-gbps": "100"}
+    base.update(dict(zip(args[::2], args[1::2])))
+    rc = main(["plan", *[x for kv in base.items() for x in kv]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and msg in err[0]
+
+
+def test_plan_prints_a_table_and_a_recommendation(capsys):
+    assert main(["plan", "--params", "7e9", "--nodes", "16", "--gpus-per-node", "8",
+                 "--inter-gbps", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "| zeropp |" in out and "Turn on quantized_weights=True" in out
