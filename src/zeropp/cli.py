@@ -185,6 +185,34 @@ def run_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench_cmd(ns: argparse.Namespace, argv: Optional[list[str]]) -> int:
+    from .bench.run import chart, run_bench, table
+    if ns.model not in PRESETS:
+        raise UsageError(f"unknown model preset {ns.model!r}; choose one of {', '.join(PRESETS)}")
+    try:
+        results, bench_dir = run_bench(ns)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    except RuntimeError as e:
+        print(f"zeropp bench failed: {e}", file=sys.stderr)
+        return 1
+    text = table(results)
+    r0 = results[0]
+    head = (f"{r0['params'] / 1e6:.1f}M-parameter GPT ({ns.model}, {ns.dtype}), {ns.nodes} "
+            f"nodes x {ns.node_size} ranks, inter-node link {r0['link']}, micro-batch "
+            f"{ns.batch} x {ns.seq_len}, median of {ns.steps} steps after a warm-up")
+    print("\n" + head + "\n\n" + text)
+    png = bench_dir / "bench.png"
+    if chart(results, png, f"zeropp bench: {ns.nodes}x{ns.node_size}, {r0['link']}"):
+        print(f"\nchart: {png}; results: {bench_dir / 'bench.json'}")
+    if ns.write:
+        cmd = "zeropp bench " + " ".join(argv if argv is not None else sys.argv[2:])
+        with open(ns.write, "a") as f:
+            f.write(f"\n### Emulated cluster: {r0['link']} ({time.strftime('%Y-%m-%d')})\n\n"
+                    f"Command: `{cmd}`  \n{head}.\n\n{text}\n")
+    return 0
+
+
 def run_plan(ns: argparse.Namespace) -> int:
     from .bench.plan import Cluster, format_table, plan, recommend
     try:
@@ -220,10 +248,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     pl.add_argument("--alpha-us", type=float, default=10.0, help="latency per message hop")
     pl.add_argument("--overlap", type=float, default=0.0,
                     help="fraction of the shorter of compute/communication hidden (0..1)")
+    b = sub.add_parser("bench", help="configurations side by side on an emulated cluster")
+    b.add_argument("--nodes", type=int, default=2)
+    b.add_argument("--node-size", type=int, default=2)
+    b.add_argument("--nproc", type=int, default=None, help="total ranks (checks the layout)")
+    b.add_argument("--inter-node", default="100mbit", help="link rate, e.g. 100mbit, 1gbit")
+    b.add_argument("--configs", default="fsdp2,fsdp2-hsdp,zero3,qwz,hpz,qgz,zeropp")
+    b.add_argument("--model", default="gpt-6x384", help=f"preset: {', '.join(PRESETS)}")
+    b.add_argument("--seq-len", type=int, default=64)
+    b.add_argument("--batch", type=int, default=2)
+    b.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    b.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="compute dtype for every configuration (bf16 is ~150x slower here)")
+    b.add_argument("--timeout", type=float, default=1800)
+    b.add_argument("--out", default=None)
+    b.add_argument("--write", default=None, metavar="RESULTS_MD",
+                   help="append the table to this markdown file (e.g. benchmarks/RESULTS.md)")
     ns = p.parse_args(argv)
     try:
         if ns.cmd == "plan":
             return run_plan(ns)
+        if ns.cmd == "bench":
+            return run_bench_cmd(ns, argv)
         return run_train(ns)
     except UsageError as e:
         print(f"zeropp {ns.cmd}: {e}", file=sys.stderr)

@@ -1,0 +1,142 @@
+"""`zeropp bench`: configurations side by side on the emulated cluster.
+
+Each configuration runs as one torchrun per node, inside that node's
+namespace, on the same model, data and units; the busiest node's interface
+counters give the wire bytes, zeropp's accounting its own figure. Without
+root or `ip netns` it says so in one line and runs on plain loopback instead
+(no link limit, no counters).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .cluster import Cluster, available, parse_rate
+
+ALL = ["fsdp2", "fsdp2-hsdp", "zero3", "qwz", "hpz", "qgz", "zeropp"]
+
+
+def _worker_cmd(cfg: str, ns, out: Path) -> list[str]:
+    return ["-m", "zeropp.bench.worker", "--config", cfg, "--model", ns.model, "--seq-len",
+            str(ns.seq_len), "--batch", str(ns.batch), "--steps", str(ns.steps), "--dtype",
+            ns.dtype, "--node-size", str(ns.node_size), "--out", str(out)]
+
+
+def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    port = str(29600 + k)  # a fresh port per configuration: no TIME_WAIT clash
+    if cluster is None:
+        procs = [subprocess.Popen([torchrun, "--standalone", "--nproc-per-node",
+                                   str(ns.nodes * ns.node_size), *_worker_cmd(cfg, ns, out)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    else:
+        procs = [cluster.popen(i, [torchrun, "--nnodes", str(ns.nodes), "--node-rank", str(i),
+                                   "--nproc-per-node", str(ns.node_size), "--master-addr",
+                                   cluster.addr(0), "--master-port", port,
+                                   *_worker_cmd(cfg, ns, out)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(ns.nodes)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=ns.timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs) or not out.exists():
+        tail = "\n".join(logs)[-2500:]
+        raise RuntimeError(f"configuration {cfg} failed:\n{tail}")
+    return json.loads(out.read_text())
+
+
+def run_bench(ns) -> tuple[list[dict], Path]:
+    rate = parse_rate(ns.inter_node)
+    configs = [c.strip() for c in ns.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in ALL]
+    if bad or not configs:
+        raise ValueError(f"unknown configuration {bad[0] if bad else ''!r}; choose from "
+                         f"{', '.join(ALL)}")
+    if ns.nodes < 1 or ns.node_size < 1:
+        raise ValueError(f"--nodes {ns.nodes} and --node-size {ns.node_size} must be >= 1")
+    if ns.nproc is not None and ns.nproc != ns.nodes * ns.node_size:
+        raise ValueError(f"--node-size {ns.node_size} does not divide --nproc {ns.nproc} into "
+                         f"{ns.nodes} nodes")
+    Cluster(ns.nodes, rate)  # validates the node count against the subnet
+    out_dir = Path(ns.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ok, why = available()
+    if not ok:
+        print(f"zeropp bench: no emulated cluster ({why}); running on plain loopback instead",
+              flush=True)
+    results = []
+    if ok:
+        with Cluster(ns.nodes, rate, prefix="zppb") as c:
+            for k, cfg in enumerate(configs):
+                results.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
+                    c, k, cfg, ns, out_dir / f"{cfg}.json")))
+    else:
+        for k, cfg in enumerate(configs):
+            results.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
+                None, k, cfg, ns, out_dir / f"{cfg}.json")))
+    for r in results:
+        r["link"] = rate if ok else "loopback"
+    (out_dir / "bench.json").write_text(json.dumps(results, indent=2))
+    return results, out_dir
+
+
+def _progress(k: int, cfg: str, configs: list[str], fn) -> dict:
+    print(f"[{k + 1}/{len(configs)}] {cfg} ...", end=" ", flush=True)
+    t0 = time.perf_counter()
+    r = fn()
+    print(f"{r['median_step_s']:.2f} s/step, {r['wire_rx_tx_bytes_per_node_step'] / 1e6:.1f} MB "
+          f"on the link per node per step ({time.perf_counter() - t0:.0f}s)", flush=True)
+    return r
+
+
+def table(results: list[dict], base: str = "fsdp2") -> str:
+    ref = next((r for r in results if r["config"] == base), results[0])
+    lines = [f"| config | median s/step | speedup vs {ref['config']} | link MB/node/step (rx+tx) "
+             f"| vs {ref['config']} | accounted MB sent/node/step | tx MB/node/step | "
+             "accounting vs tx | peak RSS MB/rank | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        acct, tx = r["accounted_inter_bytes_per_node_step"], r["wire_tx_bytes_per_node_step"]
+        wire = r["wire_rx_tx_bytes_per_node_step"]
+        lines.append(
+            f"| {r['config']} | {r['median_step_s']:.2f} | "
+            f"{ref['median_step_s'] / r['median_step_s']:.2f}x | {wire / 1e6:.1f} | "
+            f"{wire / ref['wire_rx_tx_bytes_per_node_step']:.3f} | "
+            + (f"{acct / 1e6:.1f} | {tx / 1e6:.1f} | {acct / tx:.3f} |" if acct is not None and tx
+               else f"n/a | {tx / 1e6:.1f} | n/a |")
+            + f" {r['peak_rss_mb']:.0f} | {r['final_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def chart(results: list[dict], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [r["config"] for r in results]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.bar(names, [r["median_step_s"] for r in results], color="tab:blue")
+    a.set_ylabel("median s/step")
+    b.bar(names, [r["wire_rx_tx_bytes_per_node_step"] / 1e6 for r in results],
+          color="tab:orange")
+    b.set_ylabel("inter-node MB per node per step (rx+tx)")
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

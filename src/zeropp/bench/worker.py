@@ -1,0 +1,122 @@
+"""One configuration of `zeropp bench` on one rank (started by torchrun inside a
+node's namespace). Rank 0 writes the result JSON; each node's first rank reads
+its own link's byte counters, which inside the namespace are that node's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import zeropp
+from zeropp.train.model import GPT, PRESETS, GPTConfig
+
+ZEROPP = {
+    "zero3": {},
+    "qwz": {"quantized_weights": True},
+    "hpz": {"hpz_partition_size": "D"},
+    "qgz": {"quantized_gradients": True},
+    "zeropp": {"quantized_weights": True, "hpz_partition_size": "D",
+               "quantized_gradients": True},
+}
+FSDP = ("fsdp2", "fsdp2-hsdp")
+
+
+def link_bytes() -> tuple[int, int]:
+    """(rx, tx) of cl0 in this namespace ((0, 0) outside an emulated node)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        if line.strip().startswith("cl0:"):
+            f = line.split(":", 1)[1].split()
+            return int(f[0]), int(f[8])
+    return 0, 0
+
+
+def build(name: str, a, node_size: int, nodes: int):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=a.seq_len, **PRESETS[a.model]))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    if name in FSDP:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        mesh = (init_device_mesh("cpu", (nodes, node_size), mesh_dim_names=("replicate", "shard"))
+                if name == "fsdp2-hsdp" else None)
+        for block in model.h:
+            fully_shard(block, mp_policy=mp, mesh=mesh)
+        fully_shard(model, mp_policy=mp, mesh=mesh)
+        return model
+    kw = {k: (node_size if v == "D" else v) for k, v in ZEROPP[name].items()}
+    return zeropp.shard(model, zeropp.Config(
+        node_size=node_size, param_dtype=None if dtype == torch.float32 else dtype, **kw))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True, choices=[*ZEROPP, *FSDP])
+    p.add_argument("--model", default="gpt-6x384")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--node-size", type=int, default=None,
+                   help="ranks per node (default LOCAL_WORLD_SIZE, as torchrun sets it)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    node_size = a.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = world // node_size
+    n_params = sum(p.numel() for p in GPT(GPTConfig(vocab_size=256, block_size=a.seq_len,
+                                                    **PRESETS[a.model])).parameters())
+    model = build(a.config, a, node_size, nodes)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 256, (a.batch, a.seq_len), generator=torch.Generator().manual_seed(rank))
+
+    def step() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(x, x)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.barrier()
+        return time.perf_counter() - t0, loss.item()
+
+    step()  # warm-up: learns unit order, builds groups and connections
+    if a.config not in FSDP:
+        zeropp.reset_comm_stats(model)
+    rx0, tx0 = link_bytes()
+    times, losses = zip(*(step() for _ in range(a.steps)))
+    rx1, tx1 = link_bytes()  # the barriers add a few hundred bytes
+    first = int(os.environ.get("LOCAL_RANK", 0)) == 0  # counters are per node
+    acct = zeropp.comm_stats(model)["inter_node_bytes"] if a.config not in FSDP else 0
+    local = torch.tensor([(rx1 - rx0) * first, (tx1 - tx0) * first, acct,
+                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.float64)
+    every = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(every, local)
+    if rank == 0:
+        def node_max(i: int) -> float:  # the busiest node's sum over its ranks, per step
+            return max(sum(every[r][i].item() for r in range(m * node_size, (m + 1) * node_size))
+                       for m in range(nodes)) / a.steps
+        Path(a.out).write_text(json.dumps({
+            "config": a.config, "median_step_s": statistics.median(times), "times": times,
+            "final_loss": losses[-1], "world": world, "nodes": nodes, "node_size": node_size,
+            "params": n_params,
+            "wire_rx_tx_bytes_per_node_step": node_max(0) + node_max(1),
+            "wire_tx_bytes_per_node_step": node_max(1),
+            # what a node sends across, by zeropp's accounting: compare with tx
+            "accounted_inter_bytes_per_node_step": node_max(2) if a.config not in FSDP else None,
+            "peak_rss_mb": max(t[3].item() for t in every) / 1024}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
