@@ -58,3 +58,37 @@ def test_two_nodes_train_over_a_shaped_link_and_leave_nothing_behind(tmp_path):
     assert tx >= accounted, (tx, accounted)  # the wire carries payload plus TCP/IP overhead
     print(f"node 0 sent {tx} bytes on cl0; zeropp accounted {accounted:.0f}")
     assert leftovers(prefix) == []
+
+
+def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zeropp", "bench", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--inter-node", "fast"], "unparsable link rate 'fast'"),
+    (["--nodes", "300"], "1 to 253 nodes"),
+    (["--nodes", "2", "--node-size", "3", "--nproc", "4"], "--node-size 3 does not divide"),
+    (["--configs", "zero3,deepspeed"], "unknown configuration 'deepspeed'"),
+], ids=["rate", "nodes", "layout", "config"])
+def test_bench_bad_input_is_one_line(args, message):
+    r = _bench(*args)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(not OK, reason=f"no emulated cluster here: {WHY}")
+def test_bench_smoke_2_nodes_x_1_rank_bytes_cross_and_nothing_is_left(tmp_path):
+    """`zeropp bench` for real: 2 namespaces x 1 rank, 2 steps of zeropp; the
+    link carried what the accounting says was sent (within 10% plus the
+    barriers' and the store's small change), and no namespace is left."""
+    r = _bench("--nodes", "2", "--node-size", "1", "--steps", "2", "--model", "small",
+               "--configs", "zero3,zeropp", "--inter-node", "1gbit", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = json.loads((tmp_path / "bench.json").read_text())
+    for res in results:
+        tx, acct = res["wire_tx_bytes_per_node_step"], res["accounted_inter_bytes_per_node_step"]
+        assert acct > 0 and 0.9 * tx <= acct <= tx, res
+    assert (tmp_path / "bench.png").exists()
+    assert leftovers("zppb") == []
