@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ def _worker_cmd(cfg: str, ns, out: Path) -> list[str]:
 def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     port = str(29600 + k)  # a fresh port per configuration: no TIME_WAIT clash
+    out.unlink(missing_ok=True)  # a stale result must not pass for this run's
     if cluster is None:
         procs = [subprocess.Popen([torchrun, "--standalone", "--nproc-per-node",
                                    str(ns.nodes * ns.node_size), *_worker_cmd(cfg, ns, out)],
@@ -40,16 +42,33 @@ def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
                                    *_worker_cmd(cfg, ns, out)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i in range(ns.nodes)]
-    logs = []
+    logs = [[] for _ in procs]
+    readers = [threading.Thread(target=lambda p=p, buf=buf: buf.extend(p.stdout), daemon=True)
+               for p, buf in zip(procs, logs)]
+    for t in readers:
+        t.start()
+    deadline, done_at = time.monotonic() + ns.timeout, None
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=ns.timeout)[0])
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"configuration {cfg} did not finish in {ns.timeout:.0f}s")
+            if out.exists():
+                # The result is written; a torchrun agent can then sit up to 5
+                # minutes in its exit barrier. Give the agents 20 s, then stop them.
+                done_at = done_at or time.monotonic()
+                if time.monotonic() - done_at > 20:
+                    break
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
-    if any(p.returncode for p in procs) or not out.exists():
+            p.wait()
+        for t in readers:
+            t.join(timeout=5)
+    failed = [p.returncode for p in procs if p.returncode not in (0, -9)]
+    if failed or not out.exists():
+        logs = ["".join(buf) for buf in logs]
         tail = "\n".join(logs)[-2500:]
         raise RuntimeError(f"configuration {cfg} failed:\n{tail}")
     return json.loads(out.read_text())
