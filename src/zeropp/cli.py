@@ -220,7 +220,7 @@ def run_plan(ns: argparse.Namespace) -> int:
                     inter_gbps=ns.inter_gbps, intra_gbps=ns.intra_gbps,
                     tokens_per_gpu=ns.tokens_per_gpu, tflops=ns.tflops,
                     param_bytes=ns.param_bytes, reduce_bytes=ns.reduce_bytes, units=ns.units,
-                    alpha_us=ns.alpha_us, overlap=ns.overlap)
+                    alpha_us=ns.alpha_us, overlap=ns.overlap, compute_s=ns.compute_s)
     except ValueError as e:
         raise UsageError(str(e)) from None
     rows = plan(c)
@@ -248,6 +248,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     pl.add_argument("--alpha-us", type=float, default=10.0, help="latency per message hop")
     pl.add_argument("--overlap", type=float, default=0.0,
                     help="fraction of the shorter of compute/communication hidden (0..1)")
+    pl.add_argument("--compute-s", type=float, default=0.0,
+                    help="measured compute seconds per step (overrides --tflops)")
     b = sub.add_parser("bench", help="configurations side by side on an emulated cluster")
     b.add_argument("--nodes", type=int, default=2)
     b.add_argument("--node-size", type=int, default=2)

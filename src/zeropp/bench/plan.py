@@ -40,6 +40,7 @@ class Cluster:
     units: int = 32            # gathered units (transformer blocks)
     alpha_us: float = 10.0     # per message hop
     overlap: float = 0.0
+    compute_s: float = 0.0     # measured compute per step; overrides the FLOP estimate
 
     def __post_init__(self) -> None:
         for name in ("params", "inter_gbps", "intra_gbps", "tflops", "tokens_per_gpu"):
@@ -91,7 +92,7 @@ def predict(c: Cluster, name: str) -> dict[str, float]:
     hops = c.units * ((c.world - 1) + ((c.gpus_per_node - 1) if hpz else (c.world - 1))
                       + (2 if qgz else c.world - 1))
     comm = hops * c.alpha_us * 1e-6 + v["cross"] / inter_bw + v["intra"] / intra_bw
-    compute = 6 * c.params * c.tokens_per_gpu / (c.tflops * 1e12)
+    compute = c.compute_s or 6 * c.params * c.tokens_per_gpu / (c.tflops * 1e12)
     step = compute + comm - c.overlap * min(compute, comm)
     return {**v, "comm_s": comm, "compute_s": compute, "step_s": step}
 

@@ -97,8 +97,9 @@ def main() -> None:
     times, losses = zip(*(step() for _ in range(a.steps)))
     rx1, tx1 = link_bytes()  # the barriers add a few hundred bytes
     first = int(os.environ.get("LOCAL_RANK", 0)) == 0  # counters are per node
-    acct = zeropp.comm_stats(model)["inter_node_bytes"] if a.config not in FSDP else 0
-    local = torch.tensor([(rx1 - rx0) * first, (tx1 - tx0) * first, acct,
+    stats = zeropp.comm_stats(model) if a.config not in FSDP else {}
+    acct, intra = stats.get("inter_node_bytes", 0), stats.get("intra_node_bytes", 0)
+    local = torch.tensor([(rx1 - rx0) * first, (tx1 - tx0) * first, acct, intra,
                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.float64)
     every = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(every, local)
@@ -114,7 +115,8 @@ def main() -> None:
             "wire_tx_bytes_per_node_step": node_max(1),
             # what a node sends across, by zeropp's accounting: compare with tx
             "accounted_inter_bytes_per_node_step": node_max(2) if a.config not in FSDP else None,
-            "peak_rss_mb": max(t[3].item() for t in every) / 1024}))
+            "accounted_intra_bytes_per_node_step": node_max(3) if a.config not in FSDP else None,
+            "peak_rss_mb": max(t[4].item() for t in every) / 1024}))
     dist.destroy_process_group()
 
 
