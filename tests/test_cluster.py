@@ -92,3 +92,16 @@ def test_bench_smoke_2_nodes_x_1_rank_bytes_cross_and_nothing_is_left(tmp_path):
         assert acct > 0 and 0.9 * tx <= acct <= tx, res
     assert (tmp_path / "bench.png").exists()
     assert leftovers("zppb") == []
+
+
+def test_bench_without_namespaces_says_so_and_runs_on_loopback(tmp_path, monkeypatch, capsys):
+    import zeropp.bench.run as run
+    from zeropp.cli import main
+    monkeypatch.setattr(run, "available", lambda: (False, "network namespaces need root"))
+    rc = main(["bench", "--nodes", "2", "--node-size", "1", "--steps", "1", "--model", "tiny",
+               "--configs", "zeropp", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "no emulated cluster (network namespaces need root); running on plain loopback" in out
+    (res,) = json.loads((tmp_path / "bench.json").read_text())
+    assert res["link"] == "loopback" and res["accounted_inter_bytes_per_node_step"] > 0

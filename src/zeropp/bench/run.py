@@ -126,17 +126,21 @@ def table(results: list[dict], base: str = "fsdp2") -> str:
              "accounting vs tx | accounted intra-node MB/node/step | peak RSS MB/rank | "
              "final loss |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    def mb(x):
+        return "n/a" if x is None else f"{x / 1e6:.1f}"
+
+    def ratio(a, b):  # n/a without a figure, or on loopback (no link, no counters)
+        return "n/a" if a is None or not b else f"{a / b:.3f}"
+    ref_wire = ref["wire_rx_tx_bytes_per_node_step"]
     for r in results:
         acct, tx = r["accounted_inter_bytes_per_node_step"], r["wire_tx_bytes_per_node_step"]
         wire = r["wire_rx_tx_bytes_per_node_step"]
         lines.append(
             f"| {r['config']} | {r['median_step_s']:.2f} | "
-            f"{ref['median_step_s'] / r['median_step_s']:.2f}x | {wire / 1e6:.1f} | "
-            f"{wire / ref['wire_rx_tx_bytes_per_node_step']:.3f} | "
-            + (f"{acct / 1e6:.1f} | {tx / 1e6:.1f} | {acct / tx:.3f} | "
-               f"{r['accounted_intra_bytes_per_node_step'] / 1e6:.1f} |"
-               if acct is not None and tx else f"n/a | {tx / 1e6:.1f} | n/a | n/a |")
-            + f" {r['peak_rss_mb']:.0f} | {r['final_loss']:.4f} |")
+            f"{ref['median_step_s'] / r['median_step_s']:.2f}x | {mb(wire)} | "
+            f"{ratio(wire, ref_wire)} | {mb(acct)} | {mb(tx)} | {ratio(acct, tx)} | "
+            f"{mb(r['accounted_intra_bytes_per_node_step'])} | {r['peak_rss_mb']:.0f} | "
+            f"{r['final_loss']:.4f} |")
     return "\n".join(lines)
 
 
