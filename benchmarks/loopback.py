@@ -20,17 +20,9 @@ import torch.distributed as dist
 from _report import report
 
 import zeropp
+from zeropp.config import NAMED, named
 from zeropp.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
-
-ZEROPP = {
-    "zero3": {},
-    "qwz": {"quantized_weights": True},
-    "hpz": {"hpz_partition_size": "D"},
-    "qgz": {"quantized_gradients": True},
-    "zeropp": {"quantized_weights": True, "hpz_partition_size": "D",
-               "quantized_gradients": True},
-}
 
 
 def _model(a) -> GPT:
@@ -48,10 +40,8 @@ def _build(name: str, a):
             fully_shard(block, mp_policy=mp)
         fully_shard(m, mp_policy=mp)
         return m
-    kw = {k: (a.node_size if v == "D" else v) for k, v in ZEROPP[name].items()}
     param_dtype = None if a.dtype == torch.float32 else a.dtype
-    return zeropp.shard(_model(a), zeropp.Config(node_size=a.node_size,
-                                                 param_dtype=param_dtype, **kw))
+    return zeropp.shard(_model(a), named(name, a.node_size, param_dtype=param_dtype))
 
 
 def _worker(a) -> dict:
@@ -92,7 +82,7 @@ def _worker(a) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="zero3,fsdp2",
-                   help=f"comma-separated, from {','.join([*ZEROPP, 'fsdp2'])}")
+                   help=f"comma-separated, from {','.join([*NAMED, 'fsdp2'])}")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--node-size", type=int, default=2)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -108,7 +98,7 @@ def main() -> None:
     a.configs = a.configs.split(",")
     a.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     for c in a.configs:
-        if c not in ZEROPP and c != "fsdp2":
+        if c not in NAMED and c != "fsdp2":
             p.error(f"unknown config {c!r}")
     out = spawn(_worker, a.world, a.node_size, args=(a,), timeout=3600)
     base = a.configs[0]

@@ -20,6 +20,7 @@ import torch
 
 import zeropp
 
+from .config import NAMED, named
 from .launch import WorkerError, spawn
 from .train.data import DataError
 from .train.loop import TrainArgs, prepare_tokens, train_worker
@@ -27,15 +28,6 @@ from .train.model import PRESETS
 from .train.report import plot, summarize, table
 from .train.tokenizer import TokenizerError
 
-# The configurations --compare knows, as Config switches ("D" = the node size).
-NAMED = {
-    "zero3": {},
-    "qwz": {"quantized_weights": True},
-    "hpz": {"hpz_partition_size": "D"},
-    "qgz": {"quantized_gradients": True},
-    "zeropp": {"quantized_weights": True, "hpz_partition_size": "D",
-               "quantized_gradients": True},
-}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE = Path.home() / ".cache" / "zeropp"
 
@@ -97,8 +89,8 @@ def configs_from(ns: argparse.Namespace) -> list[tuple[str, zeropp.Config]]:
             if bad or not names:
                 raise UsageError(f"--compare: unknown configuration {bad[0] if bad else ''!r}; "
                                  f"choose from {', '.join(NAMED)}")
-            return [(c, zeropp.Config(**base, **{k: ns.node_size if v == "D" else v
-                                                 for k, v in NAMED[c].items()})) for c in names]
+            base.pop("node_size")
+            return [(c, named(c, ns.node_size, **base)) for c in names]
         if ns.deepspeed_config:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

@@ -136,6 +136,24 @@ class Config:
         return cls(**kwargs)
 
 
+# The configurations that --compare, the benchmarks and `zeropp bench` name,
+# as Config switches; "D" stands for the node size.
+NAMED = {
+    "zero3": {},
+    "qwz": {"quantized_weights": True},
+    "hpz": {"hpz_partition_size": "D"},
+    "qgz": {"quantized_gradients": True},
+    "zeropp": {"quantized_weights": True, "hpz_partition_size": "D",
+               "quantized_gradients": True},
+}
+
+
+def named(name: str, node_size: int, **fields) -> Config:
+    """The Config of a named configuration (see NAMED) on nodes of `node_size`."""
+    switches = {k: node_size if v == "D" else v for k, v in NAMED[name].items()}
+    return Config(node_size=node_size, **switches, **fields)
+
+
 _DS_KEYS = {
     "zero_quantized_weights": "quantized_weights",
     "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",

@@ -16,16 +16,9 @@ import torch
 import torch.distributed as dist
 
 import zeropp
+from zeropp.config import NAMED, named
 from zeropp.train.model import GPT, PRESETS, GPTConfig
 
-ZEROPP = {
-    "zero3": {},
-    "qwz": {"quantized_weights": True},
-    "hpz": {"hpz_partition_size": "D"},
-    "qgz": {"quantized_gradients": True},
-    "zeropp": {"quantized_weights": True, "hpz_partition_size": "D",
-               "quantized_gradients": True},
-}
 FSDP = ("fsdp2", "fsdp2-hsdp")
 
 
@@ -52,14 +45,13 @@ def build(name: str, a, node_size: int, nodes: int):
             fully_shard(block, mp_policy=mp, mesh=mesh)
         fully_shard(model, mp_policy=mp, mesh=mesh)
         return model
-    kw = {k: (node_size if v == "D" else v) for k, v in ZEROPP[name].items()}
-    return zeropp.shard(model, zeropp.Config(
-        node_size=node_size, param_dtype=None if dtype == torch.float32 else dtype, **kw))
+    return zeropp.shard(model, named(name, node_size,
+                                     param_dtype=None if dtype == torch.float32 else dtype))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True, choices=[*ZEROPP, *FSDP])
+    p.add_argument("--config", required=True, choices=[*NAMED, *FSDP])
     p.add_argument("--model", default="gpt-6x384")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
