@@ -106,8 +106,7 @@ def configs_from(ns: argparse.Namespace) -> list[tuple[str, zeropp.Config]]:
 
 
 def train_args_from(ns: argparse.Namespace) -> TrainArgs:
-    fields = {f.name for f in dataclasses.fields(TrainArgs)} - {"extra"}
-    a = TrainArgs(**{k: getattr(ns, k) for k in fields})
+    a = TrainArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainArgs)})
     if a.model not in PRESETS:
         raise UsageError(f"unknown model preset {a.model!r}; choose one of {', '.join(PRESETS)}")
     for k in ("steps", "batch", "seq_len", "accum", "eval_every", "eval_batches", "log_every"):

@@ -125,9 +125,6 @@ class Unit:
         flat.reduce_grad(self.state.comm, self.state.cfg)
         self.state.stats.count_unit(self.label, "reduce_scatter")
 
-    def post_backward_frozen(self) -> None:
-        self.free()
-
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward marks the unit's backward done."""
@@ -139,7 +136,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.post_backward_frozen()
+        ctx.unit.free()
         return (None, *grads)
 
     @staticmethod

@@ -66,6 +66,15 @@ def _tc(ns: str, dev: str, rate: str) -> None:
         raise ClusterError(f"tc tbf {rate} on {ns}/{dev} failed: {r.stderr.strip()}")
 
 
+def link_counters(net_dev: str, dev: str = "cl0") -> Optional[tuple[int, int]]:
+    """(rx, tx) bytes of `dev` from the text of /proc/net/dev; None if absent."""
+    for line in net_dev.splitlines():
+        if line.strip().startswith(f"{dev}:"):
+            f = line.split(":", 1)[1].split()
+            return int(f[0]), int(f[8])
+    return None
+
+
 def leftovers(prefix: str) -> list[str]:
     r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
@@ -129,11 +138,10 @@ class Cluster:
         """(rx, tx) bytes of node i's link, read inside its namespace."""
         r = subprocess.run(["ip", "netns", "exec", self.ns(i), "cat", "/proc/net/dev"],
                            capture_output=True, text=True, check=True)
-        for line in r.stdout.splitlines():
-            if line.strip().startswith("cl0:"):
-                f = line.split(":", 1)[1].split()
-                return int(f[0]), int(f[8])
-        raise ClusterError(f"no cl0 interface in {self.ns(i)}")
+        counters = link_counters(r.stdout)
+        if counters is None:
+            raise ClusterError(f"no cl0 interface in {self.ns(i)}")
+        return counters
 
     def popen(self, i: int, cmd: Sequence[str], env: Optional[dict] = None,
               **kw) -> subprocess.Popen:

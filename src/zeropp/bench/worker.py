@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import zeropp
+from zeropp.bench.cluster import link_counters
 from zeropp.config import NAMED, named
 from zeropp.train.model import GPT, PRESETS, GPTConfig
 
@@ -24,11 +25,7 @@ FSDP = ("fsdp2", "fsdp2-hsdp")
 
 def link_bytes() -> tuple[int, int]:
     """(rx, tx) of cl0 in this namespace ((0, 0) outside an emulated node)."""
-    for line in Path("/proc/net/dev").read_text().splitlines():
-        if line.strip().startswith("cl0:"):
-            f = line.split(":", 1)[1].split()
-            return int(f[0]), int(f[8])
-    return 0, 0
+    return link_counters(Path("/proc/net/dev").read_text()) or (0, 0)
 
 
 def build(name: str, a, node_size: int, nodes: int):

@@ -6,7 +6,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -41,7 +41,6 @@ class TrainArgs:
     eval_every: int = 50
     eval_batches: int = 8
     log_every: int = 10
-    extra: dict = field(default_factory=dict)
 
 
 def lr_at(step: int, a: TrainArgs) -> float:
