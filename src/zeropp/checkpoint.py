@@ -1,11 +1,60 @@
-"""Consolidating a sharded model's weights (checkpoint files arrive later)."""
+"""Checkpoints of a sharded model: save and load (resharding to any world size),
+and the consolidated state dict. The on-disk format, verification and export
+live in checkpoint_files.py.
+
+[Note: atomic saves]
+Every rank writes its file into `.NAME.partial` beside the target and fsyncs
+it; rank 0 then writes the manifest (with every file's sha256), fsyncs, and
+renames the directory into place (the previous checkpoint is moved to
+`.NAME.old` first and deleted after). A save that dies at any point leaves
+the previous checkpoint intact: before the rename nothing at NAME changed,
+and between the two renames `load_checkpoint(NAME)` finds `.NAME.old`. One
+rank's failure (disk full) becomes the same error on every rank, not a hang.
+
+[Note: what a load restores]
+Master shards (resharded if the world size or layout differs), optimizer
+state (sharded tensors resharded; hyper-parameters and step counts as saved),
+buffers, each rank's RNG states (torch, CUDA, Python, NumPy; only when the
+world size is unchanged: ranks do not map otherwise), and the extras given to
+save. Everything is read and checked before anything is written, on every
+rank, so a failed load leaves the model and optimizer as they were. hpZ
+secondaries and any gathered weights are dropped: the next gather is from
+the loaded masters (DeepSpeed #7130, #7606).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
 import torch
+from safetensors.torch import save as st_save
 from torch import nn
 
-from .shard import get_state
+from .checkpoint_files import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    Reader,
+    fsync_dir,
+    jsonable,
+    param_index,
+    rank_file,
+    read_manifest,
+    resolve,
+    write_durably,
+)
+from .guards import agree, all_gather_bytes
+from .quant import quantize
+from .shard import ShardState, get_state
 
 
 def full_state_dict(model: nn.Module, *, all_ranks: bool = False) -> dict[str, torch.Tensor]:
@@ -15,12 +64,335 @@ def full_state_dict(model: nn.Module, *, all_ranks: bool = False) -> dict[str, t
     rank with `all_ranks=True`); other ranks get {}."""
     st = get_state(model)
     out: dict[str, torch.Tensor] = {}
-    for u in st.units:
-        for f in u.flats:
-            full = f.gather_master(st.comm)
-            out.update({k: v.clone() for k, v in f.unflatten(full).items()})
+    for f in st.flats:
+        full = f.gather_master(st.comm)
+        out.update({k: v.clone() for k, v in f.unflatten(full).items()})
     if not all_ranks and st.topo.rank != 0:
         return {}
-    for name, buf in model.named_buffers():
+    for name, buf in _buffers(model).items():
         out[name] = buf.detach().clone()
+    return out
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers (those a state dict carries), by name."""
+    out = {}
+    for mname, m in model.named_modules():
+        for bname, b in m._buffers.items():
+            if b is not None and bname not in m._non_persistent_buffers_set:
+                out[f"{mname}.{bname}" if mname else bname] = b
+    return out
+
+
+def _hf_model(model: nn.Module) -> Optional[dict]:
+    """The transformers model inside `model` (or `model` itself), if any."""
+    for name, m in model.named_modules():
+        cfg = getattr(m, "config", None)
+        if hasattr(m, "save_pretrained") and hasattr(cfg, "to_json_string"):
+            return {"prefix": f"{name}." if name else "", "class": type(m).__name__,
+                    "config": json.loads(cfg.to_json_string())}
+    return None
+
+
+# ---- save ---------------------------------------------------------------------------
+def save_checkpoint(path: os.PathLike, model: nn.Module,
+                    optimizer: Optional[torch.optim.Optimizer] = None, **extra: Any) -> Path:
+    """Save a sharded checkpoint to the directory `path` (collective: every rank
+    calls it). `extra`: anything else to keep, returned by `load_checkpoint`:
+    JSON values (rank 0's are kept), tensors and torch.Generators (each rank's
+    own), and objects with state_dict() such as an LR scheduler."""
+    st = get_state(model)
+    rank = st.topo.rank
+    path = Path(path)
+    tmp, old = path.parent / f".{path.name}.partial", path.parent / f".{path.name}.old"
+    err = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            err = f"cannot create {tmp}: {e}"
+    agree(err, CheckpointError)  # also a barrier: the directory exists for everyone
+    info, manifest = b"", None
+    try:
+        tensors, meta, manifest = _collect(st, model, optimizer, extra)
+        data = st_save(tensors, metadata={"zeropp": json.dumps(meta)})
+        write_durably(tmp / rank_file(rank), data)
+        info = json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
+        err = None
+    except Exception as e:  # noqa: BLE001 - every failure must reach every rank
+        err = f"saving {path}: {e}"
+    agree(err, CheckpointError)
+    files = [json.loads(b) for b in all_gather_bytes(info.encode())]
+    if rank == 0:
+        try:
+            manifest["files"] = {rank_file(r): f for r, f in enumerate(files)}
+            write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            fsync_dir(tmp)
+            _move_into_place(tmp, path, old)
+        except Exception as e:  # noqa: BLE001
+            err = f"saving {path}: {e}"
+    agree(err, CheckpointError)  # nobody returns before the checkpoint is in place
+    return path
+
+
+def _move_into_place(tmp: Path, path: Path, old: Path) -> None:
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimizer],
+             extra: dict) -> tuple[dict, dict, dict]:
+    """This rank's tensors and file metadata, and the manifest (used on rank 0)."""
+    rank = st.topo.rank
+    tensors: dict[str, torch.Tensor] = {}
+    for f in st.flats:
+        tensors[f"model/{f.name}"] = f.primary_shard.detach().cpu().clone()
+    buffers = _buffers(model)
+    if rank == 0:
+        for name, b in buffers.items():
+            tensors[f"buffer/{name}"] = b.detach().cpu().contiguous().clone()
+    tensors["rng/torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    py = random.getstate()
+    npy = np.random.get_state()
+    meta = {"rank": rank, "python_rng": [py[0], list(py[1]), py[2]],
+            "numpy_rng": [npy[0], npy[1].tolist(), int(npy[2]), int(npy[3]), float(npy[4])]}
+    kinds, values = {}, {}
+    for k, v in extra.items():
+        if isinstance(v, torch.Tensor):
+            tensors[f"extra/{k}"], kinds[k] = v.detach().cpu().contiguous().clone(), "tensor"
+        elif isinstance(v, torch.Generator):
+            tensors[f"extra/{k}"], kinds[k] = v.get_state(), f"generator:{v.device}"
+        elif hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
+            values[k], kinds[k] = jsonable(v.state_dict(), f"extra {k!r}"), "stateful"
+        else:
+            values[k], kinds[k] = jsonable(v, f"extra {k!r}"), "json"
+    manifest = {
+        "format": FORMAT, "version": VERSION, "world_size": st.topo.world_size,
+        "node_size": st.topo.node_size, "config": st.cfg.to_dict(),
+        "optimizer_steps": st.optimizer_steps, "step": values.get("step"),
+        "torch": torch.__version__,
+        "flats": [f.layout() for f in st.flats],
+        "buffers": {n: list(b.shape) for n, b in buffers.items()},
+        "optimizer": _optimizer_state(st, opt, tensors) if opt is not None else None,
+        "extra": values, "extra_kinds": kinds, "hf": _hf_model(model),
+    }
+    return tensors, meta, manifest
+
+
+def _optimizer_state(st: ShardState, opt: torch.optim.Optimizer, tensors: dict) -> dict:
+    """Hyper-parameters and per-flat state kinds for the manifest; the state
+    tensors go into `tensors` ("sharded" ones are shaped like the shard)."""
+    names = {id(f.primary_shard): f.name for f in st.flats}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    foreign = sum(1 for p in params if id(p) not in names)
+    if foreign:
+        raise CheckpointError(
+            f"the optimizer holds {foreign} tensor(s) that are not this model's master "
+            "shards (built before zeropp.shard(), or for another model)")
+    sd = opt.state_dict()
+    groups = [{**jsonable({k: v for k, v in g.items() if k != "params"}, "optimizer group"),
+               "params": [names[id(params[i])] for i in g["params"]]}
+              for g in sd["param_groups"]]
+    state = {}
+    for i, s in sd["state"].items():
+        p, name = params[i], names[id(params[i])]
+        kinds = {}
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"optim/{name}/{k}"] = v.detach().cpu().contiguous().clone()
+                kinds[k] = "sharded" if v.shape == p.shape else "rank"
+            else:
+                kinds[k] = {"value": jsonable(v, f"optimizer state {k!r}")}
+        state[name] = kinds
+    return {"class": type(opt).__name__, "param_groups": groups, "state": state}
+
+
+# ---- load ---------------------------------------------------------------------------
+def load_checkpoint(path: os.PathLike, model: nn.Module,
+                    optimizer: Optional[torch.optim.Optimizer] = None,
+                    **restore: Any) -> dict[str, Any]:
+    """Load a checkpoint saved by `save_checkpoint` into the sharded `model`
+    (and `optimizer`), at this world size. Collective. Returns the extras:
+    JSON values, this rank's tensors, Generators and state dicts. A Generator
+    or stateful object passed by keyword in `restore` is restored in place.
+    Any problem is a CheckpointError naming it, raised on every rank."""
+    st = get_state(model)
+    err, plan = None, None
+    try:
+        plan = _read(Path(path), st, model, optimizer, restore)
+    except Exception as e:  # noqa: BLE001 - every failure must reach every rank
+        err = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    agree(err, CheckpointError)
+    return _apply(plan, st, model, optimizer, restore)
+
+
+def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimizer],
+          restore: dict) -> dict:
+    path = resolve(path)
+    man = read_manifest(path)
+    rd = Reader(path, man)
+    _check_names(man, st, model, path)
+    same_world = man["world_size"] == st.topo.world_size
+    rank = st.topo.rank
+    where = param_index(man)
+    saved_flats = {f["name"]: f for f in man["flats"]}
+    shards = {}
+    for f in st.flats:
+        sf = saved_flats.get(f.name)
+        if same_world and sf == f.layout():  # same layout: this rank's own bytes
+            shards[f.name] = rd.get(rank, f"model/{f.name}")
+            continue
+        values = _assemble(f, rank, rd, where, lambda name: f"model/{name}")
+        shards[f.name] = (quantize(values, f.weight_bits, f.block).to_bytes()
+                          if f.int_storage else values)
+    buffers = {n: rd.get(0, f"buffer/{n}") for n in man.get("buffers", {})}
+    opt_sd = _read_optimizer(man, rd, st, opt, where, same_world) if opt is not None else None
+    meta = json.loads(rd.file(rank).metadata()["zeropp"]) if same_world else None
+    rng = {k: rd.get(rank, f"rng/{k}") for k in ("torch", "cuda")
+           if same_world and rd.has(rank, f"rng/{k}")}
+    extras: dict[str, Any] = dict(man.get("extra", {}))
+    for k, kind in man.get("extra_kinds", {}).items():
+        if kind == "tensor" or kind.startswith("generator"):
+            if same_world:
+                extras[k] = rd.get(rank, f"extra/{k}")
+            elif k in restore:
+                raise CheckpointError(f"extra {k!r} is per-rank state saved at world size "
+                                      f"{man['world_size']}; it cannot be restored at "
+                                      f"{st.topo.world_size}")
+    return {"man": man, "shards": shards, "buffers": buffers, "opt": opt_sd, "meta": meta,
+            "rng": rng, "extras": extras, "path": path}
+
+
+def _check_names(man: dict, st: ShardState, model: nn.Module, path: Path) -> None:
+    """The model must have exactly the checkpoint's parameters and buffers."""
+    saved = {n: tuple(p["shape"]) for f in man["flats"] for p in f["params"]
+             for n in p["names"]}
+    saved.update({n: tuple(s) for n, s in man.get("buffers", {}).items()})
+    mine = {n: tuple(i.shape) for f in st.flats for i in f.infos for n in i.fqns}
+    mine.update({n: tuple(b.shape) for n, b in _buffers(model).items()})
+    for n, shape in mine.items():
+        if n not in saved:
+            raise CheckpointError(f"{path}: the model's {n!r} {shape} is not in the checkpoint")
+        if saved[n] != shape:
+            raise CheckpointError(f"{path}: {n!r} has shape {saved[n]} in the checkpoint and "
+                                  f"{shape} in the model")
+    for n, shape in saved.items():
+        if n not in mine:
+            raise CheckpointError(f"{path}: the checkpoint's {n!r} {shape} is not in the model")
+
+
+def _assemble(f: Any, rank: int, rd: Reader, where: dict, key: Any) -> torch.Tensor:
+    """This rank's shard of flat `f`, assembled parameter by parameter from the
+    saved flats (`key(saved flat name)` names the tensor to read)."""
+    lo, hi = rank * f.shard_numel, (rank + 1) * f.shard_numel
+    out = None
+    for info in f.infos:
+        a, b = max(lo, info.offset), min(hi, info.offset + info.numel)
+        if a >= b:
+            continue
+        sf, sp = where[info.fqns[0]]
+        piece = rd.values(sf, key(sf["name"]), sp["offset"] + a - info.offset,
+                          sp["offset"] + b - info.offset)
+        if out is None:
+            out = torch.zeros(f.shard_numel, dtype=piece.dtype)
+        out[a - lo:b - lo] = piece
+    return out if out is not None else torch.zeros(f.shard_numel)  # all padding
+
+
+def _read_optimizer(man: dict, rd: Reader, st: ShardState, opt: torch.optim.Optimizer,
+                    where: dict, same_world: bool) -> dict:
+    """The optimizer's state dict for this rank, in torch's format."""
+    saved = man.get("optimizer")
+    if saved is None:
+        raise CheckpointError(f"{rd.path}: saved without an optimizer; load it without one")
+    if saved["class"] != type(opt).__name__:
+        raise CheckpointError(f"{rd.path}: optimizer state is for {saved['class']}, this "
+                              f"optimizer is {type(opt).__name__}")
+    flats = {id(f.primary_shard): f for f in st.flats}
+    group_of = {n: i for i, g in enumerate(saved["param_groups"]) for n in g["params"]}
+    if len(saved["param_groups"]) != len(opt.param_groups):
+        raise CheckpointError(f"{rd.path}: {len(saved['param_groups'])} optimizer param "
+                              f"group(s) saved, this optimizer has {len(opt.param_groups)}")
+    sd: dict[str, Any] = {"state": {}, "param_groups": []}
+    idx = 0
+    for gi, g in enumerate(opt.param_groups):
+        ids = []
+        for p in g["params"]:
+            f = flats.get(id(p))
+            if f is None:
+                raise CheckpointError("the optimizer holds tensors that are not this model's "
+                                      "master shards (built before zeropp.shard()?)")
+            src = where[f.infos[0].fqns[0]][0]["name"]  # the saved flat it maps to
+            if group_of.get(src) != gi:
+                raise CheckpointError(f"{rd.path}: {f.name} is in optimizer group {gi} here "
+                                      f"and in group {group_of.get(src)} in the checkpoint")
+            kinds = saved["state"].get(src)
+            if kinds:
+                s = {}
+                for k, kind in kinds.items():
+                    if kind == "sharded":
+                        s[k] = _assemble(f, st.topo.rank, rd, where,
+                                         lambda name, k=k: f"optim/{name}/{k}")
+                    elif kind == "rank":  # e.g. a step count: the same on every rank
+                        s[k] = rd.get(st.topo.rank if same_world else 0, f"optim/{src}/{k}")
+                    else:
+                        s[k] = kind["value"]
+                sd["state"][idx] = s
+            ids.append(idx)
+            idx += 1
+        hp = {k: (tuple(v) if isinstance(g.get(k), tuple) else v)
+              for k, v in saved["param_groups"][gi].items() if k != "params"}
+        sd["param_groups"].append({**hp, "params": ids})
+    return sd
+
+
+def _apply(plan: dict, st: ShardState, model: nn.Module,
+           opt: Optional[torch.optim.Optimizer], restore: dict) -> dict[str, Any]:
+    with torch.no_grad():
+        for f in st.flats:
+            f.primary_shard.copy_(plan["shards"][f.name])  # bumps the version counter
+            f.secondary = None  # the next gather is from the loaded masters
+            f.primary_shard.grad = None  # gradients of the replaced weights mean nothing
+        for u in st.units:
+            u.free()
+        bufs = _buffers(model)
+        for n, t in plan["buffers"].items():
+            bufs[n].copy_(t)
+    if opt is not None:
+        opt.load_state_dict(plan["opt"])
+    man = plan["man"]
+    st.optimizer_steps = man.get("optimizer_steps", 0)
+    if plan["meta"] is not None:
+        meta = plan["meta"]
+        torch.set_rng_state(plan["rng"]["torch"])
+        if "cuda" in plan["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(plan["rng"]["cuda"])
+        py = meta["python_rng"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        n = meta["numpy_rng"]
+        np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    elif st.topo.rank == 0:
+        warnings.warn(f"zeropp: checkpoint saved at world size {man['world_size']}, loaded at "
+                      f"{st.topo.world_size}: weights and optimizer state resharded; per-rank "
+                      "RNG states and per-rank extras were not restored", stacklevel=3)
+    out = {}
+    for k, v in plan["extras"].items():
+        kind = man["extra_kinds"].get(k, "json")
+        if kind.startswith("generator"):
+            gen = restore.get(k)
+            if gen is None:
+                gen = torch.Generator(device=kind.split(":", 1)[1])
+            gen.set_state(v)
+            v = gen
+        elif kind == "stateful" and k in restore:
+            restore[k].load_state_dict(v)
+            v = restore[k]
+        out[k] = v
     return out

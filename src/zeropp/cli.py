@@ -121,8 +121,7 @@ def train_args_from(ns: argparse.Namespace) -> TrainArgs:
 
 
 def _config_json(a: TrainArgs, cfg: zeropp.Config, ns: argparse.Namespace) -> str:
-    c = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
-         for k, v in dataclasses.asdict(cfg).items()}
+    c = cfg.to_dict()
     launch = {"nproc": ns.nproc, "node_size": ns.node_size, "torch": torch.__version__}
     return json.dumps({"train": dataclasses.asdict(a), "zeropp": c, "launch": launch}, indent=2)
 
@@ -220,6 +219,16 @@ def run_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_export(ns: argparse.Namespace) -> int:
+    from .checkpoint_files import CheckpointError, export
+    try:
+        files = export(ns.checkpoint, ns.out, dtype=DTYPES[ns.dtype] if ns.dtype else None)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    print(f"zeropp export: wrote {', '.join(str(f) for f in files)}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="zeropp", description="ZeRO-3 + ZeRO++ in plain PyTorch")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -257,8 +266,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     b.add_argument("--out", default=None)
     b.add_argument("--write", default=None, metavar="RESULTS_MD",
                    help="append the table to this markdown file (e.g. benchmarks/RESULTS.md)")
+    e = sub.add_parser("export", help="one consolidated model.safetensors from a checkpoint")
+    e.add_argument("checkpoint", help="a checkpoint directory (zeropp.save_checkpoint)")
+    e.add_argument("out", help="output directory: model.safetensors (+ config.json for a "
+                               "transformers model, so from_pretrained(OUT) works)")
+    e.add_argument("--dtype", default=None, choices=list(DTYPES),
+                   help="cast floating tensors (default: as saved, fp32 masters)")
     ns = p.parse_args(argv)
     try:
+        if ns.cmd == "export":
+            return run_export(ns)
         if ns.cmd == "plan":
             return run_plan(ns)
         if ns.cmd == "bench":

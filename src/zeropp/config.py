@@ -46,6 +46,10 @@ class Config:
     """Elements per quantization block (one fp32 scale each)."""
     prefetch: bool = True
     """Issue the next unit's gather asynchronously ahead of its use."""
+    collective_timeout: Optional[float] = None
+    """Seconds any one collective may take before it fails with an error naming
+    the operation and the unit (a rank died or runs different code); None =
+    the process group's timeout."""
 
     def __post_init__(self) -> None:
         for name in ("quantized_weights", "quantized_gradients",
@@ -69,9 +73,31 @@ class Config:
                _is_int(self.block_size) and 8 <= self.block_size <= 1 << 20
                and self.block_size % 8 == 0,
                "a multiple of 8 in [8, 1048576] (keeps wire pieces 4-byte aligned)")
+        if self.collective_timeout is not None:
+            t = self.collective_timeout
+            _check("collective_timeout", t, isinstance(t, (int, float))
+                   and not isinstance(t, bool) and 0 < t < float("inf"),
+                   "None or a positive number of seconds")
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (dtypes as names such as "bfloat16")."""
+        return {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
+                for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        """Inverse of `to_dict`; unknown fields (a newer zeropp) are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"zeropp.Config: unknown field(s) {', '.join(unknown)}")
+        dtype = {"param_dtype", "reduce_dtype"}
+        return cls(**{k: (getattr(torch, v) if k in dtype and isinstance(v, str)
+                          and v in ("float32", "bfloat16", "float16") else v)
+                      for k, v in d.items()})
 
     @property
     def quantized(self) -> bool:

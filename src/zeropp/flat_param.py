@@ -57,7 +57,8 @@ class ParamInfo:
 class FlatParam:
     def __init__(self, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
                  *, topo: Topology, cfg: Config, compute_dtype: torch.dtype,
-                 trainable: bool) -> None:
+                 trainable: bool, name: str = "_zeropp_flat0") -> None:
+        self.name = name  # as registered on its unit's module, e.g. "blocks.0._zeropp_flat0"
         self.trainable, self.compute_dtype = trainable, compute_dtype
         self.world_size = w = topo.world_size
         self.infos: list[ParamInfo] = []
@@ -216,6 +217,14 @@ class FlatParam:
             p.grad.add_(part)
 
     # ---- consolidation -------------------------------------------------------
+    def layout(self) -> dict:
+        """Where everything sits, as a checkpoint manifest records it (JSON types)."""
+        return {"name": self.name, "trainable": self.trainable, "numel": self.numel,
+                "shard_numel": self.shard_numel, "block": self.block,
+                "storage": f"int{self.weight_bits}" if self.int_storage else "float32",
+                "params": [{"names": list(i.fqns), "shape": list(i.shape), "offset": i.offset}
+                           for i in self.infos]}
+
     def gather_master(self, comm: Comm) -> torch.Tensor:
         """The full flat fp32 master weights (every rank's shard), for export.
         Frozen weights stored as integers come back dequantized."""

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .collectives import Comm
 from .config import Config
 from .flat_param import FlatParam
+from .guards import check_same_model, forget_parameters
 from .stats import CommStats
 from .topology import Topology, get_topology
 
@@ -167,6 +168,7 @@ class ShardState:
         self.finished_order: list[Unit] = []   # by post-forward: inner units first
         self.backward_order: list[Unit] = []
         self.backward_active = False
+        self.optimizer_steps = 0  # steps over these shards; kept in checkpoints
 
     @property
     def flats(self) -> list[FlatParam]:
@@ -251,8 +253,14 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 
 # ---- building the units ------------------------------------------------------------
 def _unit_modules(model: nn.Module, unit_types: Optional[tuple]) -> dict[nn.Module, str]:
-    """Unit module -> name ("" for the root), in module order."""
+    """Unit module -> name ("" for the root), in module order. Automatic units:
+    a transformers model's decoder layers (the classes its `_no_split_modules`
+    names), else the entries of every nn.ModuleList."""
     units = {model: ""}
+    if unit_types is None:
+        names = {c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or ())}
+        classes = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+        unit_types = classes or None
     for name, m in model.named_modules():
         if m is model or m in units:
             continue
@@ -307,6 +315,7 @@ def _optimizer_step_hook(state_ref: weakref.ref) -> Any:
             ours[opt] = [f for f in st.flats if id(f.primary_shard) in held]
         if ours[opt]:
             st.stats.steps += 1
+            st.optimizer_steps += 1
             for f in ours[opt]:
                 f.secondary = None
     return hook
@@ -331,19 +340,23 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     topo = get_topology(cfg.node_size)
     state = ShardState(cfg, topo)
     units = _unit_modules(model, unit_types)
+    check_same_model(model, list(units.values()))  # one small all-gather; raises on all ranks
     owned = _assign_params(model, units)
     for plist in owned.values():
         for _, regs, _ in plist:
             for m, attr in regs:
                 del m._parameters[attr]
+    forget_parameters([p for plist in owned.values() for p, _, _ in plist])
     for mod, name in units.items():
         groups: dict[tuple, list] = {}
         for entry in owned[mod]:
             p = entry[0]
             key = (p.requires_grad, cfg.param_dtype or p.dtype)
             groups.setdefault(key, []).append(entry)
-        flats = [FlatParam(plist, topo=topo, cfg=cfg, compute_dtype=dtype, trainable=trainable)
-                 for (trainable, dtype), plist in groups.items()]
+        prefix = f"{name}." if name else ""
+        flats = [FlatParam(plist, topo=topo, cfg=cfg, compute_dtype=dtype, trainable=trainable,
+                           name=f"{prefix}_zeropp_flat{k}")
+                 for k, ((trainable, dtype), plist) in enumerate(groups.items())]
         for k, f in enumerate(flats):
             mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)
         unit = Unit(name, mod, flats, state)

@@ -1,0 +1,282 @@
+"""A checkpoint on disk: the manifest, verified reads of shard files, and the
+consolidated export (`zeropp export CKPT OUT`), which needs no process group.
+
+A checkpoint is a directory:
+  manifest.json           JSON: format, world and node size, config, step, each
+                          flat parameter's layout (original names, shapes,
+                          offsets, shard size, storage), buffer shapes,
+                          optimizer hyper-parameters, extras, and every rank
+                          file's size and sha256
+  rank00000.safetensors   one per rank: its master shards (`model/<flat>`),
+  ...                     optimizer-state shards (`optim/<flat>/<key>`), RNG
+                          states, per-rank extras; rank 0 also the buffers
+
+[Note: data, never code]
+Tensors are read only through safetensors and everything else is JSON, so
+loading a checkpoint runs no code from it. A file is hashed before it is
+parsed: a replaced, truncated or altered file is reported by name, and file
+names come only from a fixed pattern (a manifest cannot point outside its
+directory).
+
+[Note: resharding]
+A flat parameter's shard r holds elements [r*S, (r+1)*S) of the flat buffer,
+and the manifest records where each original parameter sits in it. So any
+element of any parameter can be read from the saved files, whatever the world
+size, block size or unit split that wrote them: a new shard is assembled
+parameter by parameter from the byte ranges of the saved shards that cover it
+(safetensors reads slices without loading whole files). Frozen weights stored
+as integers are dequantized and, when the layout differs, quantized again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as st_save
+
+from .quant import QTensor, dequantize
+
+FORMAT, VERSION = "zeropp-checkpoint", 1
+MANIFEST = "manifest.json"
+_RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def jsonable(value: Any, what: str) -> Any:
+    """`value` itself if JSON can carry it exactly (tuples become lists)."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            f"{what}: a {type(value).__name__} cannot be saved as JSON; pass numbers, "
+            "strings, lists, dicts, tensors, torch.Generator, or an object with "
+            "state_dict()/load_state_dict()") from None
+
+
+def resolve(path: os.PathLike) -> Path:
+    """The checkpoint directory to read; a save that died between its two
+    renames left the previous checkpoint at `.NAME.old`, used then."""
+    path = Path(path)
+    old = path.parent / f".{path.name}.old"
+    if not path.exists() and old.is_dir() and (old / MANIFEST).is_file():
+        return old
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{path} is a file; a zeropp checkpoint is a directory written by "
+            "zeropp.save_checkpoint (safetensors + JSON; zeropp never unpickles)")
+    return path
+
+
+def read_manifest(path: Path) -> dict:
+    f = path / MANIFEST
+    if not f.is_file():
+        found = ", ".join(sorted(p.name for p in path.iterdir())[:5]) or "nothing"
+        raise CheckpointError(f"{path}: no {MANIFEST} (found {found}); not a zeropp "
+                              "checkpoint, and zeropp loads no pickled files")
+    if f.stat().st_size > 256 << 20:
+        raise CheckpointError(f"{f}: implausibly large for a manifest")
+    try:
+        man = json.loads(f.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f} is not a JSON manifest ({e.__class__.__name__}); "
+                              "refusing to read the checkpoint") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        raise CheckpointError(f"{f}: not a zeropp checkpoint manifest (format "
+                              f"{man.get('format') if isinstance(man, dict) else None!r})")
+    if man.get("version", 0) > VERSION:
+        raise CheckpointError(f"{f}: format version {man['version']} is newer than this "
+                              f"zeropp reads ({VERSION}); upgrade zeropp")
+    files = man.get("files", {})
+    bad = [n for n in files if not _RANK_FILE.fullmatch(n)]
+    if bad or len(files) != man.get("world_size"):
+        raise CheckpointError(f"{f}: file list is inconsistent ({bad or len(files)} for "
+                              f"world size {man.get('world_size')})")
+    return man
+
+
+def verify(file: Path, info: dict) -> None:
+    """Size and sha256 against the manifest, before the file is parsed."""
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing (the manifest lists it)")
+    size = file.stat().st_size
+    if size != info["bytes"]:
+        raise CheckpointError(f"{file}: {size} bytes, the manifest says {info['bytes']} "
+                              "(truncated or replaced)")
+    h = hashlib.sha256()
+    with open(file, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    if h.hexdigest() != info["sha256"]:
+        raise CheckpointError(f"{file}: sha256 differs from the manifest (altered or "
+                              "corrupted)")
+
+
+class Reader:
+    """Verified, lazy reads of one checkpoint's rank files."""
+
+    def __init__(self, path: Path, man: dict) -> None:
+        self.path, self.man = path, man
+        self.flats = {f["name"]: f for f in man["flats"]}
+        self._files: dict[int, Any] = {}
+        self._dequantized: dict[str, torch.Tensor] = {}
+
+    def file(self, rank: int) -> Any:
+        if rank not in self._files:
+            name = rank_file(rank)
+            fp = self.path / name
+            verify(fp, self.man["files"][name])
+            try:
+                self._files[rank] = safe_open(str(fp), framework="pt")
+            except SafetensorError as e:
+                raise CheckpointError(f"{fp}: not a valid safetensors file ({e})") from None
+        return self._files[rank]
+
+    def has(self, rank: int, key: str) -> bool:
+        return key in self.file(rank).keys()
+
+    def get(self, rank: int, key: str) -> torch.Tensor:
+        try:
+            return self.file(rank).get_tensor(key)
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.path / rank_file(rank)}: no tensor {key!r} ({e})"
+                                  ) from None
+
+    def values(self, flat: dict, key: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of a saved flat buffer (`key` = "model/<flat>" or
+        "optim/<flat>/<state>") from the shards that hold them."""
+        if key.startswith("model/") and flat["storage"] != "float32":
+            return self._dequantize(flat)[a:b]
+        s, parts = flat["shard_numel"], []
+        for r in range(a // s, (b - 1) // s + 1):
+            lo, hi = max(a, r * s) - r * s, min(b, (r + 1) * s) - r * s
+            try:
+                parts.append(self.file(r).get_slice(key)[lo:hi])
+            except SafetensorError as e:
+                raise CheckpointError(f"{self.path / rank_file(r)}: no tensor {key!r} ({e})"
+                                      ) from None
+        return torch.cat(parts)
+
+    def _dequantize(self, flat: dict) -> torch.Tensor:
+        """A flat stored as integer wire bytes (frozen weights, qwZ), in fp32."""
+        name = flat["name"]
+        if name not in self._dequantized:
+            bits, s = int(flat["storage"][3:]), flat["shard_numel"]
+            pieces = []
+            for r in range(self.man["world_size"]):
+                q = QTensor.from_bytes(self.get(r, f"model/{name}"), (s,), torch.float32,
+                                       bits, flat["block"])
+                pieces.append(dequantize(q))
+            self._dequantized[name] = torch.cat(pieces)
+        return self._dequantized[name]
+
+
+def param_index(man: dict) -> dict[str, tuple[dict, dict]]:
+    """Original parameter name (every tied name) -> (saved flat, its param entry)."""
+    out = {}
+    for f in man["flats"]:
+        for p in f["params"]:
+            for n in p["names"]:
+                out[n] = (f, p)
+    return out
+
+
+# ---- consolidation and export -------------------------------------------------------
+def consolidate(path: os.PathLike, *, optimizer_state: bool = False) -> dict[str, torch.Tensor]:
+    """The full tensors of a checkpoint, by original name, read from its files
+    alone: parameters (fp32) and buffers; with `optimizer_state`, instead
+    "<name>/<key>" for each sharded optimizer-state tensor (e.g. exp_avg)."""
+    path = resolve(path)
+    man = read_manifest(path)
+    rd = Reader(path, man)
+    out: dict[str, torch.Tensor] = {}
+    for f in man["flats"]:
+        keys = [f"model/{f['name']}"]
+        if optimizer_state:
+            st = (man.get("optimizer") or {}).get("state", {}).get(f["name"], {})
+            keys = [f"optim/{f['name']}/{k}" for k, v in st.items() if v == "sharded"]
+        for key in keys:
+            flat = rd.values(f, key, 0, f["numel"])
+            suffix = "" if key.startswith("model/") else "/" + key.rsplit("/", 1)[1]
+            for p in f["params"]:
+                t = flat[p["offset"]:p["offset"] + _numel(p["shape"])].view(p["shape"])
+                for n in p["names"]:
+                    out[n + suffix] = t.clone()
+    if not optimizer_state:
+        for name in man.get("buffers", {}):
+            out[name] = rd.get(0, f"buffer/{name}")
+    return out
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def export(ckpt: os.PathLike, out: os.PathLike, *, dtype: Optional[torch.dtype] = None
+           ) -> list[Path]:
+    """Write `out/model.safetensors` (original names, loadable by the unsharded
+    model's `load_state_dict`) and, for a transformers model, `out/config.json`
+    so that `from_pretrained(out)` works. Returns the files written."""
+    ckpt = resolve(ckpt)
+    man = read_manifest(ckpt)
+    sd = consolidate(ckpt)
+    hf = man.get("hf")
+    if hf:
+        prefix = hf["prefix"]
+        outside = [n for n in sd if not n.startswith(prefix)]
+        if outside:
+            raise CheckpointError(
+                f"export: {len(outside)} tensor(s) live outside the transformers model at "
+                f"{prefix[:-1]!r} (first: {outside[0]!r}); from_pretrained could not load them")
+        sd = {n[len(prefix):]: t for n, t in sd.items()}
+    if dtype is not None:
+        sd = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in sd.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "model.safetensors"]
+    tmp = out / ".model.safetensors.partial"
+    write_durably(tmp, st_save({n: t.contiguous() for n, t in sd.items()},
+                               metadata={"format": "pt"}))
+    os.replace(tmp, written[0])
+    if hf:
+        cfg = dict(hf["config"])
+        cfg.setdefault("architectures", [hf["class"]])
+        if dtype is not None:
+            cfg["dtype"] = str(dtype).replace("torch.", "")
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        written.append(out / "config.json")
+    fsync_dir(out)
+    return written

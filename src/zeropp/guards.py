@@ -1,0 +1,143 @@
+"""Guard rails: failures that would otherwise hang every rank or train silently wrong.
+
+- `agree`: one rank's error becomes the same error on every rank. A rank that
+  raised alone would leave the others waiting in their next collective until
+  the timeout; instead every rank joins one small exchange and raises together.
+- `check_same_model`: inside `shard`, ranks whose models differ (parameter
+  names, shapes, dtypes, units) are found with one all-gather of a 32-byte
+  digest, and all raise the same error naming the first difference.
+- `check_optimizer_params`: an optimizer built on the model's parameters
+  *before* `shard` holds tensors that no longer receive gradients; its step
+  would silently do nothing. A global pre-step hook catches it.
+
+Everything here exchanges raw bytes in tensors: no pickle crosses ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+# torch 2.13 renamed the flat all-gather (the old name warns); torch 2.4 has only that.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _device() -> torch.device:
+    # NCCL moves only CUDA tensors; gloo (and CPU training) uses the CPU.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's `data` (any length), by rank: two all-gathers."""
+    if not _distributed():
+        return [data]
+    dev, w = _device(), dist.get_world_size()
+    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = torch.empty(w, dtype=torch.int64, device=dev)
+    _all_gather_flat(sizes, n)
+    sizes_l = sizes.tolist()
+    buf = torch.zeros(max(sizes_l) or 1, dtype=torch.uint8, device=dev)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    out = torch.empty(w * buf.numel(), dtype=torch.uint8, device=dev)
+    _all_gather_flat(out, buf)
+    rows = out.view(w, -1).cpu()
+    return [bytes(rows[r, :sizes_l[r]].numpy().tobytes()) for r in range(w)]
+
+
+def agree(error: Optional[str], exc_type: type = RuntimeError) -> None:
+    """Collective: if any rank passes an error message, every rank raises
+    `exc_type` with the lowest failing rank's message (and the list of ranks)."""
+    msgs = all_gather_bytes((error or "").encode())
+    failed = [r for r, m in enumerate(msgs) if m]
+    if failed:
+        others = f" (ranks failing: {failed})" if len(failed) > 1 else ""
+        where = f"rank {failed[0]}: " if len(msgs) > 1 else ""
+        raise exc_type(where + msgs[failed[0]].decode(errors="replace") + others)
+
+
+# ---- the same model on every rank --------------------------------------------------
+def model_signature(model: torch.nn.Module, unit_names: list[str]) -> list[list]:
+    """What every rank must agree on before sharding: units and parameters."""
+    sig: list[list] = [["unit", n] for n in unit_names]
+    for name, p in model.named_parameters(remove_duplicate=False):
+        sig.append(["param", name, list(p.shape), str(p.dtype).replace("torch.", ""),
+                    p.requires_grad])
+    return sig
+
+
+def _describe(item: Optional[list]) -> str:
+    if item is None:
+        return "nothing"
+    if item[0] == "unit":
+        return f"unit {item[1] or '<root>'!r}"
+    return f"parameter {item[1]!r} shape {tuple(item[2])} {item[3]}" + (
+        "" if item[4] else " (frozen)")
+
+
+def check_same_model(model: torch.nn.Module, unit_names: list[str]) -> None:
+    """Collective: raise the same ValueError on every rank unless all ranks
+    hold the same units and parameters (names, shapes, dtypes, trainability)."""
+    if not _distributed():
+        return
+    sig = json.dumps(model_signature(model, unit_names)).encode()
+    digest = hashlib.sha256(sig).digest()
+    digests = all_gather_bytes(digest)
+    if all(d == digests[0] for d in digests):
+        return
+    # Rare path: exchange the full signatures to name the first difference.
+    sigs = [json.loads(s) for s in all_gather_bytes(sig)]
+    bad = next(r for r, d in enumerate(digests) if d != digests[0])
+    ref, other = sigs[0], sigs[bad]
+    i = next((k for k in range(max(len(ref), len(other)))
+              if k >= len(ref) or k >= len(other) or ref[k] != other[k]), 0)
+    a = ref[i] if i < len(ref) else None
+    b = other[i] if i < len(other) else None
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    raise ValueError(
+        f"zeropp.shard: the model differs across ranks (ranks {differ} differ from rank 0); "
+        f"first difference at entry {i}: rank 0 has {_describe(a)}, rank {bad} has "
+        f"{_describe(b)}. Every rank must build the same model before shard().")
+
+
+# ---- an optimizer built before shard ---------------------------------------------
+# Parameters that shard() removed, by id (a WeakSet would compare tensors with ==).
+_replaced: dict[int, weakref.ref] = {}
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_hook: Any = None
+
+
+def forget_parameters(params: list[torch.nn.Parameter]) -> None:
+    """Remember parameters that `shard` took out of a model, and make sure the
+    pre-step check is installed (once per process)."""
+    global _hook
+    for p in params:
+        _replaced[id(p)] = weakref.ref(p, lambda _r, k=id(p): _replaced.pop(k, None))
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_check_optimizer_step)
+
+
+def _check_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if opt in _checked:
+        return
+    stale = sum(1 for g in opt.param_groups for p in g["params"]
+                if id(p) in _replaced and _replaced[id(p)]() is p)
+    if stale:
+        raise RuntimeError(
+            f"zeropp: this {type(opt).__name__} holds {stale} parameter(s) of the model as it "
+            "was before zeropp.shard(); after sharding they get no gradients and the step "
+            "would do nothing. Build the optimizer after shard(), from model.parameters() "
+            "(the fp32 master shards).")
+    _checked[opt] = True
