@@ -11,13 +11,12 @@ import signal
 
 import pytest
 import torch
+from cases import build, loss_of
 
 import zeropp
 from zeropp import CheckpointError
 from zeropp.checkpoint_files import consolidate
 from zeropp.launch import WorkerError, spawn
-
-from cases import build, loss_of
 
 GPT_ZEROPP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True)
 

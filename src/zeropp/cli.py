@@ -20,12 +20,15 @@ import torch
 
 import zeropp
 
+from .checkpoint_files import CheckpointError, read_manifest
 from .config import NAMED, named
 from .launch import WorkerError, spawn
 from .train.data import DataError
 from .train.loop import TrainArgs, prepare_tokens, train_worker
 from .train.model import PRESETS
 from .train.report import plot, summarize, table
+from .train.resume import find as find_checkpoint
+from .train.resume import check_same_run, run_dir_of
 from .train.tokenizer import TokenizerError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,6 +46,17 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--node-size", type=int, default=2,
                    help="ranks per (emulated) node; ranks are node-major (default 2)")
     g.add_argument("--out", default=None, help="run directory (default runs/<time>)")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all workers up to N times after a crash, resuming from the "
+                        "last checkpoint (as torchrun's --max-restarts)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save-every", type=int, default=d.save_every,
+                   help=f"steps between checkpoints in RUN/checkpoints (0: only the last; "
+                        f"default {d.save_every})")
+    g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint, or from a run directory's latest one "
+                        "(model, optimizer, LR schedule, data position, RNG)")
     g = p.add_argument_group("data and model")
     g.add_argument("--data", default=None, help="a UTF-8 text file (default: Shakespeare)")
     g.add_argument("--tokenizer", default=d.tokenizer, choices=["bytes", "bpe"])
@@ -109,9 +123,23 @@ def train_args_from(ns: argparse.Namespace) -> TrainArgs:
     a = TrainArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainArgs)})
     if a.model not in PRESETS:
         raise UsageError(f"unknown model preset {a.model!r}; choose one of {', '.join(PRESETS)}")
-    for k in ("steps", "batch", "seq_len", "accum", "eval_every", "eval_batches", "log_every"):
+    for k in ("steps", "batch", "seq_len", "accum", "eval_every", "eval_batches", "log_every",
+              "keep_checkpoints"):
         if getattr(a, k) < 1:
             raise UsageError(f"--{k.replace('_', '-')} must be at least 1, got {getattr(a, k)}")
+    if a.save_every < 0:
+        raise UsageError(f"--save-every must be 0 or more, got {a.save_every}")
+    if a.resume:
+        try:
+            ck = find_checkpoint(a.resume)
+            saved = read_manifest(ck).get("extra", {}).get("train_args")
+            if saved is None:
+                raise CheckpointError(f"--resume {ck}: not written by `zeropp train` (no "
+                                      "train_args); resume it from your own loop")
+            check_same_run(saved, dataclasses.asdict(a), ck)
+            a.resume = str(ck)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
     if a.hf_model:
         try:
             import transformers  # noqa: F401
@@ -130,9 +158,14 @@ def run_train(ns: argparse.Namespace) -> int:
     if ns.nproc < 1 or ns.node_size < 1 or ns.nproc % ns.node_size:
         raise UsageError(f"--nproc {ns.nproc} must be a positive multiple of --node-size "
                          f"{ns.node_size}")
+    if ns.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more, got {ns.max_restarts}")
+    if ns.resume and ns.compare:
+        raise UsageError("--resume continues one run; it cannot be combined with --compare")
     a = train_args_from(ns)
     runs = configs_from(ns)
-    run_dir = Path(ns.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    default_out = run_dir_of(Path(a.resume)) if a.resume else f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(ns.out or default_out)
     try:
         ids, vocab = prepare_tokens(a, CACHE)
     except (DataError, TokenizerError) as e:
@@ -153,7 +186,7 @@ def run_train(ns: argparse.Namespace) -> int:
                   f"qgZ={cfg.quantized_gradients}", flush=True)
         out = spawn(train_worker, ns.nproc, ns.node_size,
                     args=(a, cfg, str(sub), str(tokens_file), vocab), timeout=None,
-                    pg_timeout=1800)[0]
+                    pg_timeout=1800, max_restarts=ns.max_restarts)[0]
         rows.append(summarize(name, out))
         curves[name] = out["history"]
         (sub / "summary.json").write_text(json.dumps(rows[-1], indent=2))
@@ -220,7 +253,7 @@ def run_plan(ns: argparse.Namespace) -> int:
 
 
 def run_export(ns: argparse.Namespace) -> int:
-    from .checkpoint_files import CheckpointError, export
+    from .checkpoint_files import export
     try:
         files = export(ns.checkpoint, ns.out, dtype=DTYPES[ns.dtype] if ns.dtype else None)
     except CheckpointError as e:

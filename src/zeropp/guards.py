@@ -124,9 +124,13 @@ def forget_parameters(params: list[torch.nn.Parameter]) -> None:
     pre-step check is installed (once per process)."""
     global _hook
     for p in params:
-        _replaced[id(p)] = weakref.ref(p, lambda _r, k=id(p): _replaced.pop(k, None))
+        _replaced[id(p)] = weakref.ref(p, _forget(id(p)))
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(_check_optimizer_step)
+
+
+def _forget(key: int) -> Any:
+    return lambda _ref: _replaced.pop(key, None)
 
 
 def _check_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

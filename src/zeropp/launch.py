@@ -9,6 +9,11 @@ Failure is bounded: the first worker that raises has its traceback re-raised
 here at once and the others are killed (they would otherwise wait in a
 collective until gloo's timeout); a hang past `timeout` dumps every worker's
 stack to stderr, kills them all and raises.
+
+Restarts (`max_restarts`, as torchrun's): after a failure every worker is
+stopped and the whole world started again in a new process group, with
+TORCHELASTIC_RESTART_COUNT set as torchrun sets it; the worker function
+resumes from its last checkpoint (zeropp's training loop does).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -32,12 +38,14 @@ class WorkerError(RuntimeError):
 
 
 def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
-            args: Sequence, q: Any, timeout: float, threads: int, backend: str) -> None:
+            args: Sequence, q: Any, timeout: float, threads: int, backend: str,
+            restart: int) -> None:
     # Ctrl-C reaches the whole process group; the parent alone handles it (and
     # kills us), so workers do not each print a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % node_size),
-                      LOCAL_WORLD_SIZE=str(node_size), GROUP_RANK=str(rank // node_size))
+                      LOCAL_WORLD_SIZE=str(node_size), GROUP_RANK=str(rank // node_size),
+                      TORCHELASTIC_RESTART_COUNT=str(restart))
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     import torch
     import torch.distributed as dist
@@ -57,18 +65,38 @@ def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
 
 def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
           args: Sequence = (), timeout: Optional[float] = 180.0, threads: int = 1,
-          backend: str = "gloo", pg_timeout: Optional[float] = None) -> list[Any]:
+          backend: str = "gloo", pg_timeout: Optional[float] = None,
+          max_restarts: int = 0) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes; return results by rank.
 
     `fn` must be importable by name (a module-level function). Raises
-    WorkerError naming the failing rank, with its traceback, on any failure.
-    `timeout`: seconds for the whole run (None: no limit); `pg_timeout`: the
+    WorkerError naming the failing rank, with its traceback, on any failure
+    (after `max_restarts` restarts of the whole world, each announced on
+    stderr). `timeout`: seconds per attempt (None: no limit); `pg_timeout`: the
     process group's collective timeout (default: `timeout`, or 30 minutes).
     """
-    pg_timeout = pg_timeout or timeout or 1800.0
     node_size = world_size if node_size is None else node_size
     if node_size < 1 or world_size % node_size:
         raise ValueError(f"spawn: node_size={node_size} must divide world_size={world_size}")
+    if max_restarts < 0:
+        raise ValueError(f"spawn: max_restarts={max_restarts} must be >= 0")
+    for attempt in range(max_restarts + 1):
+        try:
+            return _spawn_once(fn, world_size, node_size, args, timeout, threads, backend,
+                               pg_timeout or timeout or 1800.0, attempt)
+        except WorkerError as e:
+            if attempt == max_restarts:
+                raise
+            lines = [ln for ln in str(e).splitlines() if ln.strip()]
+            why = lines[0].rstrip(":") + (f": {lines[-1].strip()}" if len(lines) > 1 else "")
+            print(f"zeropp: {why}; restarting all {world_size} workers "
+                  f"(restart {attempt + 1} of {max_restarts})", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
+                timeout: Optional[float], threads: int, backend: str, pg_timeout: float,
+                restart: int) -> list[Any]:
     ctx = mp.get_context("forkserver")
     # Workers fork from a server that imported torch once: fast, fork-safe starts.
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
@@ -77,7 +105,7 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
         init_file = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(r, world_size, node_size, init_file, fn, tuple(args), q,
-                                   pg_timeout, threads, backend))
+                                   pg_timeout, threads, backend, restart))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -97,10 +125,9 @@ def _collect(procs: list, q: Any, timeout: Optional[float]) -> list[Any]:
         try:
             rank, ok, payload = q.get(timeout=0.1)
         except queue.Empty:
-            for r, p in enumerate(procs):
-                if r not in results and p.exitcode not in (None, 0):
-                    raise WorkerError(f"rank {r} died with exit code {p.exitcode} "
-                                      "(killed or crashed) before returning a result") from None
+            died = _died(procs, results)
+            if died:
+                raise WorkerError(died) from None
             if time.monotonic() > deadline:
                 missing = [r for r in range(len(procs)) if r not in results]
                 for r in missing:  # ask for stacks on stderr before killing
@@ -111,9 +138,25 @@ def _collect(procs: list, q: Any, timeout: Optional[float]) -> list[Any]:
                                   "(hang?); their stacks are on stderr above") from None
             continue
         if not ok:
+            # A peer's death shows up here first as a connection reset: name the cause.
+            end = time.monotonic() + 1.0
+            while not (died := _died(procs, results)) and time.monotonic() < end:
+                time.sleep(0.05)
+            if died:
+                raise WorkerError(f"{died}; then rank {rank} raised:\n{payload}")
             raise WorkerError(f"rank {rank} raised:\n{payload}")
         results[rank] = pickle.loads(payload)
     return [results[r] for r in range(len(procs))]
+
+
+def _died(procs: list, results: dict) -> str:
+    """'rank r died ...' for the first worker gone without a result, else ''."""
+    for r, p in enumerate(procs):
+        if r not in results and p.exitcode not in (None, 0):
+            how = (f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
+                   else f"exit code {p.exitcode}")
+            return f"rank {r} died ({how}) before returning a result"
+    return ""
 
 
 def _stop(procs: list, grace: float) -> None:

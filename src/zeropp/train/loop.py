@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from torch import nn
 
 import zeropp
 
+from . import resume as ckpts
 from .data import get_batch, load_text, split_tokens
 from .model import GPT, PRESETS, GPTConfig
 from .tokenizer import encode
@@ -41,6 +44,9 @@ class TrainArgs:
     eval_every: int = 50
     eval_batches: int = 8
     log_every: int = 10
+    save_every: int = 100     # steps between checkpoints (0: only at the end)
+    keep_checkpoints: int = 2
+    resume: Optional[str] = None     # a checkpoint or run directory
 
 
 def lr_at(step: int, a: TrainArgs) -> float:
@@ -141,6 +147,33 @@ class _Progress:
             self.bar.close()
 
 
+def _resume(a: TrainArgs, out: Path, model: nn.Module, opt: torch.optim.Optimizer,
+            gen: torch.Generator, rank: int) -> tuple[int, int, list]:
+    """Where this run starts: step 0, or the checkpoint of `--resume`, or (a
+    worker the launcher restarted after a crash) the run's latest checkpoint.
+    Returns (start step, steps skipped so far, metrics rows before it)."""
+    ck = None
+    if a.resume:
+        ck = ckpts.find(a.resume)
+    elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        ck = ckpts.latest(out)
+    history: list = []
+    if ck is None:
+        if rank == 0:
+            (out / "metrics.jsonl").write_text("")
+        return 0, 0, history
+    extra = zeropp.load_checkpoint(ck, model, opt, data_gen=gen)
+    ckpts.check_same_run(extra["train_args"], dataclasses.asdict(a), ck)
+    start = extra["step"]
+    if rank == 0:  # keep the metrics up to the checkpoint; later rows are replayed
+        f = out / "metrics.jsonl"
+        rows = [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+        history = [r for r in rows if r["step"] < start]
+        f.write_text("".join(json.dumps(r) + "\n" for r in history))
+        print(f"resumed from {ck} at step {start}", flush=True)
+    return start, extra["skipped"], history
+
+
 def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: str,
                  vocab: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -160,11 +193,12 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
     gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # each rank its own rows
     zero3 = zero3_inter_node_bytes(n_params, param_bytes, world, topo.num_nodes)
     tokens_per_step = a.batch * a.seq_len * a.accum * world
-    metrics = open(out / "metrics.jsonl", "w") if rank == 0 else None  # noqa: SIM115
+    start, skipped, history = _resume(a, out, model, opt, gen, rank)
+    metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     bar = _Progress(a.steps, a.log_every, rank == 0)
-    history, skipped, val = [], 0, None
+    val = None
     try:
-        for step in range(a.steps):
+        for step in range(start, a.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, a)
             for g in opt.param_groups:
@@ -209,9 +243,15 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
                                                       else ""))
             if not ok:
                 bar.note(f"step {step}: non-finite gradient norm; step skipped")
+            if (a.save_every and (step + 1) % a.save_every == 0) or step == a.steps - 1:
+                name = f"step_{step + 1:06d}"
+                zeropp.save_checkpoint(ckpts.checkpoint_dir(out) / name, model, opt,
+                                       step=step + 1, skipped=skipped, data_gen=gen,
+                                       train_args=dataclasses.asdict(a))
+                ckpts.after_save(out, name, a.keep_checkpoints)
     finally:
         bar.close()
         if metrics is not None:
             metrics.close()
     return {"history": history, "n_params": n_params, "zero3_inter_node_bytes": zero3,
-            "skipped": skipped, "world": world, "nodes": topo.num_nodes}
+            "skipped": skipped, "world": world, "nodes": topo.num_nodes, "start_step": start}

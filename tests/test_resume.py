@@ -1,0 +1,75 @@
+"""Resuming the main job: `zeropp train --resume`, and the launcher restarting
+workers after one is SIGKILLed, both continuing bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from zeropp.cli import CACHE, main
+from zeropp.config import named
+from zeropp.launch import spawn
+from zeropp.train.loop import TrainArgs, prepare_tokens, train_worker
+
+SMALL = ["--model", "tiny", "--seq-len", "32", "--batch", "4", "--nproc", "4",
+         "--node-size", "2", "--eval-every", "4", "--eval-batches", "2"]
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_resume_continues_with_the_same_losses(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", *SMALL, "--steps", "12", "--save-every", "6", "--out", str(a)]) == 0
+    assert (a / "checkpoints" / "latest").read_text().strip() == "step_000012"
+    assert main(["train", *SMALL, "--steps", "12", "--save-every", "6", "--out", str(b),
+                 "--resume", str(a / "checkpoints" / "step_000006")]) == 0
+    straight, resumed = _rows(a), _rows(b)
+    assert [r["step"] for r in resumed] == list(range(6, 12))
+    for s, r in zip(straight[6:], resumed):
+        assert (s["train_loss"], s["grad_norm"], s.get("val_loss")) == \
+               (r["train_loss"], r["grad_norm"], r.get("val_loss"))
+
+
+def _die_once_after(a: TrainArgs, cfg, run_dir: str, tokens: str, vocab: int,
+                    after: str) -> dict:
+    """train_worker, but on the first attempt rank 1 SIGKILLs itself as soon as
+    checkpoint `after` is the run's latest (mid-run: the next one is 5 steps on)."""
+    latest = Path(run_dir) / "checkpoints" / "latest"
+    if torch.distributed.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        def watch() -> None:
+            while not (latest.exists() and latest.read_text().strip() == after):
+                time.sleep(0.002)
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=watch, daemon=True).start()
+    return train_worker(a, cfg, run_dir, tokens, vocab)
+
+
+def test_a_sigkilled_worker_is_restarted_and_the_run_ends_with_the_same_loss(tmp_path, capfd):
+    a = TrainArgs(model="tiny", seq_len=32, batch=4, steps=20, save_every=5, eval_every=10,
+                  eval_batches=2)
+    ids, vocab = prepare_tokens(a, CACHE)
+    tokens = tmp_path / "tokens.pt"
+    torch.save(ids.to(torch.int32), tokens)
+    cfg = named("zeropp", 2)
+    (tmp_path / "calm").mkdir()
+    (tmp_path / "crash").mkdir()
+    calm = spawn(train_worker, 4, 2, args=(a, cfg, str(tmp_path / "calm"), str(tokens), vocab),
+                 timeout=300)[0]
+    crash = spawn(_die_once_after, 4, 2, timeout=300, max_restarts=1,
+                  args=(a, cfg, str(tmp_path / "crash"), str(tokens), vocab, "step_000010"))[0]
+    err = capfd.readouterr()
+    assert "rank 1 died (killed by SIGKILL)" in err.err and "restarting all 4 workers (restart 1 of 1)" in err.err
+    assert crash["start_step"] == 10 and calm["start_step"] == 0  # resumed, not restarted
+    last_calm, last_crash = calm["history"][-1], crash["history"][-1]
+    assert last_crash["step"] == 19
+    assert last_crash["train_loss"] == last_calm["train_loss"]
+    assert last_crash["val_loss"] == last_calm["val_loss"]
+    assert [r["step"] for r in crash["history"]] == list(range(20))
