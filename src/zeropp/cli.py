@@ -27,8 +27,8 @@ from .train.data import DataError
 from .train.loop import TrainArgs, prepare_tokens, train_worker
 from .train.model import PRESETS
 from .train.report import plot, summarize, table
-from .train.resume import find as find_checkpoint
 from .train.resume import check_same_run, run_dir_of
+from .train.resume import find as find_checkpoint
 from .train.tokenizer import TokenizerError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -30,6 +30,7 @@ native `reduce_scatter_tensor` is that ring already.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
@@ -44,17 +45,41 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or outlived `Config.collective_timeout`; the message
+    names the operation, the unit and the rank."""
+
+
+def _wait(work: Any, comm: Comm, op: str, unit: str) -> None:
+    """Wait for `work` within the configured timeout; a failure names what hung."""
+    t = comm.timeout
+    try:
+        if t is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=t))
+    except RuntimeError as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        limit = f" within the {t:g}s collective_timeout" if t is not None else ""
+        raise CollectiveError(
+            f"zeropp: {op} of unit {unit} did not complete{limit} on rank {comm.topo.rank} "
+            f"({why}); a rank may have died, or the ranks run different code") from None
+
+
 class Pending:
     """An issued collective: `wait()` blocks until its output is ready, then
     runs `then` (e.g. dequantization). Keeps the input alive meanwhile."""
 
     def __init__(self, work: Any = None, keep: Any = None,
-                 then: Optional[Callable[[], None]] = None) -> None:
+                 then: Optional[Callable[[], None]] = None, comm: Optional[Comm] = None,
+                 op: str = "") -> None:
         self._work, self._keep, self._then = work, keep, then
+        self._comm, self._op = comm, op
+        self._unit = comm.unit if comm is not None else ""
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            _wait(self._work, self._comm, self._op, self._unit)
         if self._then is not None:
             self._then()
         self._work = self._keep = self._then = None
@@ -68,8 +93,10 @@ class Comm:
     """The collectives over this rank's groups ("world", "intra_node",
     "inter_node", "hpz"), recorded in `stats`."""
 
-    def __init__(self, topo: Topology, stats: CommStats, hpz_size: int = 1) -> None:
-        self.topo, self.stats = topo, stats
+    def __init__(self, topo: Topology, stats: CommStats, hpz_size: int = 1,
+                 timeout: Optional[float] = None) -> None:
+        self.topo, self.stats, self.timeout = topo, stats, timeout
+        self.unit = "<none>"  # the unit whose collectives are being issued (for errors)
         self.groups = {"world": topo.world_group, "intra_node": topo.intra_node_group,
                        "inter_node": topo.inter_node_group}
         if hpz_size > 1:
@@ -97,7 +124,7 @@ class Comm:
             out.copy_(shard)
             return Pending(then=then)
         work = _all_gather_flat(out, shard, group=self.groups[group], async_op=True)
-        return Pending(work, keep=shard, then=then)
+        return Pending(work, keep=shard, then=then, comm=self, op=op)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, op: str, group: str,
                    scale_bytes_per_peer: int = 0) -> None:
@@ -112,7 +139,8 @@ class Comm:
         if len(ranks) == 1:
             out.copy_(inp)
         else:
-            dist.all_to_all_single(out, inp, group=self.groups[group])
+            _wait(dist.all_to_all_single(out, inp, group=self.groups[group], async_op=True),
+                  self, op, self.unit)
 
     def reduce_scatter_sum(self, full: torch.Tensor, *, op: str) -> torch.Tensor:
         """Sum `full` (flat, W equal chunks) over the world; return this rank's chunk."""
@@ -124,7 +152,8 @@ class Comm:
         group = self.groups["world"]
         if dist.get_backend(group) == "nccl":
             out = torch.empty_like(chunks[0])
-            _reduce_scatter_flat(out, full, group=group)
+            _wait(_reduce_scatter_flat(out, full, group=group, async_op=True), self, op,
+                  self.unit)
             return out
         # Ring: at step s rank i passes on the partial sum of chunk (i-1-s) and
         # receives that of chunk (i-2-s); after G-1 steps it holds chunk i.
@@ -135,7 +164,7 @@ class Comm:
                 dist.P2POp(dist.isend, acc, right, group),
                 dist.P2POp(dist.irecv, recv, left, group)])
             for w in works:
-                w.wait()
+                _wait(w, self, op, self.unit)
             acc = recv + chunks[(i - 2 - s) % g]
         return acc
 
@@ -144,7 +173,8 @@ class Comm:
         """In-place all-reduce of a small tensor (norms, flags) over the world."""
         self._record_ring(op, "world", _nbytes(t), 2)
         if self.topo.world_size > 1:
-            dist.all_reduce(t, op=reduce_op, group=self.groups["world"])
+            _wait(dist.all_reduce(t, op=reduce_op, group=self.groups["world"], async_op=True),
+                  self, op, self.unit)
         return t
 
     # ---- qgZ -----------------------------------------------------------------------

@@ -23,6 +23,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if norm_type not in (2.0, float("inf")):
         raise ValueError(f"zeropp.clip_grad_norm_: norm_type={norm_type} is not supported; "
                          "use 2.0 or inf")
+    st.comm.unit = "<all: gradient norm>"
     grads = [f.primary_shard.grad for f in st.flats if f.primary_shard.grad is not None]
     device = st.flats[0].primary_shard.device if st.flats else torch.device("cpu")
     if norm_type == 2.0:

@@ -47,6 +47,7 @@ class Unit:
         return f"Unit({self.label})"
 
     def issue_gather(self, prefetch: bool = False) -> None:
+        self.state.comm.unit = self.label
         phase = "backward" if self.state.backward_active else "forward"
         issued = [f.issue_gather(self.state.comm, phase=phase) for f in self.flats]
         if any(issued):
@@ -123,6 +124,7 @@ class Unit:
             self.free()
 
     def reduce(self, flat: FlatParam) -> None:
+        self.state.comm.unit = self.label
         flat.reduce_grad(self.state.comm, self.state.cfg)
         self.state.stats.count_unit(self.label, "reduce_scatter")
 
@@ -161,7 +163,7 @@ class ShardState:
         if topo.world_size % cfg.hpz_partition_size:
             raise ValueError(f"zeropp: hpz_partition_size={cfg.hpz_partition_size} must divide "
                              f"the world size {topo.world_size}")
-        self.comm = Comm(topo, self.stats, cfg.hpz_partition_size)
+        self.comm = Comm(topo, self.stats, cfg.hpz_partition_size, cfg.collective_timeout)
         self.units: list[Unit] = []
         self.forward_order: list[Unit] = []
         self.last_forward_order: list[Unit] = []

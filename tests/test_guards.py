@@ -1,0 +1,79 @@
+"""Guard rails: different models across ranks, a collective that never
+completes, and an optimizer built before shard() end in clear errors, never a
+hang or a silent no-op."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import build, loss_of
+
+import zeropp
+from zeropp.collectives import CollectiveError
+from zeropp.launch import spawn
+from zeropp.train.model import GPT, GPTConfig
+
+
+def _shard_mismatched(change: str) -> tuple[str, float]:
+    cfg = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    if dist.get_rank() == 1:
+        cfg.update({"width": {"n_embd": 48}, "depth": {"n_layer": 3}}[change])
+    t0 = time.monotonic()
+    try:
+        zeropp.shard(GPT(GPTConfig(**cfg)))
+    except ValueError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", 0.0
+
+
+@pytest.mark.parametrize("change,first", [
+    ("width", "rank 0 has parameter 'wte.weight' shape (64, 32) float32, rank 1 has "
+              "parameter 'wte.weight' shape (64, 48) float32"),
+    ("depth", "rank 0 has parameter 'wte.weight'"),
+])
+def test_ranks_with_different_models_all_raise_the_same_error_at_once(change, first):
+    res = spawn(_shard_mismatched, 3, 3, args=(change,), timeout=60)
+    msgs = {m for m, _ in res}
+    assert len(msgs) == 1, msgs  # the same message on every rank
+    msg = msgs.pop()
+    assert "the model differs across ranks (ranks [1] differ from rank 0)" in msg
+    assert first in msg
+    assert max(t for _, t in res) < 5.0
+
+
+def _one_rank_skips_the_forward(timeout: float) -> str:
+    model = zeropp.shard(build("gpt"), zeropp.Config(collective_timeout=timeout))
+    if dist.get_rank() == 1:
+        time.sleep(timeout + 4)  # never joins the gather
+        return "skipped"
+    x = torch.randint(0, 64, (2, 16))
+    t0 = time.monotonic()
+    try:
+        loss_of("gpt", model, x, x)
+    except CollectiveError as e:
+        return f"{time.monotonic() - t0:.1f}|{e}"
+    return "no error"
+
+
+def test_a_collective_that_never_completes_fails_naming_the_op_and_unit():
+    res = spawn(_one_rank_skips_the_forward, 2, 2, args=(2.0,), timeout=60)[0]
+    elapsed, msg = res.split("|", 1)
+    assert 1.5 <= float(elapsed) < 6.0
+    assert "all_gather/forward of unit <root> did not complete within the 2s " \
+           "collective_timeout on rank 0" in msg
+
+
+def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
+    model = build("gpt")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    zeropp.shard(model)
+    x = torch.randint(0, 64, (2, 16))
+    loss_of("gpt", model, x, x).backward()
+    with pytest.raises(RuntimeError, match=r"holds \d+ parameter\(s\) of the model as it was "
+                                           r"before zeropp.shard\(\)"):
+        opt.step()
+    ok = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ok.step()  # built after shard(): fine
