@@ -73,3 +73,31 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_ends_with_the_same_loss(tmp
     assert last_crash["train_loss"] == last_calm["train_loss"]
     assert last_crash["val_loss"] == last_calm["val_loss"]
     assert [r["step"] for r in crash["history"]] == list(range(20))
+
+
+def _fake_checkpoint(run: Path, step: int) -> None:
+    d = run / "checkpoints" / f"step_{step:06d}"
+    d.mkdir(parents=True)
+    (d / "manifest.json").write_text("{}")
+
+
+def test_pruning_keeps_the_newest_and_never_later_steps_of_an_abandoned_timeline(tmp_path):
+    from zeropp.train import resume
+    for s in (5, 10, 15, 40):  # 40: a later run's, before resuming from 15
+        _fake_checkpoint(tmp_path, s)
+    _fake_checkpoint(tmp_path, 20)
+    resume.after_save(tmp_path, "step_000020", keep=2)
+    left = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert left == ["step_000015", "step_000020", "step_000040"]
+    assert resume.latest(tmp_path).name == "step_000020"
+
+
+def test_latest_ignores_a_pointer_outside_the_run_and_falls_back_to_the_newest(tmp_path):
+    from zeropp.train import resume
+    _fake_checkpoint(tmp_path, 5)
+    _fake_checkpoint(tmp_path, 10)
+    ptr = tmp_path / "checkpoints" / "latest"
+    ptr.write_text("../../elsewhere\n")
+    assert resume.latest(tmp_path).name == "step_000010"
+    ptr.write_text("step_000099\n")  # named but gone
+    assert resume.latest(tmp_path).name == "step_000010"

@@ -63,6 +63,7 @@ def full_state_dict(model: nn.Module, *, all_ranks: bool = False) -> dict[str, t
     parameter. Collective: every rank must call it. Returned on rank 0 (on every
     rank with `all_ranks=True`); other ranks get {}."""
     st = get_state(model)
+    st.comm.unit = "<all: full_state_dict>"
     out: dict[str, torch.Tensor] = {}
     for f in st.flats:
         full = f.gather_master(st.comm)
@@ -257,6 +258,10 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     meta = json.loads(rd.file(rank).metadata()["zeropp"]) if same_world else None
     rng = {k: rd.get(rank, f"rng/{k}") for k in ("torch", "cuda")
            if same_world and rd.has(rank, f"rng/{k}")}
+    missing = sorted(set(restore) - set(man.get("extra_kinds", {})))
+    if missing:
+        raise CheckpointError(f"{path}: nothing saved under {', '.join(map(repr, missing))} "
+                              f"(saved extras: {', '.join(man.get('extra_kinds', {})) or 'none'})")
     extras: dict[str, Any] = dict(man.get("extra", {}))
     for k, kind in man.get("extra_kinds", {}).items():
         if kind == "tensor" or kind.startswith("generator"):

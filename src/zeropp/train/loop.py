@@ -19,6 +19,7 @@ from torch import nn
 
 import zeropp
 
+from ..checkpoint_files import read_manifest
 from . import resume as ckpts
 from .data import get_batch, load_text, split_tokens
 from .model import GPT, PRESETS, GPTConfig
@@ -147,28 +148,45 @@ class _Progress:
             self.bar.close()
 
 
+def _json_lines(f: Path) -> list[dict]:
+    """The rows of a JSONL file; a line cut short by a crash is dropped."""
+    rows = []
+    for line in (f.read_text().splitlines() if f.exists() else []):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def _resume(a: TrainArgs, out: Path, model: nn.Module, opt: torch.optim.Optimizer,
             gen: torch.Generator, rank: int) -> tuple[int, int, list]:
     """Where this run starts: step 0, or the checkpoint of `--resume`, or (a
     worker the launcher restarted after a crash) the run's latest checkpoint.
     Returns (start step, steps skipped so far, metrics rows before it)."""
     ck = None
-    if a.resume:
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        ck = ckpts.latest(out)  # restarted after a crash: this run's newest checkpoint
+    if ck is None and a.resume:
         ck = ckpts.find(a.resume)
-    elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        ck = ckpts.latest(out)
     history: list = []
     if ck is None:
         if rank == 0:
             (out / "metrics.jsonl").write_text("")
         return 0, 0, history
-    extra = zeropp.load_checkpoint(ck, model, opt, data_gen=gen)
+    same_world = read_manifest(ck)["world_size"] == dist.get_world_size()
+    # Each rank's data stream is per rank: at another world size it cannot be
+    # continued, so it is reseeded from the step (weights and optimizer reshard).
+    extra = zeropp.load_checkpoint(ck, model, opt, **({"data_gen": gen} if same_world else {}))
     ckpts.check_same_run(extra["train_args"], dataclasses.asdict(a), ck)
     start = extra["step"]
+    if not same_world:
+        gen.manual_seed(a.seed * 1000 + rank + 7919 * start)
+    for g in opt.param_groups:  # this run's flags win (lr follows lr_at every step)
+        g["weight_decay"] = a.weight_decay
     if rank == 0:  # keep the metrics up to the checkpoint; later rows are replayed
         f = out / "metrics.jsonl"
-        rows = [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
-        history = [r for r in rows if r["step"] < start]
+        history = [r for r in _json_lines(f) if r.get("step", start) < start]
         f.write_text("".join(json.dumps(r) + "\n" for r in history))
         print(f"resumed from {ck} at step {start}", flush=True)
     return start, extra["skipped"], history

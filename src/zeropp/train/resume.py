@@ -9,6 +9,7 @@ as if it had never stopped (tests/test_resume.py checks the losses bit for bit).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -16,6 +17,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..checkpoint_files import MANIFEST, CheckpointError, resolve
+from ..guards import agree
 
 # What must match for a resumed run to be the same run (the step count, the
 # evaluation and logging cadence may change).
@@ -26,14 +28,29 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+_STEP = re.compile(r"step_(\d+)")
+
+
+def _complete(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first (by step)."""
+    d = checkpoint_dir(run_dir)
+    found = [p for p in d.glob("step_*") if _STEP.fullmatch(p.name) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
 def latest(run_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint of a run directory, or None."""
+    """The checkpoint `latest` names (a plain step_N inside the run, possibly
+    left at .step_N.old by a save that died between its renames), else the
+    newest complete one; None if there is none."""
     ptr = checkpoint_dir(run_dir) / "latest"
-    if ptr.is_file():
-        ck = checkpoint_dir(run_dir) / ptr.read_text().strip()
-        if (ck / MANIFEST).is_file():
-            return ck
-    return None
+    name = ptr.read_text().strip() if ptr.is_file() else ""
+    if _STEP.fullmatch(name):
+        try:
+            return resolve(checkpoint_dir(run_dir) / name)
+        except CheckpointError:
+            pass
+    done = _complete(run_dir)
+    return done[-1] if done else None
 
 
 def find(path: str) -> Path:
@@ -63,13 +80,21 @@ def check_same_run(saved: dict, now: dict, ckpt: Path) -> None:
 
 
 def after_save(run_dir: Path, name: str, keep: int) -> None:
-    """Rank 0: point `latest` at the new checkpoint, then prune the oldest."""
-    if dist.get_rank() != 0:
-        return
-    d = checkpoint_dir(run_dir)
-    tmp = d / ".latest.tmp"
-    tmp.write_text(name + "\n")
-    os.replace(tmp, d / "latest")
-    done = sorted(p for p in d.glob("step_*") if (p / MANIFEST).is_file())
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    """Collective. Rank 0 points `latest` at the new checkpoint and prunes
+    checkpoints of earlier steps beyond `keep` (later ones, left by a run
+    resumed from further back, are never deleted). A failure is raised on
+    every rank."""
+    err = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            d = checkpoint_dir(run_dir)
+            tmp = d / ".latest.tmp"
+            tmp.write_text(name + "\n")
+            os.replace(tmp, d / "latest")
+            step = int(name[5:])
+            older = [p for p in _complete(run_dir) if int(p.name[5:]) < step]
+            for old in older[:max(0, len(older) - (keep - 1))]:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            err = f"after saving {name}: {e}"
+    agree(err, CheckpointError)
