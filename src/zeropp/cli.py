@@ -202,7 +202,7 @@ def run_train(ns: argparse.Namespace) -> int:
     if out["nodes"] > 1:
         print(f"\nZeRO-3's analytic inter-node bytes: "
               f"{out['zero3_inter_node_bytes'] / 1e6:.2f} MB per node per step.")
-    print(f"Files in {run_dir}/: config.json, metrics.jsonl, summary.json"
+    print(f"Files in {run_dir}/: config.json, metrics.jsonl, summary.json, checkpoints/"
           + (", loss plot " + ("compare.png" if ns.compare else "loss.png") if drew
              else " (no plot: matplotlib is not installed)"))
     return 0
