@@ -22,8 +22,7 @@ GPT_ZEROPP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradie
 
 
 def _model(kw: dict) -> torch.nn.Module:
-    model = zeropp.shard(build("gpt"), zeropp.Config(**kw))
-    return model
+    return zeropp.shard(build("gpt"), zeropp.Config(**kw))
 
 
 def _steps(model, opt, gen, n: int) -> list[float]:

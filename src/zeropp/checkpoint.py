@@ -120,7 +120,6 @@ def save_checkpoint(path: os.PathLike, model: nn.Module,
         data = st_save(tensors, metadata={"zeropp": json.dumps(meta)})
         write_durably(tmp / rank_file(rank), data)
         info = json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
-        err = None
     except Exception as e:  # noqa: BLE001 - every failure must reach every rank
         err = f"saving {path}: {e}"
     agree(err, CheckpointError)
@@ -151,8 +150,10 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
     """This rank's tensors and file metadata, and the manifest (used on rank 0)."""
     rank = st.topo.rank
     tensors: dict[str, torch.Tensor] = {}
+    # Serialized before anything can change them, so shards and optimizer state
+    # are not copied first; buffers and user tensors are, as they may share storage.
     for f in st.flats:
-        tensors[f"model/{f.name}"] = f.primary_shard.detach().cpu().clone()
+        tensors[f"model/{f.name}"] = f.primary_shard.detach().cpu()
     buffers = _buffers(model)
     if rank == 0:
         for name, b in buffers.items():
@@ -207,7 +208,7 @@ def _optimizer_state(st: ShardState, opt: torch.optim.Optimizer, tensors: dict) 
         kinds = {}
         for k, v in s.items():
             if isinstance(v, torch.Tensor):
-                tensors[f"optim/{name}/{k}"] = v.detach().cpu().contiguous().clone()
+                tensors[f"optim/{name}/{k}"] = v.detach().cpu().contiguous()
                 kinds[k] = "sharded" if v.shape == p.shape else "rank"
             else:
                 kinds[k] = {"value": jsonable(v, f"optimizer state {k!r}")}
@@ -272,7 +273,7 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
                                       f"{man['world_size']}; it cannot be restored at "
                                       f"{st.topo.world_size}")
     return {"man": man, "shards": shards, "buffers": buffers, "opt": opt_sd, "meta": meta,
-            "rng": rng, "extras": extras, "path": path}
+            "rng": rng, "extras": extras}
 
 
 def _check_names(man: dict, st: ShardState, model: nn.Module, path: Path) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -217,8 +218,11 @@ def consolidate(path: os.PathLike, *, optimizer_state: bool = False) -> dict[str
     alone: parameters (fp32) and buffers; with `optimizer_state`, instead
     "<name>/<key>" for each sharded optimizer-state tensor (e.g. exp_avg)."""
     path = resolve(path)
-    man = read_manifest(path)
-    rd = Reader(path, man)
+    return _consolidate(Reader(path, read_manifest(path)), optimizer_state)
+
+
+def _consolidate(rd: Reader, optimizer_state: bool) -> dict[str, torch.Tensor]:
+    man = rd.man
     out: dict[str, torch.Tensor] = {}
     for f in man["flats"]:
         keys = [f"model/{f['name']}"]
@@ -229,7 +233,7 @@ def consolidate(path: os.PathLike, *, optimizer_state: bool = False) -> dict[str
             flat = rd.values(f, key, 0, f["numel"])
             suffix = "" if key.startswith("model/") else "/" + key.rsplit("/", 1)[1]
             for p in f["params"]:
-                t = flat[p["offset"]:p["offset"] + _numel(p["shape"])].view(p["shape"])
+                t = flat[p["offset"]:p["offset"] + math.prod(p["shape"])].view(p["shape"])
                 for n in p["names"]:
                     out[n + suffix] = t.clone()
     if not optimizer_state:
@@ -238,22 +242,15 @@ def consolidate(path: os.PathLike, *, optimizer_state: bool = False) -> dict[str
     return out
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def export(ckpt: os.PathLike, out: os.PathLike, *, dtype: Optional[torch.dtype] = None
            ) -> list[Path]:
     """Write `out/model.safetensors` (original names, loadable by the unsharded
     model's `load_state_dict`) and, for a transformers model, `out/config.json`
     so that `from_pretrained(out)` works. Returns the files written."""
     ckpt = resolve(ckpt)
-    man = read_manifest(ckpt)
-    sd = consolidate(ckpt)
-    hf = man.get("hf")
+    rd = Reader(ckpt, read_manifest(ckpt))
+    sd = _consolidate(rd, optimizer_state=False)
+    hf = rd.man.get("hf")
     if hf:
         prefix = hf["prefix"]
         outside = [n for n in sd if not n.startswith(prefix)]

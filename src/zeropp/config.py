@@ -87,18 +87,6 @@ class Config:
         return {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
                 for k, v in dataclasses.asdict(self).items()}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Config:
-        """Inverse of `to_dict`; unknown fields (a newer zeropp) are an error."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"zeropp.Config: unknown field(s) {', '.join(unknown)}")
-        dtype = {"param_dtype", "reduce_dtype"}
-        return cls(**{k: (getattr(torch, v) if k in dtype and isinstance(v, str)
-                          and v in ("float32", "bfloat16", "float16") else v)
-                      for k, v in d.items()})
-
     @property
     def quantized(self) -> bool:
         """Whether any technique quantizes (then shards are padded to whole blocks)."""

@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-# torch 2.13 renamed the flat all-gather (the old name warns); torch 2.4 has only that.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from .collectives import _all_gather_flat
 
 
 def _distributed() -> bool:
