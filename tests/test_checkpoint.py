@@ -123,7 +123,7 @@ def _load_over_live_secondaries(kw: dict, path: str, dirty: bool) -> list[float]
         _steps(model, opt, gen, 3)
         x = torch.randint(0, 64, (2, 16), generator=gen)
         loss_of("gpt", model, x, x).backward()
-        assert any(f.secondary is not None for f in model._zeropp_state.flats)
+        assert any(f.weights.secondary is not None for f in model._zeropp_state.flats)
     zeropp.load_checkpoint(path, model, opt, data_gen=gen)
     return _steps(model, opt, gen, 3)
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import zeropp
 from zeropp.collectives import Comm
 from zeropp.launch import spawn
+from zeropp.qgz import HopCodec, reduce_scatter_qgz
 from zeropp.stats import CommStats
 
 BLOCK, CHUNK = 64, 3 * 64  # each rank's chunk: 3 blocks
@@ -27,8 +28,8 @@ def _grad(rank: int, world: int) -> torch.Tensor:
 def _qgz(intra_bits: int, inter_bits: int):
     topo = zeropp.get_topology()
     comm = Comm(topo, CommStats())
-    out = comm.reduce_scatter_qgz(_grad(dist.get_rank(), topo.world_size), block=BLOCK,
-                                  intra_bits=intra_bits, inter_bits=inter_bits)
+    out = reduce_scatter_qgz(comm, _grad(dist.get_rank(), topo.world_size), block=BLOCK,
+                             intra_bits=intra_bits, inter=HopCodec(inter_bits, BLOCK))
     return out, comm.stats.as_dict()
 
 

@@ -154,6 +154,8 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
     # are not copied first; buffers and user tensors are, as they may share storage.
     for f in st.flats:
         tensors[f"model/{f.name}"] = f.primary_shard.detach().cpu()
+        for k, v in _engine_state(f).items():
+            tensors[f"engine/{f.name}/{k}"] = v
     buffers = _buffers(model)
     if rank == 0:
         for name, b in buffers.items():
@@ -186,6 +188,26 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
         "extra": values, "extra_kinds": kinds, "hf": _hf_model(model),
     }
     return tensors, meta, manifest
+
+
+def _engine_state(f: Any) -> dict[str, torch.Tensor]:
+    """A flat's per-rank engine state (qWD copies, qgZ residual and generator)."""
+    out = {f"weights/{k}": v for k, v in f.weights.state().items()}
+    if f.grad_codec is not None:
+        out.update({f"grad/{k}": v for k, v in f.grad_codec.state().items()})
+    return out
+
+
+def _load_engine_state(f: Any, saved: dict[str, torch.Tensor]) -> None:
+    """After the master shard is loaded: restore `_engine_state` (or start afresh:
+    the next gather of the unit is then a full one from the loaded masters)."""
+    part: dict[str, dict] = {"weights": {}, "grad": {}}
+    for k, v in saved.items():
+        kind, name = k.split("/", 1)
+        part[kind][name] = v
+    f.weights.load_state(part["weights"])
+    if f.grad_codec is not None:
+        f.grad_codec.load_state(part["grad"], f.primary_shard.device)
 
 
 def _optimizer_state(st: ShardState, opt: torch.optim.Optimizer, tensors: dict) -> dict:
@@ -245,9 +267,18 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     rank = st.topo.rank
     where = param_index(man)
     saved_flats = {f["name"]: f for f in man["flats"]}
-    shards = {}
+    shards, engine = {}, {}
+    # qWD copies, error-feedback residuals and rounding generators continue only
+    # in the very same setting (world, node size, config); otherwise the next
+    # gather refreshes in full and the residuals start from zero.
+    same_setting = (same_world and man.get("node_size") == st.topo.node_size
+                    and man.get("config") == st.cfg.to_dict())
     for f in st.flats:
         sf = saved_flats.get(f.name)
+        if same_setting and sf == f.layout():
+            prefix = f"engine/{f.name}/"
+            engine[f.name] = {k[len(prefix):]: rd.get(rank, k)
+                              for k in rd.file(rank).keys() if k.startswith(prefix)}
         if same_world and sf == f.layout():  # same layout: this rank's own bytes
             shards[f.name] = rd.get(rank, f"model/{f.name}")
             continue
@@ -273,7 +304,7 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
                                       f"{man['world_size']}; it cannot be restored at "
                                       f"{st.topo.world_size}")
     return {"man": man, "shards": shards, "buffers": buffers, "opt": opt_sd, "meta": meta,
-            "rng": rng, "extras": extras}
+            "rng": rng, "extras": extras, "engine": engine}
 
 
 def _check_names(man: dict, st: ShardState, model: nn.Module, path: Path) -> None:
@@ -364,8 +395,8 @@ def _apply(plan: dict, st: ShardState, model: nn.Module,
     with torch.no_grad():
         for f in st.flats:
             f.primary_shard.copy_(plan["shards"][f.name])  # bumps the version counter
-            f.secondary = None  # the next gather is from the loaded masters
             f.primary_shard.grad = None  # gradients of the replaced weights mean nothing
+            _load_engine_state(f, plan["engine"].get(f.name, {}))
         for u in st.units:
             u.free()
         bufs = _buffers(model)

@@ -1,6 +1,6 @@
 """Every collective zeropp issues, each recorded in CommStats as it goes out:
-the plain ones of ZeRO-3, the quantized gather of qwZ (`dequantize_gathered`)
-and the hierarchical quantized reduce-scatter of qgZ (`reduce_scatter_qgz`).
+the plain ones of ZeRO-3 and the quantized gather of qwZ (`dequantize_gathered`);
+qgZ's hierarchical reduce (qgz.py) and the weight path (weights.py) build on them.
 
 [Note: counting bytes]
 We count what this rank really puts on the wire under the algorithm that
@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .quant import QTensor, dequantize, quantize
+from .quant import QTensor, dequantize
 from .stats import CommStats
 from .topology import Topology, hpz_group
 
@@ -176,60 +176,6 @@ class Comm:
             _wait(dist.all_reduce(t, op=reduce_op, group=self.groups["world"], async_op=True),
                   self, op, self.unit)
         return t
-
-    # ---- qgZ -----------------------------------------------------------------------
-    def reduce_scatter_qgz(self, g: torch.Tensor, *, block: int, intra_bits: int,
-                           inter_bits: int, op: str = "reduce_scatter/qgz") -> torch.Tensor:
-        """qgZ: the mean over the world of `g` (fp32, W equal chunks of whole
-        blocks), this rank's chunk, by two quantized all-to-alls (SPEC.md, qgZ).
-
-        Hop 1 (inside the node): chunk p is for rank p = m*D + j; the N chunks
-        for local index j go, INT-quantized, to local peer j, which dequantizes
-        the D pieces it receives and sums them in fp32. Hop 2 (across nodes,
-        among the ranks of local index j): the node-partial sum for node m is
-        re-quantized and sent to node m, which sums the N pieces in fp32.
-        Across its boundary a node sends (N-1)/N of |g| values at `inter_bits`
-        each (plus scales) where a ring sends (W-1)/W of them at full width.
-        One node or one rank per node skips the hop that would move nothing;
-        padding, not fallbacks, handles any size.
-        """
-        topo = self.topo
-        n, d, w = topo.num_nodes, topo.node_size, topo.world_size
-        if w == 1:
-            return g.clone()
-        chunk = g.numel() // w
-        by_local = g.view(n, d, chunk).transpose(0, 1)  # [j, m]: slot (p mod D)*N + p // D
-        if d > 1:
-            partial = self._quantized_a2a_sum(by_local.reshape(d, n * chunk), group="intra_node",
-                                              op=f"{op}/intra", bits=intra_bits, block=block)
-        else:
-            partial = by_local.reshape(-1)  # no intra-node hop: nothing to quantize
-        if n > 1:
-            mine = self._quantized_a2a_sum(partial.view(n, chunk), group="inter_node",
-                                           op=f"{op}/inter", bits=inter_bits, block=block)
-        else:
-            mine = partial
-        return mine / w
-
-    def _quantized_a2a_sum(self, pieces: torch.Tensor, *, group: str, op: str, bits: int,
-                           block: int) -> torch.Tensor:
-        """Row k of `pieces` goes, quantized, to group rank k; returns the fp32
-        sum of the rows received."""
-        k, numel = pieces.shape
-        wb = QTensor.wire_bytes(numel, bits, block)
-        send = torch.empty(k * wb, dtype=torch.uint8, device=pieces.device)
-        for r in range(k):
-            quantize(pieces[r], bits, block, out=send[r * wb:(r + 1) * wb])
-        recv = torch.empty_like(send)
-        self.all_to_all(recv, send, op=op, group=group,
-                        scale_bytes_per_peer=-(-numel // block) * 4)
-        total = torch.zeros(numel, dtype=torch.float32, device=pieces.device)
-        part = torch.empty_like(total)
-        for r in range(k):
-            q = QTensor.from_bytes(recv[r * wb:(r + 1) * wb], (numel,), torch.float32, bits,
-                                   block)
-            total += dequantize(q, out=part)
-        return total
 
 
 # ---- qwZ ---------------------------------------------------------------------------

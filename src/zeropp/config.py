@@ -40,8 +40,28 @@ class Config:
     weight_bits: int = 8
     grad_bits: int = 4
     """qgZ bits per value on the inter-node hop (and the intra-node hop, unless set below)."""
-    intra_node_grad_bits: Optional[int] = None
-    """qgZ bits on the intra-node hop; None = grad_bits (SDP4Bit uses 8 here, 4 across)."""
+    intra_node_grad_bits: Optional[int] = 8
+    """qgZ bits on the intra-node hop; None = grad_bits. 8 (SDP4Bit's split) costs no
+    inter-node byte: this hop never leaves the node."""
+    gradient_rotation: bool = False
+    """qgZ inter-node hop: randomized Hadamard rotation of each block before quantizing
+    (spreads outliers, shrinks the INT4 step; blocks become powers of two)."""
+    gradient_stochastic_rounding: bool = False
+    """qgZ inter-node hop: stochastic rounding (unbiased) instead of round-to-nearest."""
+    gradient_error_feedback: bool = False
+    """qgZ inter-node hop: carry each sender's quantization residual into its next
+    send (LoCo-style moving average); costs |g|/D fp32 per unit per rank * (N-1)/N."""
+    hierarchical_gather: bool = False
+    """Gather weights across nodes among same-local-index ranks first, then inside the
+    node: (N-1)/N of the payload crosses per node instead of (W-1)/W."""
+    weight_delta: bool = False
+    """qWD (needs hpZ at the node size): secondaries persist at compute precision and are
+    refreshed after each optimizer step by a quantized difference from each shard's owner."""
+    weight_delta_bits: int = 4
+    """Bits per value of the qWD weight differences."""
+    weight_refresh_every: Optional[int] = None
+    """qWD: a full (qwZ INT8 or exact) refresh every this many optimizer steps; None = only
+    when needed (first step, after a load, after an edit outside the optimizer)."""
     block_size: int = 2048
     """Elements per quantization block (one fp32 scale each)."""
     prefetch: bool = True
@@ -53,7 +73,9 @@ class Config:
 
     def __post_init__(self) -> None:
         for name in ("quantized_weights", "quantized_gradients",
-                     "quantized_nontrainable_weights", "prefetch"):
+                     "quantized_nontrainable_weights", "prefetch", "gradient_rotation",
+                     "gradient_stochastic_rounding", "gradient_error_feedback",
+                     "hierarchical_gather", "weight_delta"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool),
                    "True or False")
         _check_int("hpz_partition_size", self.hpz_partition_size, 1, "an integer >= 1")
@@ -64,7 +86,7 @@ class Config:
                    "None, torch.float32, torch.bfloat16 or torch.float16")
         _check("reduce_dtype", self.reduce_dtype, self.reduce_dtype in _FLOAT_DTYPES,
                "torch.float32, torch.bfloat16 or torch.float16")
-        for name in ("weight_bits", "grad_bits", "intra_node_grad_bits"):
+        for name in ("weight_bits", "grad_bits", "intra_node_grad_bits", "weight_delta_bits"):
             v = getattr(self, name)
             if v is not None or name != "intra_node_grad_bits":
                 _check(name, v, _is_int(v) and v in _BITS, "4 or 8" if name !=
@@ -73,6 +95,12 @@ class Config:
                _is_int(self.block_size) and 8 <= self.block_size <= 1 << 20
                and self.block_size % 8 == 0,
                "a multiple of 8 in [8, 1048576] (keeps wire pieces 4-byte aligned)")
+        if self.weight_refresh_every is not None:
+            _check_int("weight_refresh_every", self.weight_refresh_every, 1,
+                       "None or an integer >= 1")
+        if self.weight_delta and self.hpz_partition_size == 1:
+            raise ValueError("zeropp.Config: weight_delta=True needs hpZ (the secondary copies "
+                             "it refreshes): set hpz_partition_size to the node size")
         if self.collective_timeout is not None:
             t = self.collective_timeout
             _check("collective_timeout", t, isinstance(t, (int, float))
@@ -91,7 +119,19 @@ class Config:
     def quantized(self) -> bool:
         """Whether any technique quantizes (then shards are padded to whole blocks)."""
         return (self.quantized_weights or self.quantized_gradients
-                or self.quantized_nontrainable_weights)
+                or self.quantized_nontrainable_weights or self.weight_delta)
+
+    @classmethod
+    def preset(cls, name: str, node_size: Optional[int] = None, **overrides) -> Config:
+        """A named configuration: "zero3", "zeropp" (the paper's three techniques, INT4
+        on both gradient hops), "zeropp-plus" (everything beyond the paper at the
+        measured defaults), the single techniques "qwz", "hpz", "qgz", and any of them
+        with one switch flipped, e.g. "zeropp-plus~rotation" (see SWITCHES).
+        hpZ is sized to `node_size` (None: LOCAL_WORLD_SIZE, else the world size,
+        else 1); `overrides` are Config fields that win."""
+        if node_size is None:
+            node_size = _default_node_size()
+        return named(name, node_size, **overrides)
 
     @classmethod
     def from_deepspeed(cls, ds_config: Union[dict, str, os.PathLike], **overrides) -> Config:
@@ -150,22 +190,59 @@ class Config:
         return cls(**kwargs)
 
 
-# The configurations that --compare, the benchmarks and `zeropp bench` name,
-# as Config switches; "D" stands for the node size.
+# The configurations that Config.preset, --compare, the benchmarks and `zeropp
+# bench` name, as Config switches; "D" stands for the node size.
+_ZEROPP = {"quantized_weights": True, "hpz_partition_size": "D", "quantized_gradients": True}
 NAMED = {
     "zero3": {},
     "qwz": {"quantized_weights": True},
     "hpz": {"hpz_partition_size": "D"},
-    "qgz": {"quantized_gradients": True},
-    "zeropp": {"quantized_weights": True, "hpz_partition_size": "D",
-               "quantized_gradients": True},
+    "qgz": {"quantized_gradients": True, "intra_node_grad_bits": 4},
+    "zeropp": {**_ZEROPP, "intra_node_grad_bits": 4},   # as published: INT4 on both hops
+    # Beyond the paper; each switch's default chosen by the 3-seed measurement in
+    # benchmarks/RESULTS.md ("zeropp-plus ablations"), not by belief.
+    "zeropp-plus": {**_ZEROPP, "intra_node_grad_bits": 8, "hierarchical_gather": True,
+                    "weight_delta": True, "gradient_rotation": False,
+                    "gradient_stochastic_rounding": False, "gradient_error_feedback": False},
 }
+# Short names of the switches "NAME~SWITCH" flips (ablations): booleans are
+# negated, intra8 toggles the intra-node gradient hop between 8 and 4 bits.
+SWITCHES = {"hier": "hierarchical_gather", "qwd": "weight_delta", "rotation": "gradient_rotation",
+            "sr": "gradient_stochastic_rounding", "ef": "gradient_error_feedback",
+            "intra8": "intra_node_grad_bits", "qwz": "quantized_weights",
+            "qgz": "quantized_gradients"}
+
+
+def is_named(name: str) -> bool:
+    base, *flips = name.split("~")
+    return base in NAMED and all(f in SWITCHES for f in flips)
 
 
 def named(name: str, node_size: int, **fields) -> Config:
-    """The Config of a named configuration (see NAMED) on nodes of `node_size`."""
-    switches = {k: node_size if v == "D" else v for k, v in NAMED[name].items()}
-    return Config(node_size=node_size, **switches, **fields)
+    """The Config of a named configuration (see NAMED, and "~SWITCH" flips) on
+    nodes of `node_size`."""
+    base, *flips = name.split("~")
+    if not is_named(name):
+        raise ValueError(f"zeropp: unknown configuration {name!r}; choose from "
+                         f"{', '.join(NAMED)}, optionally with ~SWITCH flips "
+                         f"({', '.join(SWITCHES)})")
+    switches = {k: node_size if v == "D" else v for k, v in NAMED[base].items()}
+    for flip in flips:
+        field = SWITCHES[flip]
+        now = switches.get(field, getattr(Config, field))
+        switches[field] = (4 if now == 8 else 8) if field == "intra_node_grad_bits" else not now
+    if not switches.get("hpz_partition_size", 1) > 1:
+        switches["weight_delta"] = False  # qWD refreshes hpZ secondaries: without hpZ, none
+    return Config(node_size=node_size, **{**switches, **fields})
+
+
+def _default_node_size() -> int:
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
 
 
 _DS_KEYS = {

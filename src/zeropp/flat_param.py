@@ -20,11 +20,11 @@ and fires our post-accumulate hook once: the moment to reduce-scatter the
 unit. A graph backwarded later fires it again and accumulates, as in PyTorch.
 
 [Note: updates the engine cannot see]
-hpZ's secondary shard is dropped after every optimizer step over the master
-shard and whenever the shard's version counter moves (`load_state_dict`,
-in-place ops) or its storage is replaced (`p.data = ...`). An in-place write
-through `.data` changes neither: after one, drop the secondaries yourself
-(`f.secondary = None` for the unit's flats).
+hpZ's secondary shard is dropped (qWD: refreshed by a delta) after every
+optimizer step over the master shard and whenever the shard's version counter
+moves (`load_state_dict`, in-place ops) or its storage is replaced
+(`p.data = ...`). An in-place write through `.data` changes neither: after one,
+call `zeropp.refresh(model)`.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from torch import nn
 
 from .collectives import Comm, Pending, dequantize_gathered
 from .config import Config
-from .quant import QTensor, quantize
-from .secondary import SecondaryShard
+from .qgz import inter_node_codec, reduce_scatter_qgz
+from .quant import quantize
 from .topology import Topology
+from .weights import WeightPath
 
 
 @dataclass
@@ -78,6 +79,11 @@ class FlatParam:
         per_rank = max(1, math.ceil(self.numel / w))
         nblocks = -(-per_rank // cfg.block_size)
         self.block = -(-per_rank // nblocks // 8) * 8 if cfg.quantized else 1
+        if cfg.quantized_gradients and cfg.gradient_rotation:
+            # The Hadamard rotation needs power-of-two blocks: the largest one not
+            # above block_size, or the smallest that holds the whole shard.
+            cap = 1 << (cfg.block_size.bit_length() - 1)
+            self.block = min(cap, max(8, 1 << (per_rank - 1).bit_length()))
         self.shard_numel = -(-per_rank // self.block) * self.block
         self.padded_numel = self.shard_numel * w
         self.split_sizes = [i.numel for i in self.infos] + [self.padded_numel - self.numel]
@@ -91,10 +97,6 @@ class FlatParam:
                 shard = quantize(shard, self.weight_bits, self.block).to_bytes()
             self.primary_shard = nn.Parameter(shard.clone(), requires_grad=trainable)
         del flat
-        # hpZ: this rank's index in its partition of P ranks, and its slice.
-        self.hpz_size = cfg.hpz_partition_size
-        self.hpz_index = topo.rank % self.hpz_size
-        self.secondary: Optional[SecondaryShard] = None
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         # One leaf for the flat's lifetime, on `full`'s storage (see the note).
         self.leaf = self.full.data
@@ -107,6 +109,8 @@ class FlatParam:
         self.needs_reduce = False
         self.on_grad_ready: Optional[Callable[[FlatParam], None]] = None
         self._free_storage()
+        self.weights = WeightPath(self, topo, cfg)   # gathers, hpZ secondary, qWD
+        self.grad_codec = inter_node_codec(cfg, self.block, topo, name) if trainable else None
 
     @property
     def version(self) -> tuple[int, int]:
@@ -116,46 +120,13 @@ class FlatParam:
 
     # ---- gather / free -------------------------------------------------------
     def issue_gather(self, comm: Comm, *, phase: str) -> bool:
-        """Start gathering the full weights; False if gathered or in flight.
-        From the hpZ group when a secondary shard is current, else the world."""
+        """Start gathering the full weights (the route: see weights.py); False if
+        gathered or in flight."""
         if self.gathered or self.pending is not None:
             return False
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        from_hpz = self.secondary is not None and self.secondary.valid_for(self.version)
-        group = "hpz" if from_hpz else "world"
-        op = f"all_gather/{phase}" + ("/hpz" if from_hpz else "")
-        send = self.secondary.data if from_hpz else self._world_send()
-        if not self.quantized_gather:
-            self.pending = comm.all_gather(self.full, send, op=op, group=group,
-                                           then=lambda: self._gathered(self.full, from_hpz))
-            return True
-        wb = QTensor.wire_bytes(self.shard_numel, self.weight_bits, self.block)
-        out = torch.empty(self.world_size * wb, dtype=torch.uint8, device=self.full.device)
-
-        def then() -> None:
-            dequantize_gathered(out, self.full, pieces=self.world_size, bits=self.weight_bits,
-                                block=self.block)
-            self._gathered(out, from_hpz)
-        scales = self.world_size * (self.shard_numel // self.block) * 4
-        self.pending = comm.all_gather(out, send, op=op, group=group, scale_bytes=scales,
-                                       then=then)
+        self.pending = self.weights.issue(comm, phase)
         return True
-
-    def _world_send(self) -> torch.Tensor:
-        """What this rank contributes to a world gather: its primary shard in the
-        compute dtype, or (qwZ) quantized, payload and scales in one buffer."""
-        shard = self.primary_shard.detach()
-        if self.int_storage:
-            return shard
-        if self.quantized_gather:
-            return quantize(shard, self.weight_bits, self.block).to_bytes()
-        return shard.to(self.compute_dtype)
-
-    def _gathered(self, gathered: torch.Tensor, from_hpz: bool) -> None:
-        """A world gather just completed: with hpZ on, keep this rank's slice."""
-        if self.hpz_size > 1 and not from_hpz:
-            self.secondary = SecondaryShard.keep(gathered, size=self.hpz_size,
-                                                 index=self.hpz_index, version=self.version)
 
     def wait_gather(self) -> None:
         if self.pending is not None:
@@ -198,10 +169,9 @@ class FlatParam:
         g, self.leaf.grad = self.leaf.grad, None
         w = self.world_size
         if cfg.quantized_gradients:  # quantized hops, sums in fp32 whatever reduce_dtype
-            part = comm.reduce_scatter_qgz(
-                g.float(),
-                block=self.block, inter_bits=cfg.grad_bits,
-                intra_bits=cfg.intra_node_grad_bits or cfg.grad_bits)
+            part = reduce_scatter_qgz(comm, g.float(), block=self.block,
+                                      intra_bits=cfg.intra_node_grad_bits or cfg.grad_bits,
+                                      inter=self.grad_codec)
         else:
             rd = cfg.reduce_dtype
             g = g.to(rd)

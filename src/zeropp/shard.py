@@ -22,7 +22,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import Comm
@@ -301,26 +304,37 @@ def _assign_params(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Mod
     return owned
 
 
-def _optimizer_step_hook(state_ref: weakref.ref) -> Any:
-    """After any optimizer step that updates this model's master shards (no
-    engine object: a global post-step hook filters by parameter): count the
-    step and drop the hpZ secondaries of the shards it updated. Their version
-    counters cannot tell: fused optimizers update in place without bumping them."""
+def _optimizer_step_hooks(state_ref: weakref.ref) -> tuple[Any, Any]:
+    """Hooks around any optimizer step that updates this model's master shards
+    (no engine object: global hooks filter by parameter). Before: a shard changed
+    since its hpZ copy was made current, not by a step, needs a full refresh.
+    After: count the step; hpZ secondaries of the updated shards are dropped,
+    qWD's are marked for a delta refresh. Version counters alone cannot tell:
+    fused optimizers update in place without bumping them."""
     ours: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def flats_of(opt: torch.optim.Optimizer) -> list[FlatParam]:
         st = state_ref()
         if st is None:
-            return
+            return []
         if opt not in ours:
             held = {id(p) for g in opt.param_groups for p in g["params"]}
             ours[opt] = [f for f in st.flats if id(f.primary_shard) in held]
-        if ours[opt]:
+        return ours[opt]
+
+    def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for f in flats_of(opt):
+            f.weights.before_step()
+
+    def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        flats = flats_of(opt)
+        if flats:
+            st = state_ref()
             st.stats.steps += 1
             st.optimizer_steps += 1
-            for f in ours[opt]:
-                f.secondary = None
-    return hook
+            for f in flats:
+                f.weights.after_step()
+    return pre, post
 
 
 def shard(model: nn.Module, cfg: Optional[Config] = None, *,
@@ -367,7 +381,9 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
         mod.register_forward_hook(unit.post_forward)
         state.units.append(unit)
     model._zeropp_state = state
-    state._step_hook = register_optimizer_step_post_hook(_optimizer_step_hook(weakref.ref(state)))
+    pre, post = _optimizer_step_hooks(weakref.ref(state))
+    state._step_hooks = (register_optimizer_step_pre_hook(pre),
+                         register_optimizer_step_post_hook(post))
     return model
 
 
@@ -381,6 +397,20 @@ def get_state(model: nn.Module) -> ShardState:
 def comm_stats(model: nn.Module) -> dict:
     """Bytes this rank sent since the last reset (see stats.CommStats)."""
     return get_state(model).stats.as_dict()
+
+
+def refresh(model: nn.Module) -> None:
+    """Make the next gather of every unit a full one from the master shards.
+
+    Needed only after writing master shards in a way version counters cannot
+    see (through `.data`, or a fused in-place op outside the optimizer): hpZ
+    secondaries (and qWD's copies) would otherwise keep the old weights (qWD:
+    until deltas caught up). Optimizer steps, checkpoint loads, `load_state_dict`
+    and in-place ops on the parameters are detected without it. Call it on
+    every rank."""
+    st = get_state(model)
+    for f in st.flats:
+        f.weights.invalidate()
 
 
 def reset_comm_stats(model: nn.Module) -> None:

@@ -1,0 +1,164 @@
+"""qgZ: the hierarchical quantized gradient reduce-scatter, and the quantizer of
+each of its two hops (SPEC.md, qgZ and "Gradient-quantization accuracy").
+
+Hop 1 (inside the node) quantizes with `intra_node_grad_bits` (8 by default:
+it costs no inter-node byte). Hop 2 (across nodes) is where bytes are scarce
+and INT4 error hurts; its `InterNodeCodec` may add, each behind one Config
+switch:
+- `gradient_rotation`: a randomized Hadamard rotation of each block before
+  quantizing (outliers spread over the block, so the INT4 step shrinks). It is
+  linear, so the receiver sums the rotated pieces and unrotates once.
+- `gradient_stochastic_rounding`: unbiased rounding, from a per-rank generator
+  (saved in checkpoints).
+- `gradient_error_feedback`: the sender keeps what quantization lost and adds it
+  to its next send (LoCo-style moving average e <- b*e + (1-b)*r, b = 0.8, reset
+  every 1024 sends). State: (N-1) chunks of fp32 per unit per rank, i.e.
+  (N-1)/W of the unit's padded size; saved in checkpoints.
+A rank never quantizes the piece it keeps for itself (the all-to-all's own
+slot): it adds it in fp32, so only bytes that travel are rounded.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+
+from .collectives import Comm
+from .config import Config
+from .quant import QTensor, dequantize, quantize, rotate, unrotate
+from .topology import Topology
+
+ROTATION_SEED = 0x5EED   # the Hadamard signs every rank shares
+ERROR_BETA = 0.8         # LoCo's err_beta: weight of the older residual
+ERROR_RESET = 1024       # LoCo's reset period, in sends
+
+
+class HopCodec:
+    """Quantizes the rows of one hop's all-to-all and sums what arrives.
+    Plain (round to nearest) unless the switches say otherwise."""
+
+    def __init__(self, bits: int, block: int, *, rotation: bool = False,
+                 stochastic: bool = False, error_feedback: bool = False, seed: int = 0) -> None:
+        self.bits, self.block = bits, block
+        self.rotation, self.stochastic, self.error_feedback = rotation, stochastic, error_feedback
+        self.seed = seed
+        self.generator: Optional[torch.Generator] = None
+        self.residual: Optional[torch.Tensor] = None   # rows sent to peers, in send order
+        self.sends = 0
+
+    def encode(self, rows: torch.Tensor, own: int, send: torch.Tensor, wb: int) -> None:
+        """Quantize every row but `own` into its slot of `send` (wire format)."""
+        k, numel = rows.shape
+        if self.error_feedback:
+            if self.residual is None or self.residual.shape != (k - 1, numel):
+                self.residual = torch.zeros(k - 1, numel, dtype=torch.float32, device=rows.device)
+            if self.sends % ERROR_RESET == 0:
+                self.residual.zero_()
+            self.sends += 1
+        if self.stochastic and self.generator is None:
+            self.generator = torch.Generator(device=rows.device).manual_seed(self.seed)
+        peer = 0
+        for r in range(k):
+            if r == own:
+                continue
+            x = rotate(rows[r], ROTATION_SEED, self.block) if self.rotation else rows[r]
+            if self.error_feedback:
+                x = x + self.residual[peer]
+            q = quantize(x, self.bits, self.block, stochastic=self.stochastic,
+                         generator=self.generator, out=send[r * wb:(r + 1) * wb])
+            if self.error_feedback:
+                lost = x - dequantize(q, torch.float32)
+                self.residual[peer].mul_(ERROR_BETA).add_(lost, alpha=1 - ERROR_BETA)
+            peer += 1
+
+    def decode_sum(self, recv: torch.Tensor, own: int, own_row: torch.Tensor,
+                   wb: int) -> torch.Tensor:
+        """fp32 sum of the pieces received (all rows but `own`) and `own_row`."""
+        k, numel = recv.numel() // wb, own_row.numel()
+        total = torch.zeros(numel, dtype=torch.float32, device=own_row.device)
+        part = torch.empty_like(total)
+        for r in range(k):
+            if r != own:
+                q = QTensor.from_bytes(recv[r * wb:(r + 1) * wb], (numel,), torch.float32,
+                                       self.bits, self.block)
+                total += dequantize(q, out=part)
+        if self.rotation:
+            total = unrotate(total, ROTATION_SEED, self.block)
+        return total.add_(own_row)
+
+    # ---- checkpoints: what a bit-exact resume needs -----------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        if self.residual is not None:
+            out["residual"] = self.residual.detach().cpu()
+            out["sends"] = torch.tensor([self.sends])
+        if self.generator is not None:
+            out["generator"] = self.generator.get_state()
+        return out
+
+    def load_state(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.residual, self.sends, self.generator = None, 0, None
+        if "residual" in state and self.error_feedback:
+            self.residual = state["residual"].to(device)
+            self.sends = int(state["sends"][0])
+        if "generator" in state and self.stochastic:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+            self.generator.set_state(state["generator"])
+
+
+def inter_node_codec(cfg: Config, block: int, topo: Topology, name: str) -> HopCodec:
+    """The inter-node hop's codec of one unit's gradient, with the Config's switches."""
+    return HopCodec(cfg.grad_bits, block, rotation=cfg.gradient_rotation,
+                    stochastic=cfg.gradient_stochastic_rounding,
+                    error_feedback=cfg.gradient_error_feedback,
+                    seed=topo.rank * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def reduce_scatter_qgz(comm: Comm, g: torch.Tensor, *, block: int, intra_bits: int,
+                       inter: HopCodec, op: str = "reduce_scatter/qgz") -> torch.Tensor:
+    """qgZ: the mean over the world of `g` (fp32, W equal chunks of whole
+    blocks), this rank's chunk, by two quantized all-to-alls.
+
+    Hop 1 (inside the node): chunk p is for rank p = m*D + j; the N chunks
+    for local index j go, quantized, to local peer j, which sums the D pieces
+    it holds in fp32. Hop 2 (across nodes, among the ranks of local index j):
+    the node-partial sum for node m goes, quantized by `inter`, to node m,
+    which sums the N pieces in fp32. Across its boundary a node sends (N-1)/N
+    of |g| values at `inter.bits` each (plus scales) where a ring sends (W-1)/W
+    of them at full width. One node or one rank per node skips the hop that
+    would move nothing; padding, not fallbacks, handles any size.
+    """
+    topo = comm.topo
+    n, d, w = topo.num_nodes, topo.node_size, topo.world_size
+    if w == 1:
+        return g.clone()
+    chunk = g.numel() // w
+    by_local = g.view(n, d, chunk).transpose(0, 1)  # [j, m]: slot (p mod D)*N + p // D
+    if d > 1:
+        partial = _quantized_a2a_sum(comm, by_local.reshape(d, n * chunk), group="intra_node",
+                                     op=f"{op}/intra", codec=HopCodec(intra_bits, block),
+                                     own=topo.local_rank)
+    else:
+        partial = by_local.reshape(-1)  # no intra-node hop: nothing to quantize
+    if n > 1:
+        mine = _quantized_a2a_sum(comm, partial.view(n, chunk), group="inter_node",
+                                  op=f"{op}/inter", codec=inter, own=topo.node)
+    else:
+        mine = partial
+    return mine / w
+
+
+def _quantized_a2a_sum(comm: Comm, pieces: torch.Tensor, *, group: str, op: str,
+                       codec: HopCodec, own: int) -> torch.Tensor:
+    """Row k of `pieces` goes, quantized, to group rank k (row `own` stays here
+    unquantized); returns the fp32 sum of the rows this rank ends up with."""
+    k, numel = pieces.shape
+    wb = QTensor.wire_bytes(numel, codec.bits, codec.block)
+    send = torch.empty(k * wb, dtype=torch.uint8, device=pieces.device)
+    codec.encode(pieces, own, send, wb)
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, op=op, group=group,
+                    scale_bytes_per_peer=-(-numel // codec.block) * 4)
+    return codec.decode_sum(recv, own, pieces[own], wb)

@@ -1,0 +1,275 @@
+"""The weight path: how a unit's full weights are assembled from the shards.
+
+Everything that moves weights lives here: ZeRO-3's world gather, qwZ's INT8
+payload, hpZ's secondary shard, the hierarchical (two-stage) gather and qWD's
+weight-delta refresh. `FlatParam` owns the buffers; `WeightPath` decides the
+route of each gather and runs it.
+
+[Note: the secondary shard's layout]
+With hpZ groups of P ranks, rank r (index i = r mod P in its group) keeps the
+primary shards of the W/P ranks k*P + i, k = 0..W/P-1, as its *secondary*
+(piece k = rank k*P+i's shard). For P = D these are the ranks sharing r's local
+index, one per node: exactly the inter-node group, so the first stage of a
+hierarchical gather (an all-gather in that group) outputs the secondary itself,
+with no copy, and the owner of a primary shard and every holder of a copy of it
+are one inter-node group, which is what qWD's deltas travel in. A gather from
+secondaries (inside the hpZ group) receives the pieces in (i, k) order and
+places piece (i, k) at slot k*P + i: the same bytes a world gather puts there.
+
+[Note: routes]
+  world     ZeRO-3 / qwZ: one ring over the world (W-1)/W of the payload per node
+            across; with hpZ the rank then keeps its pieces of the result.
+  hier      stage 1 across nodes among same-local-index ranks -> the N pieces of
+            the secondary; stage 2 inside the node. (N-1)/N of the payload per
+            node crosses. Bitwise equal to `world`.
+  secondary hpZ: stage 2 only, from a current secondary (nothing crosses nodes).
+  delta     qWD: the secondary persists at compute precision. After an optimizer
+            step each owner quantizes d = master - its copy of its own shard,
+            all-gathers d in the inter-node group, and every holder (the owner
+            too) adds dequant(q(d)) to its copy; then stage 2. Copies stay bitwise
+            identical everywhere and the rounding error stays in master - copy,
+            sent with the next delta instead of lost.
+The route depends only on state every rank shares (version counters, steps),
+so every rank issues the same collectives in the same order on each group.
+
+[Note: when qWD refreshes in full]
+A full refresh (the `hier` or `world` route; INT8 with qwZ, else exact) runs on
+the first gather, after a checkpoint load at another layout, when the master
+shard changed by anything but an optimizer step (its version counter moved
+after the step hook ran, or its storage was replaced), after
+`zeropp.refresh(model)`, and every `weight_refresh_every` steps. An in-place
+write through `.data` is invisible to version counters: it reaches the copies
+through the next delta (INT-quantized); call `zeropp.refresh(model)` to send it
+exactly. Memory: the persistent secondary costs W/P shards at compute
+precision per rank (1/D of the model; fp32: 4 bytes/param / D), where qwZ+hpZ
+keeps 1/D of the model as INT8 only between a forward and the next step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .collectives import Comm, Pending, dequantize_gathered
+from .quant import QTensor, dequantize, quantize
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .flat_param import FlatParam
+    from .topology import Topology
+
+
+class WeightPath:
+    def __init__(self, flat: FlatParam, topo: Topology, cfg: Config) -> None:
+        self.flat = flat
+        w, d = topo.world_size, topo.node_size
+        self.p = cfg.hpz_partition_size            # hpZ group size (1 = no secondary)
+        self.index = topo.rank % self.p            # i: this rank's index in its hpZ group
+        # Two stages need a real node boundary; P must then be the node size (or
+        # 1) so that stage 1 is the inter-node group (see the note).
+        self.hierarchical = cfg.hierarchical_gather and 1 < d < w
+        self.delta = cfg.weight_delta and flat.trainable and w // d > 1
+        if (self.hierarchical or cfg.weight_delta) and self.p not in (1, d):
+            raise ValueError(f"zeropp: hierarchical_gather / weight_delta need "
+                             f"hpz_partition_size 1 or the node size {d}, got {self.p}")
+        self.outer_index = topo.rank // d          # this rank's index in its inter-node group
+        self.delta_bits, self.refresh_every = cfg.weight_delta_bits, cfg.weight_refresh_every
+        self.secondary: Optional[torch.Tensor] = None  # W/P pieces: wire bytes or compute dtype
+        self.current_for: Optional[tuple] = None  # master version the secondary stands for
+        self.stepped_at: Optional[tuple] = None   # master version right after the last step
+        self.deltas = 0                           # deltas since the last full refresh
+
+    # ---- state -----------------------------------------------------------------------
+    def after_step(self) -> None:
+        """An optimizer step updated the master shard: qWD keeps the copy and sends a
+        delta at the next gather; plain hpZ drops it (its next gather is a full one)."""
+        if self.delta and self.secondary is not None:
+            self.stepped_at, self.current_for = self.flat.version, None
+        else:
+            self.invalidate()
+
+    def invalidate(self) -> None:
+        """Forget the secondary: the next gather is a full one."""
+        self.secondary = self.current_for = self.stepped_at = None
+
+    def route(self) -> str:
+        v = self.flat.version
+        if self.secondary is not None and self.current_for == v:
+            return "secondary"
+        if (self.secondary is not None and self.stepped_at == v
+                and (self.refresh_every is None or self.deltas < self.refresh_every)):
+            return "delta"
+        return "hier" if self.hierarchical else "world"
+
+    # ---- gathers -----------------------------------------------------------------------
+    def issue(self, comm: Comm, phase: str) -> Pending:
+        """Start assembling the full weights into `flat.full`; the returned Pending
+        completes the remaining stages when waited on."""
+        route, op = self.route(), f"all_gather/{phase}"
+        if route == "secondary":
+            return self._inner(comm, self.secondary, f"{op}/hpz", "hpz", self._is_wire)
+        if route == "delta":
+            return self._issue_delta(comm, op)
+        if route == "hier":
+            return self._issue_outer(comm, op)
+        return self._issue_world(comm, op)
+
+    @property
+    def _is_wire(self) -> bool:
+        """Whether the secondary holds wire bytes (qwZ without qWD) rather than weights."""
+        return self.flat.quantized_gather and not self.delta
+
+    def _send(self) -> torch.Tensor:
+        """This rank's contribution to a full gather: its primary shard in the
+        compute dtype or, with qwZ, quantized (payload and scales in one buffer)."""
+        f = self.flat
+        shard = f.primary_shard.detach()
+        if f.int_storage:
+            return shard
+        if f.quantized_gather:
+            return quantize(shard, f.weight_bits, f.block).to_bytes()
+        return shard.to(f.compute_dtype)
+
+    def _gather_buffer(self, pieces: int) -> tuple[torch.Tensor, int]:
+        f = self.flat
+        if f.quantized_gather:
+            return (torch.empty(pieces * self._wire_bytes, dtype=torch.uint8,
+                                device=f.full.device), self._scale_bytes * pieces)
+        return torch.empty(pieces * f.shard_numel, dtype=f.compute_dtype,
+                           device=f.full.device), 0
+
+    @property
+    def _wire_bytes(self) -> int:
+        f = self.flat
+        return QTensor.wire_bytes(f.shard_numel, f.weight_bits, f.block)
+
+    @property
+    def _scale_bytes(self) -> int:
+        return self.flat.shard_numel // self.flat.block * 4
+
+    def _issue_world(self, comm: Comm, op: str) -> Pending:
+        f = self.flat
+        w = f.world_size
+        if f.quantized_gather:
+            out, scales = self._gather_buffer(w)
+
+            def then() -> None:
+                dequantize_gathered(out, f.full, pieces=w, bits=f.weight_bits, block=f.block)
+                self._keep(out, wire=True)
+            return comm.all_gather(out, self._send(), op=op, group="world", scale_bytes=scales,
+                                   then=then)
+        return comm.all_gather(f.full, self._send(), op=op, group="world",
+                               then=lambda: self._keep(f.full, wire=False))
+
+    def _keep(self, gathered: torch.Tensor, *, wire: bool) -> None:
+        """hpZ after a world gather: keep this rank's pieces k*P + i of the result
+        (wire bytes as received, or qWD's weights at compute precision)."""
+        if self.p == 1:
+            return
+        if wire and self.delta:  # qWD copies hold weights: take them from the dequantized full
+            gathered, wire = self.flat.full, False
+        self._set_secondary(gathered.view(-1, self.p, gathered.numel() // self.flat.world_size)
+                            [:, self.index].clone().view(-1))
+
+    def _set_secondary(self, secondary: torch.Tensor) -> None:
+        self.secondary, self.current_for, self.stepped_at = secondary, self.flat.version, None
+        self.deltas = 0
+
+    def _issue_outer(self, comm: Comm, op: str) -> Pending:
+        """Hierarchical stage 1: the N primary shards of this rank's local index,
+        across nodes; its output is the secondary (hpZ at the node size)."""
+        n = self.flat.world_size // comm.topo.node_size
+        out, scales = self._gather_buffer(n)
+
+        def then() -> None:
+            mine, wire = out, self.flat.quantized_gather
+            if self.p > 1:
+                if self.delta and wire:  # qWD copies are weights at compute precision
+                    mine, wire = self._dequantized(out, n), False
+                self._set_secondary(mine)
+            self._inner(comm, mine, f"{op}/intra", "intra_node", wire).wait()
+        return comm.all_gather(out, self._send(), op=f"{op}/inter", group="inter_node",
+                               scale_bytes=scales, then=then)
+
+    def _dequantized(self, wire: torch.Tensor, pieces: int) -> torch.Tensor:
+        f = self.flat
+        out = torch.empty(pieces * f.shard_numel, dtype=f.compute_dtype, device=wire.device)
+        dequantize_gathered(wire, out, pieces=pieces, bits=f.weight_bits, block=f.block)
+        return out
+
+    def _inner(self, comm: Comm, mine: torch.Tensor, op: str, group: str,
+               wire: bool) -> Pending:
+        """Stage 2: all-gather every group member's pieces inside the group (hpZ
+        group or node, G ranks) and place member i's piece k at slot k*G + i."""
+        f = self.flat
+        g = len(comm.ranks[group])
+        k = f.world_size // g
+        out = torch.empty(g * mine.numel(), dtype=mine.dtype, device=mine.device)
+        if wire:
+            wb = self._wire_bytes
+
+            def then() -> None:
+                pieces = out.view(g, k, wb)
+                for i in range(g):
+                    for j in range(k):
+                        q = QTensor.from_bytes(pieces[i, j], (f.shard_numel,), f.compute_dtype,
+                                               f.weight_bits, f.block)
+                        s = (j * g + i) * f.shard_numel
+                        dequantize(q, out=f.full[s:s + f.shard_numel])
+            return comm.all_gather(out, mine, op=op, group=group,
+                                   scale_bytes=self._scale_bytes * g * k, then=then)
+
+        def place() -> None:
+            f.full.view(k, g, -1).copy_(out.view(g, k, -1).transpose(0, 1))
+        return comm.all_gather(out, mine, op=op, group=group, then=place)
+
+    def before_step(self) -> None:
+        """Before an optimizer step: a master shard changed since its copy was made
+        current (not by a step) must be refreshed in full, not by delta."""
+        v = self.flat.version
+        if self.secondary is not None and v not in (self.current_for, self.stepped_at):
+            self.invalidate()
+
+    def _issue_delta(self, comm: Comm, op: str) -> Pending:
+        """qWD: every owner sends q(master - copy) to its shard's holders (the
+        inter-node group); each applies it to its copy, then stage 2."""
+        f = self.flat
+        n, numel = self.secondary.numel() // f.shard_numel, f.shard_numel
+        copies = self.secondary.view(n, numel)
+        diff = f.primary_shard.detach().float() - copies[self.outer_index].float()
+        send = quantize(diff, self.delta_bits, f.block).to_bytes()
+        out = torch.empty(n * send.numel(), dtype=torch.uint8, device=send.device)
+        version = self.stepped_at
+
+        def then() -> None:
+            part = torch.empty(numel, dtype=torch.float32, device=out.device)
+            for k, piece in enumerate(out.view(n, -1)):
+                q = QTensor.from_bytes(piece, (numel,), torch.float32, self.delta_bits, f.block)
+                copies[k].add_(dequantize(q, out=part))  # the same op on every holder
+            self.current_for, self.stepped_at = version, None
+            self.deltas += 1
+            self._inner(comm, self.secondary, f"{op}/hpz", "hpz", False).wait()
+        return comm.all_gather(out, send, op=f"{op}/delta", group="inter_node",
+                               scale_bytes=n * (numel // f.block) * 4, then=then)
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        """qWD state a bit-exact resume needs: the copies and whether a delta is due."""
+        if not self.delta or self.secondary is None:
+            return {}
+        due = self.stepped_at is not None and self.stepped_at == self.flat.version
+        if not due and self.current_for != self.flat.version:
+            return {}  # stale by an outside change: the next gather refreshes in full anyway
+        return {"secondary": self.secondary.detach().cpu(),
+                "delta_due": torch.tensor([int(due), self.deltas])}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore `state()` after the master shard was loaded (same layout)."""
+        self.invalidate()
+        if "secondary" not in state:
+            return
+        self._set_secondary(state["secondary"].to(self.flat.full.device))
+        due, self.deltas = (int(x) for x in state["delta_due"])
+        if due:
+            self.stepped_at, self.current_for = self.current_for, None
