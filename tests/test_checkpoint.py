@@ -19,6 +19,11 @@ from zeropp.checkpoint_files import consolidate
 from zeropp.launch import WorkerError, spawn
 
 GPT_ZEROPP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True)
+# zeropp-plus with every switch on: qWD copies, error-feedback residuals and the
+# stochastic-rounding generator are engine state that a resume must restore.
+GPT_PLUS = dict(GPT_ZEROPP, hierarchical_gather=True, weight_delta=True,
+                gradient_rotation=True, gradient_stochastic_rounding=True,
+                gradient_error_feedback=True)
 
 
 def _model(kw: dict) -> torch.nn.Module:
@@ -68,7 +73,8 @@ def _second_half(kw: dict, n: int, path: str) -> tuple[list[float], int]:
     return _steps(model, opt, gen, n), extra["step"]
 
 
-@pytest.mark.parametrize("kw", [{}, GPT_ZEROPP], ids=["compression-off", "qwz+hpz+qgz"])
+@pytest.mark.parametrize("kw", [{}, GPT_ZEROPP, GPT_PLUS],
+                         ids=["compression-off", "qwz+hpz+qgz", "zeropp-plus-all-switches"])
 def test_resume_after_10_steps_gives_the_20_step_losses_bit_for_bit(tmp_path, kw):
     straight = spawn(_straight, 4, 2, args=(kw, 20), timeout=240)[0]
     first = spawn(_first_half, 4, 2, args=(kw, 10, str(tmp_path / "ck")), timeout=240)[0]

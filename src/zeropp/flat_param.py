@@ -86,6 +86,8 @@ class FlatParam:
             self.block = min(cap, max(8, 1 << (per_rank - 1).bit_length()))
         self.shard_numel = -(-per_rank // self.block) * self.block
         self.padded_numel = self.shard_numel * w
+        # Elements of this rank's shard that hold parameters (the rest is padding).
+        self.shard_valid = min(self.shard_numel, max(0, self.numel - topo.rank * self.shard_numel))
         self.split_sizes = [i.numel for i in self.infos] + [self.padded_numel - self.numel]
         device = params[0][0].device
         with torch.no_grad():
@@ -180,6 +182,8 @@ class FlatParam:
             part = comm.reduce_scatter_sum(g, op="reduce_scatter").float()
             if rd == torch.float32:
                 part.div_(w)
+        # Padding must stay exactly zero: a rotated quantization spreads error into it.
+        part[self.shard_valid:] = 0
         p = self.primary_shard
         if p.grad is None:
             p.grad = part
