@@ -21,7 +21,7 @@ import torch
 import zeropp
 
 from .checkpoint_files import CheckpointError, read_manifest
-from .config import NAMED, named
+from .config import NAMED, SWITCHES, is_named, named
 from .launch import WorkerError, spawn
 from .train.data import DataError
 from .train.loop import TrainArgs, prepare_tokens, train_worker
@@ -99,10 +99,11 @@ def configs_from(ns: argparse.Namespace) -> list[tuple[str, zeropp.Config]]:
                     quantized_nontrainable_weights=ns.quantized_nontrainable)
         if ns.compare:
             names = [c.strip() for c in ns.compare.split(",") if c.strip()]
-            bad = [c for c in names if c not in NAMED]
+            bad = [c for c in names if not is_named(c)]
             if bad or not names:
                 raise UsageError(f"--compare: unknown configuration {bad[0] if bad else ''!r}; "
-                                 f"choose from {', '.join(NAMED)}")
+                                 f"choose from {', '.join(NAMED)} (optionally with ~SWITCH "
+                                 f"flips: {', '.join(SWITCHES)})")
             base.pop("node_size")
             return [(c, named(c, ns.node_size, **base)) for c in names]
         if ns.deepspeed_config:
