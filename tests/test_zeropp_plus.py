@@ -1,0 +1,256 @@
+"""Beyond ZeRO++ (zeropp-plus): the hierarchical weight gather, qWD's weight-delta
+refresh of persistent secondaries, and the inter-node INT4 gradient hop's
+rotation / stochastic rounding / error feedback -- bytes, exactness, consistency."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import build, loss_of, train
+
+import zeropp
+from zeropp.launch import spawn
+from zeropp.qgz import HopCodec
+from zeropp.quant import QTensor
+from zeropp.train.model import GPT, GPTConfig
+
+
+def _plus(d: int, **kw) -> zeropp.Config:
+    return zeropp.Config.preset("zeropp-plus", node_size=d, **kw)
+
+
+# ---- bytes ----------------------------------------------------------------------------
+def _steady_bytes(d: int) -> dict:
+    """Inter-node bytes of the third step (after the first, full refresh) per preset."""
+    rank = dist.get_rank()
+    out = {}
+    for name in ("zero3", "zeropp", "zeropp-plus", "zeropp~hier"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_embd=128, n_head=4))
+        zeropp.shard(model, zeropp.Config.preset(name, node_size=d))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(3):
+            if step == 2:
+                zeropp.reset_comm_stats(model)
+            x = torch.randint(0, 256, (2, 32), generator=g)
+            model(x, x)[1].backward()
+            zeropp.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad()
+        out[name] = zeropp.comm_stats(model)
+    return out
+
+
+def _node_max(res: list, d: int, name: str, op: str | None = None) -> int:
+    def of(s):
+        return s["inter_node_bytes"] if op is None else s["by_op"].get(op, {}).get(
+            "inter_node_bytes", 0)
+    return max(sum(of(res[r][name]) for r in range(m * d, (m + 1) * d))
+               for m in range(len(res) // d))
+
+
+@pytest.mark.parametrize("w,d,limit", [(4, 2, 0.062), (6, 2, 0.075)], ids=["2x2", "3x2"])
+def test_zeropp_plus_steady_inter_node_bytes_at_most_0062_2x2_and_0075_3x2_of_zero3(w, d, limit):
+    res = spawn(_steady_bytes, w, d, args=(d,), timeout=300)
+    z3, plus = _node_max(res, d, "zero3"), _node_max(res, d, "zeropp-plus")
+    assert plus <= limit * z3, plus / z3
+    # Forward and backward gathers stay inside the node; only deltas and qgZ cross.
+    crossing = {op for op, v in res[0]["zeropp-plus"]["by_op"].items() if v["inter_node_bytes"]}
+    assert crossing == {"all_gather/forward/delta", "reduce_scatter/qgz/inter"}
+    # The hierarchical gather alone: (N-1)/N of the payload crosses instead of (W-1)/W.
+    n = w // d
+    flat = _node_max(res, d, "zeropp", "all_gather/forward")
+    hier = _node_max(res, d, "zeropp~hier", "all_gather/forward/inter")
+    assert hier / flat == pytest.approx(((n - 1) / n) / ((w - 1) / w), rel=1e-3)
+
+
+# ---- hierarchical gather: bitwise equal to the flat one ------------------------------------
+def _losses_and_weights(preset: str, steps: int):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = zeropp.shard(build("gpt"), zeropp.Config.preset(preset, node_size=2))
+    losses, _ = train("gpt", "adamw", model, steps=steps, accum=2, world=world, rank=rank,
+                      clip=1.0, clip_fn=zeropp.clip_grad_norm_)
+    return losses, zeropp.full_state_dict(model, all_ranks=True)
+
+
+@pytest.mark.parametrize("flat,hier", [("zero3", "zero3~hier"), ("zeropp", "zeropp~hier")])
+def test_hierarchical_gather_trains_bit_identically_to_the_flat_gather(flat, hier):
+    a = spawn(_losses_and_weights, 6, 2, args=(flat, 4), timeout=300)
+    b = spawn(_losses_and_weights, 6, 2, args=(hier, 4), timeout=300)
+    for ra, rb in zip(a, b):
+        assert ra[0] == rb[0]
+        assert all(torch.equal(ra[1][k], rb[1][k]) for k in ra[1])
+
+
+# ---- every rank sees the same weights ------------------------------------------------------
+def _probe(kind: str, model) -> torch.Tensor:
+    """The model's output on one input every rank shares (no grad)."""
+    g = torch.Generator().manual_seed(4321)
+    x = torch.randint(0, 64, (2, 16), generator=g) if kind == "gpt" else torch.randn(
+        3, 12, generator=g)
+    with torch.no_grad():
+        out = model(x)
+    return (out[0] if isinstance(out, tuple) else out).float()
+
+
+def _consistent_outputs(kind: str, kw: dict, steps: int, accum: int, ck: str | None,
+                        save: str | None = None):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = zeropp.shard(build(kind), _plus(2, **kw))
+    if ck:  # saved at another world size: weights reshard, copies refresh in full
+        zeropp.load_checkpoint(ck, model)
+    train(kind, "adamw", model, steps=steps, accum=accum, world=world, rank=rank, clip=None,
+          clip_fn=None)
+    probes = [_probe(kind, model)]
+    with torch.no_grad():  # an edit the version counters see
+        for p in model.parameters():
+            p.mul_(0.5)
+    probes.append(_probe(kind, model))
+    with torch.no_grad():  # one they cannot see, then the explicit refresh
+        for p in model.parameters():
+            p.data.mul_(2.0)
+    zeropp.refresh(model)
+    probes.append(_probe(kind, model))
+    train(kind, "adamw", model, steps=2, accum=accum, world=world, rank=rank, clip=None,
+          clip_fn=None)
+    probes.append(_probe(kind, model))
+    if save:
+        zeropp.save_checkpoint(save, model)
+    return probes
+
+
+@pytest.mark.parametrize("kind,kw,w,accum", [
+    ("gpt", {}, 4, 2),                                   # tied embeddings, accumulation
+    ("gpt", {"param_dtype": torch.bfloat16}, 6, 1),      # bf16 compute, 3x2
+    ("mlp", {}, 6, 2),                                   # odd sizes, frozen weights
+    ("mlp", {"param_dtype": torch.bfloat16,
+             "gradient_rotation": True, "gradient_error_feedback": True,
+             "gradient_stochastic_rounding": True}, 4, 1),
+], ids=["gpt-2x2-accum", "gpt-bf16-3x2", "mlp-odd-frozen-3x2", "mlp-bf16-all-switches-2x2"])
+def test_every_rank_computes_bitwise_identical_outputs(kind, kw, w, accum, tmp_path):
+    ck = str(tmp_path / "ck")
+    res = spawn(_consistent_outputs, w, 2, args=(kind, kw, 5, accum, None, ck), timeout=300)
+    for r in res[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(res[0], r))
+    if w == 4 and kind == "gpt":  # and after a load at another world size (4 -> 6)
+        res = spawn(_consistent_outputs, 6, 2, args=(kind, kw, 2, accum, ck), timeout=300)
+        for r in res[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(res[0], r))
+
+
+# ---- the delta protocol --------------------------------------------------------------------
+def _delta_protocol(steps: int):
+    rank, world, d = dist.get_rank(), dist.get_world_size(), 2
+    model = zeropp.shard(build("gpt"), _plus(d))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    flats = model._zeropp_state.flats
+    g = torch.Generator().manual_seed(rank)
+    worst, mirrors_equal, routes = 0.0, True, set()
+    for step in range(steps):
+        if step:  # before this forward's gather: the copy and the delta it will receive
+            prev = [f.weights.secondary.view(world // d, -1)[rank // d].clone() for f in flats]
+            routes |= {f.weights.route() for f in flats}
+        x = torch.randint(0, 64, (2, 16), generator=g)
+        loss_of("gpt", model, x, x.roll(1, dims=1)).backward()
+        for i, f in enumerate(flats):
+            copy = f.weights.secondary.view(world // d, -1)
+            master = f.primary_shard.detach()
+            if step:
+                diff = (master - prev[i]).view(-1, f.block)
+                half_step = diff.abs().amax(1, keepdim=True) / 7 / 2
+                off = (master - copy[rank // d]).view(-1, f.block).abs()
+                worst = max(worst, float((off / half_step.clamp_min(1e-30)).max()))
+            # owner's mirror (its own piece) equals every receiver's copy, bit for bit
+            everyone = [torch.empty_like(copy) for _ in range(world)]
+            dist.all_gather(everyone, copy.contiguous())
+            for r in range(world):
+                if r % d == rank % d:
+                    mirrors_equal &= torch.equal(everyone[r], copy)
+        opt.step()
+        opt.zero_grad()
+    return worst, mirrors_equal, routes
+
+
+def test_qwd_copies_stay_within_half_a_quantization_step_of_the_master_for_50_steps():
+    for worst, mirrors_equal, routes in spawn(_delta_protocol, 4, 2, args=(50,), timeout=300):
+        assert routes == {"delta"}
+        assert mirrors_equal
+        assert worst <= 1.0 + 1e-3, worst  # |master - copy| <= step/2, carried, not grown
+
+
+def _refresh_every(k: int) -> tuple[dict, int]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = zeropp.shard(build("gpt"), _plus(2, weight_refresh_every=k))
+    train("gpt", "sgd", model, steps=7, accum=1, world=world, rank=rank, clip=None,
+          clip_fn=None)
+    return zeropp.comm_stats(model)["by_op"], len(model._zeropp_state.flats)
+
+
+def test_weight_refresh_every_3_refreshes_in_full_twice_in_7_steps():
+    by_op, flats = spawn(_refresh_every, 4, 2, args=(3,), timeout=300)[0]
+    # 7 forwards: full, 3 deltas, full (the 4th would exceed 3), 2 deltas
+    assert by_op["all_gather/forward/inter"]["calls"] == 2 * flats
+    assert by_op["all_gather/forward/delta"]["calls"] == 5 * flats
+
+
+# ---- configuration ----------------------------------------------------------------------
+def test_weight_delta_without_hpz_is_refused():
+    with pytest.raises(ValueError, match="weight_delta=True needs hpZ"):
+        zeropp.Config(weight_delta=True)
+
+
+def _bad_hpz():
+    zeropp.shard(build("gpt"), zeropp.Config(node_size=2, hpz_partition_size=4,
+                                             hierarchical_gather=True))
+
+
+def test_hierarchical_gather_with_hpz_across_nodes_is_refused_by_name():
+    from zeropp.launch import WorkerError
+    with pytest.raises(WorkerError, match="hpz_partition_size 1 or the node size 2"):
+        spawn(_bad_hpz, 4, 2, timeout=120)
+
+
+def test_presets_and_ablations():
+    plus = zeropp.Config.preset("zeropp-plus", node_size=4)
+    assert plus.hpz_partition_size == 4 and plus.weight_delta and plus.hierarchical_gather
+    assert plus.intra_node_grad_bits == 8
+    paper = zeropp.Config.preset("zeropp", node_size=4)
+    assert paper.intra_node_grad_bits == 4 and not paper.weight_delta
+    assert not zeropp.Config.preset("zeropp-plus~qwd", node_size=4).weight_delta
+    assert zeropp.Config.preset("zeropp-plus~intra8", node_size=4).intra_node_grad_bits == 4
+    assert zeropp.Config.preset("zero3", node_size=4, block_size=64).block_size == 64
+    with pytest.raises(ValueError, match="unknown configuration 'zeropp-max'"):
+        zeropp.Config.preset("zeropp-max")
+
+
+# ---- the inter-node gradient codec (single process) -------------------------------------
+def _codec_error(codec: HopCodec, sends: int) -> float:
+    """Relative L2 error of the mean of `sends` decodes of one heavy-tailed tensor."""
+    torch.manual_seed(0)
+    n = 2048 * 16
+    x = torch.randn(n) * torch.exp(2 * torch.randn(n // 64)).repeat_interleave(64)
+    x[::997] *= 30  # outliers
+    wb = QTensor.wire_bytes(n, codec.bits, codec.block)
+    acc = torch.zeros(n)
+    for _ in range(sends):
+        send = torch.empty(2 * wb, dtype=torch.uint8)
+        codec.encode(torch.stack([torch.zeros(n), x]), 0, send, wb)
+        acc += codec.decode_sum(send, 0, torch.zeros(n), wb)  # row 1 as its receiver sees it
+    return float((acc / sends - x).norm() / x.norm())
+
+
+def test_hadamard_rotation_halves_the_int4_error_on_outliers():
+    assert _codec_error(HopCodec(4, 2048, rotation=True), 1) < 0.5 * _codec_error(
+        HopCodec(4, 2048), 1)
+
+
+def test_stochastic_rounding_is_unbiased_over_50_sends():
+    plain = _codec_error(HopCodec(4, 2048), 50)  # deterministic: the mean keeps the bias
+    assert _codec_error(HopCodec(4, 2048, stochastic=True), 50) < 0.35 * plain
+
+
+def test_error_feedback_sends_the_residual_later():
+    plain = _codec_error(HopCodec(4, 2048), 50)
+    assert _codec_error(HopCodec(4, 2048, error_feedback=True), 50) < 0.25 * plain
