@@ -23,6 +23,15 @@ def test_zero3_moves_3m_and_zeropp_075m_across_nodes_per_step():
     assert zpp["grad"] / M == pytest.approx(0.25, rel=0.01)
 
 
+def test_zeropp_plus_moves_half_of_zeropp_across_nodes_and_keeps_full_width_copies():
+    """qWD's INT4 deltas (0.25M in bf16) replace qwZ's INT8 gather (0.5M); qgZ stays
+    0.25M: 0.5M per node per step. Its copies cost M/D per GPU (bf16: 1.75 GB, 7B, D=8)."""
+    plus = predict(BIG, "zeropp-plus")
+    assert plus["cross"] / M == pytest.approx(0.5, rel=0.01)
+    assert plus["fwd"] / M == pytest.approx(0.25, rel=0.01) and plus["bwd"] == 0
+    assert plus["secondary"] == pytest.approx(1.75e9, rel=0.001)
+
+
 def test_hpz_secondary_memory_for_7b_on_8_gpus_is_175gb_or_half_with_qwz():
     assert predict(BIG, "hpz")["secondary"] == pytest.approx(1.75e9, rel=0.001)
     assert predict(BIG, "zeropp")["secondary"] == pytest.approx(0.875e9, rel=0.01)

@@ -35,6 +35,23 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CACHE = Path.home() / ".cache" / "zeropp"
 
 
+# The preset `zeropp train` runs unless told otherwise: chosen by the 3-seed
+# accuracy measurement in benchmarks/RESULTS.md.
+DEFAULT_PRESET = "zeropp-plus"
+_SWITCH_FLAGS = [  # (flag, Config field, help): each overrides the preset
+    ("qwz", "quantized_weights", "quantized (INT8) weight all-gather"),
+    ("qgz", "quantized_gradients", "hierarchical quantized gradient reduce-scatter"),
+    ("hier", "hierarchical_gather", "two-stage weight gather: across nodes, then inside"),
+    ("qwd", "weight_delta", "refresh hpZ copies by INT4 weight deltas"),
+    ("rotation", "gradient_rotation", "Hadamard rotation on the inter-node gradient hop"),
+    ("sr", "gradient_stochastic_rounding", "stochastic rounding on that hop"),
+    ("ef", "gradient_error_feedback", "error feedback on that hop"),
+]
+_OVERRIDES = [f for _, f, _ in _SWITCH_FLAGS] + [
+    "hpz_partition_size", "quantized_nontrainable_weights", "grad_bits",
+    "intra_node_grad_bits", "block_size"]
+
+
 class UsageError(ValueError):
     """Bad input: reported in one line, exit status 2."""
 
@@ -69,17 +86,19 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("lr", "min_lr_ratio", "weight_decay", "clip"):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
-    g = p.add_argument_group("ZeRO++ (default: all three on)")
-    g.add_argument("--qwz", action=argparse.BooleanOptionalAction, default=True,
-                   help="quantized (INT8) weight all-gather")
-    g.add_argument("--hpz", type=int, default=None,
-                   help="hpZ partition size; default the node size, 1 = off")
-    g.add_argument("--qgz", action=argparse.BooleanOptionalAction, default=True,
-                   help="hierarchical INT4 gradient reduce-scatter")
-    g.add_argument("--quantized-nontrainable", action="store_true")
-    g.add_argument("--grad-bits", type=int, default=4)
-    g.add_argument("--intra-grad-bits", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=2048)
+    g = p.add_argument_group(f"ZeRO++ (default: the {DEFAULT_PRESET} preset; flags override it)")
+    g.add_argument("--preset", default=DEFAULT_PRESET,
+                   help=f"named configuration: {', '.join(NAMED)} (NAME~SWITCH flips one)")
+    for flag, field, what in _SWITCH_FLAGS:
+        g.add_argument(f"--{flag}", dest=field, action=argparse.BooleanOptionalAction,
+                       default=None, help=what)
+    g.add_argument("--hpz", dest="hpz_partition_size", type=int, default=None,
+                   help="hpZ partition size (the node size normally, 1 = off)")
+    g.add_argument("--quantized-nontrainable", dest="quantized_nontrainable_weights",
+                   action="store_true", default=None)
+    g.add_argument("--grad-bits", dest="grad_bits", type=int, default=None)
+    g.add_argument("--intra-grad-bits", dest="intra_node_grad_bits", type=int, default=None)
+    g.add_argument("--block-size", dest="block_size", type=int, default=None)
     g.add_argument("--param-dtype", default="fp32", choices=list(DTYPES),
                    help="compute dtype (fp32 default: bf16 matmul is ~150x slower on "
                         "CPUs without bf16 units)")
@@ -93,29 +112,24 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 def configs_from(ns: argparse.Namespace) -> list[tuple[str, zeropp.Config]]:
     """(name, Config) for each run the options ask for; raises UsageError."""
     try:
-        base = dict(node_size=ns.node_size, param_dtype=DTYPES[ns.param_dtype],
-                    grad_bits=ns.grad_bits, intra_node_grad_bits=ns.intra_grad_bits,
-                    block_size=ns.block_size,
-                    quantized_nontrainable_weights=ns.quantized_nontrainable)
-        if ns.compare:
-            names = [c.strip() for c in ns.compare.split(",") if c.strip()]
-            bad = [c for c in names if not is_named(c)]
-            if bad or not names:
-                raise UsageError(f"--compare: unknown configuration {bad[0] if bad else ''!r}; "
-                                 f"choose from {', '.join(NAMED)} (optionally with ~SWITCH "
-                                 f"flips: {', '.join(SWITCHES)})")
-            base.pop("node_size")
-            return [(c, named(c, ns.node_size, **base)) for c in names]
-        if ns.deepspeed_config:
+        given = {k: getattr(ns, k) for k in _OVERRIDES if getattr(ns, k) is not None}
+        given["param_dtype"] = DTYPES[ns.param_dtype]
+        names = [c.strip() for c in (ns.compare or ns.preset).split(",") if c.strip()]
+        bad = [c for c in names if not is_named(c)]
+        if bad or not names:
+            flag = "--compare" if ns.compare else "--preset"
+            raise UsageError(f"{flag}: unknown configuration {bad[0] if bad else ''!r}; "
+                             f"choose from {', '.join(NAMED)} (optionally with ~SWITCH "
+                             f"flips: {', '.join(SWITCHES)})")
+        if ns.deepspeed_config and not ns.compare:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 cfg = zeropp.Config.from_deepspeed(ns.deepspeed_config, node_size=ns.node_size)
             for w in caught:
                 print(f"zeropp train: warning: {w.message}", file=sys.stderr)
             return [("run", cfg)]
-        hpz = ns.node_size if ns.hpz is None else ns.hpz
-        return [("run", zeropp.Config(**base, quantized_weights=ns.qwz, hpz_partition_size=hpz,
-                                      quantized_gradients=ns.qgz))]
+        runs = [(c, named(c, ns.node_size, **given)) for c in names]
+        return runs if ns.compare else [("run", runs[0][1])]
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -289,7 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     b.add_argument("--node-size", type=int, default=2)
     b.add_argument("--nproc", type=int, default=None, help="total ranks (checks the layout)")
     b.add_argument("--inter-node", default="100mbit", help="link rate, e.g. 100mbit, 1gbit")
-    b.add_argument("--configs", default="fsdp2,fsdp2-hsdp,zero3,qwz,hpz,qgz,zeropp")
+    b.add_argument("--configs", default="fsdp2,fsdp2-hsdp,zero3,qwz,hpz,qgz,zeropp,zeropp-plus")
     b.add_argument("--model", default="gpt-6x384", help=f"preset: {', '.join(PRESETS)}")
     b.add_argument("--seq-len", type=int, default=64)
     b.add_argument("--batch", type=int, default=2)

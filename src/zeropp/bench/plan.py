@@ -6,6 +6,9 @@ over bandwidth. Bytes come from the same rules the accounting uses
 (G-1)/G of the buffer, and a node-major ring crosses each node boundary once,
 so a node's link carries (W-1)/W of each world-group buffer; hpZ's gathers stay
 inside the node; qgZ's second hop sends (N-1)/N of the values at 4 bits.
+zeropp-plus: the forward and backward gathers run inside the node from qWD's
+compute-precision copies; across nodes go the INT4 weight deltas ((N-1)/N of
+the values) and qgZ's INT4 hop; its intra-node gradient hop is 8-bit.
 Compute is 6 * params * tokens FLOPs (forward + backward) at the given
 TFLOP/s. `overlap` is the fraction of the shorter of compute and
 communication hidden behind the longer (0 on CPU/gloo, where neither FSDP2 nor
@@ -16,12 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CONFIGS = {
-    "zero3": (False, False, False),
-    "qwz": (True, False, False),
-    "hpz": (False, True, False),
-    "qgz": (False, False, True),
-    "zeropp": (True, True, True),
+CONFIGS = {  # (qwZ, hpZ, qgZ, zeropp-plus's qWD + 8-bit intra-node gradients)
+    "zero3": (False, False, False, False),
+    "qwz": (True, False, False, False),
+    "hpz": (False, True, False, False),
+    "qgz": (False, False, True, False),
+    "zeropp": (True, True, True, False),
+    "zeropp-plus": (True, True, True, True),
 }
 
 
@@ -58,7 +62,8 @@ class Cluster:
         return self.nodes * self.gpus_per_node
 
 
-def volumes(c: Cluster, qwz: bool, hpz: bool, qgz: bool) -> dict[str, float]:
+def volumes(c: Cluster, qwz: bool, hpz: bool, qgz: bool,
+            plus: bool = False) -> dict[str, float]:
     """Bytes per step crossing each node's link (fwd, bwd, grad) and sent inside
     the node by each GPU (intra), plus the hpZ secondary's bytes per GPU."""
     w, n, d, p = c.world, c.nodes, c.gpus_per_node, c.params
@@ -79,17 +84,23 @@ def volumes(c: Cluster, qwz: bool, hpz: bool, qgz: bool) -> dict[str, float]:
     if qgz and d > 1:  # first hop: INT4 all-to-all inside the node
         intra += (d - 1) / d * p * (0.5 + scales8)
     secondary = (p / d) * (1 + scales8) if (hpz and qwz) else (m / d if hpz else 0.0)
+    if plus:  # qWD: INT4 deltas across, both gathers inside from full-width copies
+        fwd = (n - 1) / n * p * (0.5 + scales8) if cross else 0.0
+        intra = 2 * (d - 1) / d * m + ((d - 1) / d * p * (1 + scales8) if d > 1 else 0.0)
+        secondary = m / d
     return {"fwd": fwd, "bwd": bwd, "grad": grad, "cross": fwd + bwd + grad,
             "intra": intra, "secondary": secondary}
 
 
 def predict(c: Cluster, name: str) -> dict[str, float]:
-    qwz, hpz, qgz = CONFIGS[name]
-    v = volumes(c, qwz, hpz, qgz)
+    qwz, hpz, qgz, plus = CONFIGS[name]
+    v = volumes(c, qwz, hpz, qgz, plus)
     inter_bw, intra_bw = c.inter_gbps * 1e9 / 8, c.intra_gbps * 1e9 / 8
     # messages per step: 3 ring collectives per unit of W-1 hops (hpZ's backward
     # gather has D-1 hops; qgZ's two all-to-alls one hop each)
-    hops = c.units * ((c.world - 1) + ((c.gpus_per_node - 1) if hpz else (c.world - 1))
+    d, n = c.gpus_per_node, c.nodes
+    fwd_hops = (n - 1) + (d - 1) if plus else c.world - 1
+    hops = c.units * (fwd_hops + ((d - 1) if hpz else (c.world - 1))
                       + (2 if qgz else c.world - 1))
     comm = hops * c.alpha_us * 1e-6 + v["cross"] / inter_bw + v["intra"] / intra_bw
     compute = c.compute_s or 6 * c.params * c.tokens_per_gpu / (c.tflops * 1e12)
@@ -114,8 +125,11 @@ def recommend(rows: list[dict]) -> str:
                 "(no switch saves 5% alone).")
     names = {"qwz": "quantized_weights=True", "hpz": "hpz_partition_size=<GPUs per node>",
              "qgz": "quantized_gradients=True"}
+    best = "zeropp-plus" if by["zeropp-plus"]["step_s"] < by["zeropp"]["step_s"] else "zeropp"
     return ("Turn on " + ", ".join(names[k] for k in on)
-            + f"; all three predict {by['zeropp']['speedup']:.2f}x over ZeRO-3.")
+            + f"; all three predict {by['zeropp']['speedup']:.2f}x over ZeRO-3, "
+            f"zeropp-plus {by['zeropp-plus']['speedup']:.2f}x: use "
+            f"Config.preset({best!r}).")
 
 
 def format_table(c: Cluster, rows: list[dict]) -> str:

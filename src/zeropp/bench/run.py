@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .cluster import Cluster, available, parse_rate
 
-ALL = ["fsdp2", "fsdp2-hsdp", "zero3", "qwz", "hpz", "qgz", "zeropp"]
+ALL = ["fsdp2", "fsdp2-hsdp", "zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-plus"]
 
 
 def _worker_cmd(cfg: str, ns, out: Path) -> list[str]:
