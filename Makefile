@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(VPY) -m pytest -q
 
 bench: $(STAMP)
-	$(VPY) benchmarks/loopback.py --configs zero3,qwz,hpz,qgz,zeropp,fsdp2
+	$(VPY) benchmarks/loopback.py --configs zero3,qwz,hpz,qgz,zeropp,zeropp-plus,fsdp2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
