@@ -245,15 +245,33 @@ def _signs(seed: int, block_size: int, device: torch.device) -> torch.Tensor:
     return _SIGNS[key]
 
 
+_H: dict[tuple, torch.Tensor] = {}
+
+
+def _hadamard(b: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The b x b Sylvester Hadamard matrix (entries +-1), b a power of two."""
+    key = (b, str(device), dtype)
+    if key not in _H:
+        h = torch.ones(1, 1, dtype=dtype)
+        while h.shape[0] < b:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _H[key] = h.to(device)
+    return _H[key]
+
+
 def _fwht(x: torch.Tensor) -> torch.Tensor:
-    """Unnormalized Walsh-Hadamard transform of each row (length a power of two)."""
+    """Unnormalized Walsh-Hadamard transform of each row (length a power of two).
+
+    H_b = H_a (x) H_c (Sylvester), so a row viewed as an a x c matrix X becomes
+    H_a X H_c: a matmul by a small dense H_c (c <= 128; BLAS-fast, ~10x the
+    butterfly loop here), then the same over the a axis, recursively."""
     n, b = x.shape
-    h = 1
-    while h < b:
-        y = x.view(n, b // (2 * h), 2, h)
-        x = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
-        h *= 2
-    return x.reshape(n, b)
+    if b <= 128:
+        return x @ _hadamard(b, x.device, x.dtype)
+    c, a = 128, b // 128
+    y = (x.reshape(n * a, c) @ _hadamard(c, x.device, x.dtype)).view(n, a, c)
+    y = _fwht(y.transpose(1, 2).reshape(n * c, a))
+    return y.view(n, c, a).transpose(1, 2).reshape(n, b)
 
 
 def _check_rotation(block_size: int) -> None:
