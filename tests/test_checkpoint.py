@@ -23,7 +23,7 @@ GPT_ZEROPP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradie
 # stochastic-rounding generator are engine state that a resume must restore.
 GPT_PLUS = dict(GPT_ZEROPP, hierarchical_gather=True, weight_delta=True,
                 gradient_rotation=True, gradient_stochastic_rounding=True,
-                gradient_error_feedback=True)
+                gradient_error_feedback=True, weight_delta_stochastic_rounding=True)
 
 
 def _model(kw: dict) -> torch.nn.Module:

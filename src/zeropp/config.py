@@ -59,6 +59,9 @@ class Config:
     refreshed after each optimizer step by a quantized difference from each shard's owner."""
     weight_delta_bits: int = 4
     """Bits per value of the qWD weight differences."""
+    weight_delta_stochastic_rounding: bool = False
+    """qWD: round the differences stochastically (unbiased) instead of to nearest; with
+    nearest, updates under half a step wait in the carried error (the copy lags)."""
     weight_refresh_every: Optional[int] = None
     """qWD: a full (qwZ INT8 or exact) refresh every this many optimizer steps; None = only
     when needed (first step, after a load, after an edit outside the optimizer)."""
@@ -75,7 +78,8 @@ class Config:
         for name in ("quantized_weights", "quantized_gradients",
                      "quantized_nontrainable_weights", "prefetch", "gradient_rotation",
                      "gradient_stochastic_rounding", "gradient_error_feedback",
-                     "hierarchical_gather", "weight_delta"):
+                     "hierarchical_gather", "weight_delta",
+                     "weight_delta_stochastic_rounding"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool),
                    "True or False")
         _check_int("hpz_partition_size", self.hpz_partition_size, 1, "an integer >= 1")
@@ -203,13 +207,15 @@ NAMED = {
     # benchmarks/RESULTS.md ("zeropp-plus ablations"), not by belief.
     "zeropp-plus": {**_ZEROPP, "intra_node_grad_bits": 8, "hierarchical_gather": True,
                     "weight_delta": True, "gradient_rotation": False,
-                    "gradient_stochastic_rounding": False, "gradient_error_feedback": False},
+                    "gradient_stochastic_rounding": False, "gradient_error_feedback": False,
+                    "weight_delta_stochastic_rounding": False},
 }
 # Short names of the switches "NAME~SWITCH" flips (ablations): booleans are
 # negated, intra8 toggles the intra-node gradient hop between 8 and 4 bits.
 SWITCHES = {"hier": "hierarchical_gather", "qwd": "weight_delta", "rotation": "gradient_rotation",
             "sr": "gradient_stochastic_rounding", "ef": "gradient_error_feedback",
             "intra8": "intra_node_grad_bits", "qwz": "quantized_weights",
+            "dsr": "weight_delta_stochastic_rounding",
             "qgz": "quantized_gradients"}
 
 

@@ -47,6 +47,7 @@ keeps 1/D of the model as INT8 only between a forward and the next step.
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -75,6 +76,9 @@ class WeightPath:
                              f"hpz_partition_size 1 or the node size {d}, got {self.p}")
         self.outer_index = topo.rank // d          # this rank's index in its inter-node group
         self.delta_bits, self.refresh_every = cfg.weight_delta_bits, cfg.weight_refresh_every
+        self.stochastic = cfg.weight_delta_stochastic_rounding
+        self.generator: Optional[torch.Generator] = None  # the owner's rounding (stochastic)
+        self.seed = topo.rank * 1_000_003 + 7 + zlib.crc32(flat.name.encode())
         self.secondary: Optional[torch.Tensor] = None  # W/P pieces: wire bytes or compute dtype
         self.current_for: Optional[tuple] = None  # master version the secondary stands for
         self.stepped_at: Optional[tuple] = None   # master version right after the last step
@@ -238,7 +242,10 @@ class WeightPath:
         n, numel = self.secondary.numel() // f.shard_numel, f.shard_numel
         copies = self.secondary.view(n, numel)
         diff = f.primary_shard.detach().float() - copies[self.outer_index].float()
-        send = quantize(diff, self.delta_bits, f.block).to_bytes()
+        if self.stochastic and self.generator is None:
+            self.generator = torch.Generator(device=diff.device).manual_seed(self.seed)
+        send = quantize(diff, self.delta_bits, f.block, stochastic=self.stochastic,
+                        generator=self.generator).to_bytes()
         out = torch.empty(n * send.numel(), dtype=torch.uint8, device=send.device)
         version = self.stepped_at
 
@@ -261,12 +268,19 @@ class WeightPath:
         due = self.stepped_at is not None and self.stepped_at == self.flat.version
         if not due and self.current_for != self.flat.version:
             return {}  # stale by an outside change: the next gather refreshes in full anyway
-        return {"secondary": self.secondary.detach().cpu(),
-                "delta_due": torch.tensor([int(due), self.deltas])}
+        out = {"secondary": self.secondary.detach().cpu(),
+               "delta_due": torch.tensor([int(due), self.deltas])}
+        if self.generator is not None:
+            out["generator"] = self.generator.get_state()
+        return out
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore `state()` after the master shard was loaded (same layout)."""
         self.invalidate()
+        self.generator = None
+        if "generator" in state and self.stochastic:
+            self.generator = torch.Generator(device=self.flat.full.device).manual_seed(self.seed)
+            self.generator.set_state(state["generator"])
         if "secondary" not in state:
             return
         self._set_secondary(state["secondary"].to(self.flat.full.device))
