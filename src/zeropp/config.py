@@ -207,7 +207,7 @@ NAMED = {
     # benchmarks/RESULTS.md ("zeropp-plus ablations"), not by belief.
     "zeropp-plus": {**_ZEROPP, "intra_node_grad_bits": 8, "hierarchical_gather": True,
                     "weight_delta": True, "gradient_rotation": False,
-                    "gradient_stochastic_rounding": False, "gradient_error_feedback": False,
+                    "gradient_stochastic_rounding": False, "gradient_error_feedback": True,
                     "weight_delta_stochastic_rounding": False},
 }
 # Short names of the switches "NAME~SWITCH" flips (ablations): booleans are
