@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 import time
 import warnings
@@ -322,6 +323,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     e.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="cast floating tensors (default: as saved, fp32 masters)")
     ns = p.parse_args(argv)
+    if argv is None and hasattr(signal, "pthread_sigmask"):
+        # Ctrl-C must stop the run and its workers even when the process that
+        # started us left SIGINT blocked or ignored (both are inherited across exec).
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if ns.cmd == "export":
             return run_export(ns)
