@@ -312,6 +312,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     b.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     b.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="compute dtype for every configuration (bf16 is ~150x slower here)")
+    b.add_argument("--compute-baseline", action="store_true",
+                   help="also run every configuration on unshaped links (its compute time) "
+                        "and report step / max(compute, link)")
     b.add_argument("--timeout", type=float, default=1800)
     b.add_argument("--out", default=None)
     b.add_argument("--write", default=None, metavar="RESULTS_MD",

@@ -91,14 +91,15 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class Comm:
     """The collectives over this rank's groups ("world", "intra_node",
-    "inter_node", "hpz"), recorded in `stats`."""
+    "inter_node", "hpz"), recorded in `stats`. `groups`: other process groups
+    for the same names (the reduce pipeline's duplicates)."""
 
     def __init__(self, topo: Topology, stats: CommStats, hpz_size: int = 1,
-                 timeout: Optional[float] = None) -> None:
+                 timeout: Optional[float] = None, groups: Optional[dict] = None) -> None:
         self.topo, self.stats, self.timeout = topo, stats, timeout
         self.unit = "<none>"  # the unit whose collectives are being issued (for errors)
-        self.groups = {"world": topo.world_group, "intra_node": topo.intra_node_group,
-                       "inter_node": topo.inter_node_group}
+        self.groups = groups or {"world": topo.world_group, "intra_node": topo.intra_node_group,
+                                 "inter_node": topo.inter_node_group}
         if hpz_size > 1:
             self.groups["hpz"] = hpz_group(topo, hpz_size)
         self.ranks = {g: topo.group_ranks(g, hpz_size) for g in self.groups}

@@ -68,7 +68,16 @@ class Config:
     block_size: int = 2048
     """Elements per quantization block (one fp32 scale each)."""
     prefetch: bool = True
-    """Issue the next unit's gather asynchronously ahead of its use."""
+    """Issue gathers asynchronously ahead of their use (False: gather on demand)."""
+    prefetch_depth: int = 1
+    """How many units ahead gathers are issued, forward and backward; each holds its
+    unit's full weights until used."""
+    async_reduce: bool = True
+    """Reduce gradients on a communication thread while backward goes on (reduce.py);
+    False runs each unit's reduction inside its gradient hook (bitwise the same)."""
+    reduce_buckets: int = 2
+    """Unit gradients handed to the reduce pipeline and not yet reduced, at most: the
+    hook waits for the oldest beyond this (bounds the memory of full gradients)."""
     collective_timeout: Optional[float] = None
     """Seconds any one collective may take before it fails with an error naming
     the operation and the unit (a rank died or runs different code); None =
@@ -76,13 +85,16 @@ class Config:
 
     def __post_init__(self) -> None:
         for name in ("quantized_weights", "quantized_gradients",
-                     "quantized_nontrainable_weights", "prefetch", "gradient_rotation",
+                     "quantized_nontrainable_weights", "prefetch", "async_reduce",
+                     "gradient_rotation",
                      "gradient_stochastic_rounding", "gradient_error_feedback",
                      "hierarchical_gather", "weight_delta",
                      "weight_delta_stochastic_rounding"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool),
                    "True or False")
         _check_int("hpz_partition_size", self.hpz_partition_size, 1, "an integer >= 1")
+        _check_int("prefetch_depth", self.prefetch_depth, 1, "an integer >= 1")
+        _check_int("reduce_buckets", self.reduce_buckets, 1, "an integer >= 1")
         if self.node_size is not None:
             _check_int("node_size", self.node_size, 1, "None or an integer >= 1")
         if self.param_dtype is not None:
@@ -216,7 +228,7 @@ SWITCHES = {"hier": "hierarchical_gather", "qwd": "weight_delta", "rotation": "g
             "sr": "gradient_stochastic_rounding", "ef": "gradient_error_feedback",
             "intra8": "intra_node_grad_bits", "qwz": "quantized_weights",
             "dsr": "weight_delta_stochastic_rounding",
-            "qgz": "quantized_gradients"}
+            "qgz": "quantized_gradients", "async": "async_reduce", "deep": "prefetch_depth"}
 
 
 def is_named(name: str) -> bool:
@@ -236,7 +248,12 @@ def named(name: str, node_size: int, **fields) -> Config:
     for flip in flips:
         field = SWITCHES[flip]
         now = switches.get(field, getattr(Config, field))
-        switches[field] = (4 if now == 8 else 8) if field == "intra_node_grad_bits" else not now
+        if field == "intra_node_grad_bits":
+            switches[field] = 4 if now == 8 else 8
+        elif field == "prefetch_depth":
+            switches[field] = 2 if now == 1 else 1
+        else:
+            switches[field] = not now
     if not switches.get("hpz_partition_size", 1) > 1:
         switches["weight_delta"] = False  # qWD refreshes hpZ secondaries: without hpZ, none
     return Config(node_size=node_size, **{**switches, **fields})

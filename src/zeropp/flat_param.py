@@ -163,12 +163,17 @@ class FlatParam:
             self.on_grad_ready(self)
 
     # ---- gradients -----------------------------------------------------------
-    def reduce_grad(self, comm: Comm, cfg: Config) -> None:
-        """Reduce-scatter this iteration's full gradient to the mean over W
-        (plain ring, or qgZ) and add it to the primary shard's `.grad`
-        (accumulating micro-batches)."""
+    def take_grad(self) -> torch.Tensor:
+        """This iteration's full gradient, detached from the leaf (the next
+        backward starts a fresh one)."""
         self.needs_reduce = False
         g, self.leaf.grad = self.leaf.grad, None
+        return g
+
+    def reduce_grad(self, comm: Comm, cfg: Config, g: torch.Tensor) -> None:
+        """Reduce-scatter the full gradient `g` to the mean over W (plain ring,
+        or qgZ) and add it to the primary shard's `.grad` (accumulating
+        micro-batches). Runs on the reduce pipeline's thread (reduce.py)."""
         w = self.world_size
         if cfg.quantized_gradients:  # quantized hops, sums in fp32 whatever reduce_dtype
             part = reduce_scatter_qgz(comm, g.float(), block=self.block,

@@ -8,8 +8,9 @@ root for the rest. Per unit and iteration:
   forward post-hook  free the full weights; hook the outputs for backward
   output grad hook   (backward reaches this unit) gather again, prefetch the
                      unit backward reaches next
-  leaf grad hook     its gradient is complete: reduce-scatter it, free
-  end of backward    wait for everything, free leftovers
+  leaf grad hook     its gradient is complete: hand it to the reduce pipeline
+                     (reduce.py; reduced on a thread while backward goes on), free
+  end of backward    wait for every reduction, free leftovers
 The model class is untouched and the training loop stays plain PyTorch.
 """
 
@@ -32,8 +33,9 @@ from .collectives import Comm
 from .config import Config
 from .flat_param import FlatParam
 from .guards import check_same_model, forget_parameters
+from .reduce import ReducePipeline
 from .stats import CommStats
-from .topology import Topology, get_topology
+from .topology import Topology, get_topology, reduce_groups
 
 
 class Unit:
@@ -127,9 +129,10 @@ class Unit:
             self.free()
 
     def reduce(self, flat: FlatParam) -> None:
-        self.state.comm.unit = self.label
-        flat.reduce_grad(self.state.comm, self.state.cfg)
-        self.state.stats.count_unit(self.label, "reduce_scatter")
+        st = self.state
+        g = flat.take_grad()
+        st.stats.count_unit(self.label, "reduce_scatter")
+        st.reducer.submit(self.label, g, lambda comm: flat.reduce_grad(comm, st.cfg, g))
 
 
 class _PostBackward(torch.autograd.Function):
@@ -167,6 +170,9 @@ class ShardState:
             raise ValueError(f"zeropp: hpz_partition_size={cfg.hpz_partition_size} must divide "
                              f"the world size {topo.world_size}")
         self.comm = Comm(topo, self.stats, cfg.hpz_partition_size, cfg.collective_timeout)
+        self.reducer = ReducePipeline(
+            Comm(topo, self.stats, timeout=cfg.collective_timeout, groups=reduce_groups(topo)),
+            depth=cfg.reduce_buckets, asynchronous=cfg.async_reduce)
         self.units: list[Unit] = []
         self.forward_order: list[Unit] = []
         self.last_forward_order: list[Unit] = []
@@ -190,12 +196,16 @@ class ShardState:
         self.backward_active = False
         for u in self.units:
             u.free()
+        self.reducer.drain()  # an interrupted backward's reductions (raises a failure once)
 
     def prefetch_forward(self) -> None:
-        """Issue the gather of the unit that ran next in the previous forward."""
+        """Issue the gathers of the units that ran next in the previous forward,
+        `prefetch_depth` of them (issue_gather skips those already in flight)."""
+        if not self.cfg.prefetch:
+            return
         k = len(self.forward_order)
-        if self.cfg.prefetch and k < len(self.last_forward_order):
-            self.last_forward_order[k].issue_gather(prefetch=True)
+        for nxt in self.last_forward_order[k:k + self.cfg.prefetch_depth]:
+            nxt.issue_gather(prefetch=True)
 
     def end_forward(self) -> None:
         for u in self.units:  # e.g. a prefetch that the model did not use this time
@@ -219,20 +229,22 @@ class ShardState:
         order = self.backward_order
         if not self.cfg.prefetch or unit not in order:
             return
-        for nxt in order[order.index(unit) + 1:]:
-            if not nxt.backward_gathered:
-                nxt.issue_gather(prefetch=True)
-                return
+        ahead = [u for u in order[order.index(unit) + 1:] if not u.backward_gathered]
+        for nxt in ahead[:self.cfg.prefetch_depth]:
+            nxt.issue_gather(prefetch=True)
 
     def end_backward(self) -> None:
         # A unit whose gradient never arrived (not on the loss's path) keeps
         # .grad None, as in plain PyTorch. Ranks must agree on which units
         # those are (as they must in FSDP): collectives follow backward order.
-        for u in self.units:
-            for f in u.flats:
-                f.needs_reduce = False
-            u.free()
-        self.backward_active = False
+        try:
+            self.reducer.drain()  # gradients are complete when backward returns
+        finally:
+            for u in self.units:
+                for f in u.flats:
+                    f.needs_reduce = False
+                u.free()
+            self.backward_active = False
 
 
 def _in_backward() -> bool:
@@ -323,7 +335,10 @@ def _optimizer_step_hooks(state_ref: weakref.ref) -> tuple[Any, Any]:
         return ours[opt]
 
     def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for f in flats_of(opt):
+        flats = flats_of(opt)
+        if flats:
+            state_ref().reducer.drain()  # no-op after a backward: it drained already
+        for f in flats:
             f.weights.before_step()
 
     def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -11,6 +11,7 @@ counters check.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 
 
@@ -21,6 +22,7 @@ def _zero_op() -> dict:
 
 class CommStats:
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # the reduce pipeline records from its thread
         self.reset()
 
     def reset(self) -> None:
@@ -33,6 +35,10 @@ class CommStats:
         """`group`: "world", "intra_node", "inter_node" or "hpz"; `sent`: all bytes
         this rank sends (payload + scales); `inter`: the part of `sent` that
         leaves the node; `scale`: the part of `sent` that is scales."""
+        with self._lock:
+            self._record(op, group, sent, inter, scale)
+
+    def _record(self, op: str, group: str, sent: float, inter: float, scale: float) -> None:
         rec = self.by_op[op]
         rec["group"] = group
         rec["calls"] += 1
@@ -43,7 +49,8 @@ class CommStats:
 
     def count_unit(self, unit: str, event: str) -> None:
         """One unit-level event (a unit's gather may be several collectives)."""
-        self.by_unit[unit][event] += 1
+        with self._lock:
+            self.by_unit[unit][event] += 1
 
     def as_dict(self) -> dict:
         ops = {k: dict(v) for k, v in self.by_op.items()}

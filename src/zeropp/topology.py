@@ -8,6 +8,8 @@ here once, collectively, in the same order on every rank:
 - inter_node: the N ranks sharing this rank's local index (qgZ's second hop);
 - hpz: the P consecutive ranks of this rank's hpZ partition (P = the
   `hpz_partition_size`; P = D, the usual choice, is the intra-node group).
+Reductions run on a thread of their own, on duplicates of the first three
+(`reduce_groups`; see reduce.py, "reductions on their own process groups").
 World size 1 needs no process group at all.
 """
 
@@ -92,6 +94,35 @@ def hpz_group(topo: Topology, size: int) -> Any:
                 mine = grp
         _HPZ_CACHE[key] = (topo.world_group, mine)  # holds WORLD so its id stays unique
     return _HPZ_CACHE[key][1]
+
+
+_REDUCE_CACHE: dict[tuple, tuple] = {}
+
+
+def reduce_groups(topo: Topology) -> dict[str, Any]:
+    """World, intra-node and inter-node groups of the reduce pipeline: made once
+    per layout (collective on first use, like get_topology), shared by every
+    model on it, and used by one communication thread only (reduce.py)."""
+    if topo.world_size == 1:
+        return {"world": None, "intra_node": None, "inter_node": None}
+    key = (id(topo.world_group), topo.world_size, topo.node_size)
+    if key not in _REDUCE_CACHE:  # holds WORLD so its id stays unique
+        _REDUCE_CACHE[key] = (topo.world_group, _new_groups(topo))
+    return _REDUCE_CACHE[key][1]
+
+
+def _new_groups(topo: Topology) -> dict[str, Any]:
+    world = dist.new_group(list(range(topo.world_size)))
+    intra = inter = None
+    for n in range(topo.num_nodes):
+        g = dist.new_group(topo.intra_node_ranks(n))
+        if n == topo.node:
+            intra = g
+    for j in range(topo.node_size):
+        g = dist.new_group(topo.inter_node_ranks(j))
+        if j == topo.local_rank:
+            inter = g
+    return {"world": world, "intra_node": intra, "inter_node": inter}
 
 
 def get_topology(node_size: Optional[int] = None) -> Topology:

@@ -82,11 +82,13 @@ def leftovers(prefix: str) -> list[str]:
 
 
 class Cluster:
-    def __init__(self, nodes: int, rate: str = "100mbit", prefix: str = "zpp") -> None:
+    def __init__(self, nodes: int, rate: Optional[str] = "100mbit", prefix: str = "zpp") -> None:
+        """`rate` None: unshaped links (veth speed; a compute baseline)."""
         if not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes={nodes!r} is invalid; the emulated subnet holds 1 to "
                              f"{MAX_NODES} nodes")
-        self.nodes, self.rate, self.prefix = nodes, parse_rate(rate), prefix
+        self.nodes, self.prefix = nodes, prefix
+        self.rate = None if rate is None else parse_rate(rate)
         self.switch = f"{prefix}sw"
 
     def ns(self, i: int) -> str:
@@ -114,8 +116,9 @@ class Cluster:
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("-n", ns, "link", "set", "cl0", "up")
                 _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "cl0")
-                _tc(ns, "cl0", self.rate)            # uplink
-                _tc(self.switch, port, self.rate)    # downlink
+                if self.rate is not None:
+                    _tc(ns, "cl0", self.rate)            # uplink
+                    _tc(self.switch, port, self.rate)    # downlink
         except BaseException:
             self.teardown()
             raise
@@ -148,3 +151,9 @@ class Cluster:
         """Start `cmd` inside node i (gloo told to use the node's link)."""
         full_env = dict(os.environ, GLOO_SOCKET_IFNAME="cl0", **(env or {}))
         return subprocess.Popen(["ip", "netns", "exec", self.ns(i), *cmd], env=full_env, **kw)
+
+
+def rate_bytes_per_s(rate: str) -> float:
+    """A tc rate (see parse_rate) in bytes per second."""
+    num, unit = _RATE.match(parse_rate(rate)).groups()
+    return float(num) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[unit] / 8

@@ -16,9 +16,16 @@ import threading
 import time
 from pathlib import Path
 
-from .cluster import Cluster, available, parse_rate
+from ..config import is_named
+from .cluster import Cluster, available, parse_rate, rate_bytes_per_s
 
-ALL = ["fsdp2", "fsdp2-hsdp", "zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-plus"]
+FSDP = ["fsdp2", "fsdp2-hsdp"]
+ALL = [*FSDP, "zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-plus"]
+
+
+def known(cfg: str) -> bool:
+    """FSDP2's two, or a zeropp preset with any ~SWITCH flips (e.g. zeropp~async)."""
+    return cfg in FSDP or is_named(cfg)
 
 
 def _worker_cmd(cfg: str, ns, out: Path) -> list[str]:
@@ -78,10 +85,10 @@ def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
 def run_bench(ns) -> tuple[list[dict], Path]:
     rate = parse_rate(ns.inter_node)
     configs = [c.strip() for c in ns.configs.split(",") if c.strip()]
-    bad = [c for c in configs if c not in ALL]
+    bad = [c for c in configs if not known(c)]
     if bad or not configs:
         raise ValueError(f"unknown configuration {bad[0] if bad else ''!r}; choose from "
-                         f"{', '.join(ALL)}")
+                         f"{', '.join(ALL)} (zeropp presets also with ~SWITCH flips)")
     if ns.nodes < 1 or ns.node_size < 1:
         raise ValueError(f"--nodes {ns.nodes} and --node-size {ns.node_size} must be >= 1")
     if ns.nproc is not None and ns.nproc != ns.nodes * ns.node_size:
@@ -94,20 +101,36 @@ def run_bench(ns) -> tuple[list[dict], Path]:
     if not ok:
         print(f"zeropp bench: no emulated cluster ({why}); running on plain loopback instead",
               flush=True)
-    results = []
-    if ok:
-        with Cluster(ns.nodes, rate, prefix="zppb") as c:
-            for k, cfg in enumerate(configs):
-                results.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
-                    c, k, cfg, ns, out_dir / f"{cfg}.json")))
-    else:
-        for k, cfg in enumerate(configs):
-            results.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
-                None, k, cfg, ns, out_dir / f"{cfg}.json")))
+    results = _run_all(ns, configs, rate if ok else False, out_dir, "")
     for r in results:
         r["link"] = rate if ok else "loopback"
+    if getattr(ns, "compute_baseline", False) and ok:
+        # The same runs on unshaped links: each configuration's compute time
+        # (plus what its bytes cost at veth speed), in this invocation.
+        print("compute baseline (unshaped links):", flush=True)
+        base = _run_all(ns, configs, None, out_dir, "-compute")
+        for r, b in zip(results, base):
+            r["compute_s"] = b["median_step_s"]
+            rx = r["wire_rx_tx_bytes_per_node_step"] - r["wire_tx_bytes_per_node_step"]
+            r["link_s"] = max(rx, r["wire_tx_bytes_per_node_step"]) / rate_bytes_per_s(rate)
     (out_dir / "bench.json").write_text(json.dumps(results, indent=2))
     return results, out_dir
+
+
+def _run_all(ns, configs: list[str], rate, out_dir: Path, tag: str) -> list[dict]:
+    """Every configuration once: on the emulated cluster at `rate` (None:
+    unshaped), or on plain loopback (`rate` False)."""
+    results = []
+    if rate is False:
+        for k, cfg in enumerate(configs):
+            results.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
+                None, k, cfg, ns, out_dir / f"{cfg}{tag}.json")))
+        return results
+    with Cluster(ns.nodes, rate, prefix="zppb") as c:
+        for k, cfg in enumerate(configs):
+            results.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
+                c, k, cfg, ns, out_dir / f"{cfg}{tag}.json")))
+    return results
 
 
 def _progress(k: int, cfg: str, configs: list[str], fn) -> dict:
@@ -141,7 +164,22 @@ def table(results: list[dict], base: str = "fsdp2") -> str:
             f"{ratio(wire, ref_wire)} | {mb(acct)} | {mb(tx)} | {ratio(acct, tx)} | "
             f"{mb(r['accounted_intra_bytes_per_node_step'])} | {r['peak_rss_mb']:.0f} | "
             f"{r['final_loss']:.4f} |")
+    if all("compute_s" in r for r in results):
+        lines = _with_overlap(lines, results)
     return "\n".join(lines)
+
+
+def _with_overlap(lines: list[str], results: list[dict]) -> list[str]:
+    """Add compute s (unshaped run), link s (wire bytes at the link rate) and
+    step / max(compute, link): 1.0 is perfect overlap, the sum of the two is
+    up to 2.0."""
+    out = [lines[0] + " compute s (unshaped) | link s (bytes / rate) | step / max(compute, link) |",
+           lines[1] + "---|---|---|"]
+    for line, r in zip(lines[2:], results):
+        bound = max(r["compute_s"], r["link_s"])
+        out.append(line + f" {r['compute_s']:.2f} | {r['link_s']:.2f} | "
+                          f"{r['median_step_s'] / bound:.2f} |")
+    return out
 
 
 def chart(results: list[dict], path: Path, title: str) -> bool:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import zeropp
 from zeropp.bench.cluster import link_counters
-from zeropp.config import NAMED, named
+from zeropp.config import is_named, named
 from zeropp.train.model import GPT, PRESETS, GPTConfig
 
 FSDP = ("fsdp2", "fsdp2-hsdp")
@@ -48,7 +48,7 @@ def build(name: str, a, node_size: int, nodes: int):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True, choices=[*NAMED, *FSDP])
+    p.add_argument("--config", required=True, help="fsdp2, fsdp2-hsdp or a zeropp preset")
     p.add_argument("--model", default="gpt-6x384")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
@@ -58,6 +58,8 @@ def main() -> None:
                    help="ranks per node (default LOCAL_WORLD_SIZE, as torchrun sets it)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    if a.config not in FSDP and not is_named(a.config):
+        p.error(f"unknown configuration {a.config!r}")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,159 @@
+"""The reduce pipeline: gradient reduction off the backward's critical path.
+
+When backward finishes a unit, its leaf hook takes the unit's flat gradient and
+hands it here; the hook returns at once and backward goes on to the next unit
+while this unit's reduce-scatter (plain ring, or qgZ's quantize, intra-node
+all-to-all, dequantize-and-sum, inter-node all-to-all, sum) runs on a
+communication thread, the way DeepSpeed and FSDP2 run it on a side stream.
+The end of backward waits for every reduction (an autograd callback, as FSDP2's
+post-backward), so whatever reads gradients afterwards (`clip_grad_norm_`, the
+optimizer, the next micro-batch's accumulation, a checkpoint) sees them complete.
+
+[Note: reductions on their own process groups]
+The main thread issues gathers (and qWD's deltas) while the communication
+thread issues reductions. Two threads cannot share a process group: the order
+in which their collectives reach a group would differ between ranks, and a
+collective matched against a different one on another rank hangs or corrupts.
+The reductions therefore run on duplicates of the world, intra-node and
+inter-node groups, made once per model at `shard()` (topology.reduce_groups).
+On each group every rank then issues the same collectives in the same order:
+gathers in unit-use order from the main thread, reductions in gradient-ready
+order from the communication thread, both fixed by the model's structure.
+
+[Note: exactness]
+A unit's reduction is the same function whether it runs here or inline
+(`Config.async_reduce=False`): the same quantization, the same sums in the
+same order, the same accumulation into the shard's `.grad`; units touch
+disjoint gradients, so the interleaving cannot change a bit. Error-feedback
+state is per FlatParam and only this thread touches it while backward runs.
+
+[Note: CUDA]
+On CUDA the thread runs each reduction on a side stream that first waits for
+an event recorded on the compute stream when the gradient was handed over, and
+records its own event when done; `drain()` makes the compute stream wait for
+it. The side stream's work is ordered after everything the compute stream did
+before the hand-over (the previous optimizer step's reads of `.grad`
+included), which is what makes reusing the side stream's memory safe. The
+gradient handed over is marked used by the side stream (`record_stream`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+
+from .collectives import Comm
+
+
+class _Job:
+    __slots__ = ("label", "fn", "grad", "ready", "done", "done_event", "error")
+
+    def __init__(self, label: str, fn: Callable[[Comm], None], grad: torch.Tensor) -> None:
+        self.label, self.fn, self.grad = label, fn, grad
+        self.ready = None        # CUDA: the compute stream's event at hand-over
+        self.done_event = None   # CUDA: the side stream's event when reduced
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+
+class ReducePipeline:
+    """Runs unit reductions in hand-over order, at most `depth` in flight
+    (each holds its unit's full gradient), on a thread unless `asynchronous`
+    is False (then inline, in the hook: the synchronous path)."""
+
+    def __init__(self, comm: Comm, *, depth: int, asynchronous: bool) -> None:
+        self.comm, self.depth, self.asynchronous = comm, depth, asynchronous
+        self.inflight: deque[_Job] = deque()
+        self._failed = threading.Event()   # skip queued work after a failure
+        self._stream = None
+
+    def submit(self, label: str, grad: torch.Tensor, fn: Callable[[Comm], None]) -> None:
+        """Reduce `grad` by `fn(comm)`; returns once handed over (or done, inline)."""
+        job = _Job(label, fn, grad)
+        if not self.asynchronous:
+            self._run(job)
+            self._raise(job)
+            return
+        while len(self.inflight) >= self.depth:  # bounded memory: wait for the oldest
+            self._finish(self.inflight.popleft())
+        if grad.is_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=grad.device)
+            job.ready = torch.cuda.current_stream(grad.device).record_event()
+            grad.record_stream(self._stream)
+        self.inflight.append(job)
+        _worker(self.comm.groups).put((self, job))
+
+    def drain(self) -> None:
+        """Wait for every reduction handed over; raise the first failure."""
+        first: Optional[BaseException] = None
+        while self.inflight:
+            job = self.inflight.popleft()
+            try:
+                self._finish(job)
+            except BaseException as e:  # keep draining: leave nothing in flight
+                first = first or e
+        self._failed.clear()
+        if first is not None:
+            raise first
+
+    # ---- internals -------------------------------------------------------------
+    def _finish(self, job: _Job) -> None:
+        job.done.wait()
+        if job.done_event is not None:
+            torch.cuda.current_stream(job.grad.device).wait_event(job.done_event)
+        self._raise(job)
+
+    @staticmethod
+    def _raise(job: _Job) -> None:
+        job.grad = job.fn = None
+        if job.error is not None:
+            err, job.error = job.error, None
+            raise err
+
+    def _run(self, job: _Job) -> None:
+        try:
+            if self._failed.is_set():
+                raise RuntimeError(f"zeropp: reduction of unit {job.label} skipped after an "
+                                   "earlier reduction failed")
+            self.comm.unit = job.label
+            if job.ready is not None:
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(job.ready)
+                    job.fn(self.comm)
+                    job.done_event = self._stream.record_event()
+            else:
+                job.fn(self.comm)
+        except BaseException as e:
+            job.error = e
+            if self.asynchronous:
+                self._failed.set()
+        finally:
+            job.done.set()
+
+
+# One communication thread per set of reduce groups, shared by every model on
+# them: a group must see its collectives from one thread, in one order.
+_WORKERS: dict[int, tuple] = {}
+_WORKERS_LOCK = threading.Lock()
+
+
+def _worker(groups: dict) -> queue.SimpleQueue:
+    with _WORKERS_LOCK:
+        entry = _WORKERS.get(id(groups))
+        if entry is None or not entry[1].is_alive():
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            t = threading.Thread(target=_loop, args=(q,), name="zeropp-reduce", daemon=True)
+            t.start()
+            entry = _WORKERS[id(groups)] = (q, t, groups)  # holds groups: id stays unique
+        return entry[0]
+
+
+def _loop(q: queue.SimpleQueue) -> None:
+    while True:
+        pipeline, job = q.get()
+        pipeline._run(job)

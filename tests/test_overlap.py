@@ -1,0 +1,136 @@
+"""Overlap (reduce.py, prefetch depth): gradient reduction on a communication
+thread and deeper prefetch change when collectives run, never what they compute
+or what they move; a rank dying mid-backward fails the others by name."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import build, loss_of, train
+
+import zeropp
+from zeropp.cli import CACHE
+from zeropp.collectives import CollectiveError
+from zeropp.config import named
+from zeropp.flat_param import FlatParam
+from zeropp.launch import spawn
+from zeropp.train.loop import TrainArgs, prepare_tokens, train_worker
+
+
+
+def _run(preset: str, d: int, steps: int, accum: int, **kw) -> tuple:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = zeropp.shard(build("gpt"), named(preset, d, **kw))
+    losses, norms = train("gpt", "adamw", model, steps=steps, accum=accum, world=world,
+                          rank=rank, clip=1.0, clip_fn=zeropp.clip_grad_norm_)
+    shards = [f.primary_shard.detach().clone() for f in model._zeropp_state.flats]
+    stats = zeropp.comm_stats(model)
+    return losses, norms, shards, stats["inter_node_bytes"], stats["intra_node_bytes"]
+
+
+def _async_vs_sync(preset: str, d: int) -> dict:
+    out = {}
+    for name, kw in {"sync": dict(async_reduce=False, prefetch_depth=1),
+                     "async": dict(async_reduce=True, reduce_buckets=2, prefetch_depth=1),
+                     "async-deep": dict(async_reduce=True, reduce_buckets=1, prefetch_depth=3)
+                     }.items():
+        out[name] = _run(preset, d, steps=20, accum=2 if preset == "zeropp" else 1, **kw)
+        out[name + "/thread"] = any(t.name == "zeropp-reduce" for t in threading.enumerate())
+    return out
+
+
+@pytest.mark.parametrize("preset", ["zeropp", "zeropp-plus"])
+def test_async_reduction_and_deep_prefetch_are_bitwise_the_synchronous_path_over_20_steps(
+        preset):
+    """W=4 as 2x2, 20 steps (zeropp with 2 micro-batches of accumulation): losses,
+    grad norms, final master shards and bytes identical, bit for bit."""
+    for rank_out in spawn(_async_vs_sync, 4, 2, args=(preset, 2), timeout=400):
+        assert not rank_out["sync/thread"] and rank_out["async/thread"]  # it really ran there
+        sync = rank_out["sync"]
+        for other in ("async", "async-deep"):
+            got = rank_out[other]
+            assert got[0] == sync[0] and got[1] == sync[1], other  # losses, norms
+            assert all(torch.equal(a, b) for a, b in zip(got[2], sync[2])), other
+            assert got[3:] == sync[3:], other  # inter- and intra-node bytes
+
+
+def _rank1_stalls_in_backward(timeout: float) -> str:
+    model = zeropp.shard(build("gpt"), named("zeropp", 2, collective_timeout=timeout))
+    if dist.get_rank() == 1:  # stops inside its first gradient hook, mid-backward
+        real = FlatParam.take_grad
+
+        def stall(self):
+            time.sleep(timeout + 4)
+            return real(self)
+        FlatParam.take_grad = stall
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    t0 = time.monotonic()
+    try:
+        loss_of("gpt", model, x, x).backward()
+    except CollectiveError as e:
+        return f"{time.monotonic() - t0:.1f}|{e}"
+    return "no error"
+
+
+def test_a_rank_stalled_mid_backward_fails_the_others_within_the_timeout_naming_the_op():
+    res = spawn(_rank1_stalls_in_backward, 4, 2, args=(2.0,), timeout=90)
+    for rank in (0, 2, 3):
+        assert "|" in res[rank], res[rank]
+        elapsed, msg = res[rank].split("|", 1)
+        assert float(elapsed) < 2.0 + 5.0, msg  # the timeout plus the forward
+        # e.g. "zeropp: reduce_scatter/qgz/inter of unit h.3 did not complete within ..."
+        assert re.match(r"zeropp: (reduce_scatter|all_gather)\S* of unit \S+ did not complete "
+                        r"within the 2s collective_timeout", msg), msg
+
+
+def _killed_mid_backward(a: TrainArgs, cfg, run_dir: str, tokens: str, vocab: int,
+                         after: str) -> dict:
+    """train_worker, but on the first attempt rank 1 SIGKILLs itself inside a
+    gradient hook of the first backward after checkpoint `after` is the latest."""
+    latest = Path(run_dir) / "checkpoints" / "latest"
+    if dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        real, armed = FlatParam.take_grad, threading.Event()
+
+        def take_grad(self):
+            if not armed.is_set() and latest.exists() and latest.read_text().strip() == after:
+                armed.set()
+            elif armed.is_set():  # the second hook of that backward: others are reducing
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self)
+        FlatParam.take_grad = take_grad
+    return train_worker(a, cfg, run_dir, tokens, vocab)
+
+
+def test_a_rank_killed_mid_backward_is_restarted_and_the_run_resumes_bit_exactly(
+        tmp_path, capfd):
+    a = TrainArgs(model="tiny", seq_len=32, batch=4, steps=14, save_every=5, eval_every=7,
+                  eval_batches=2)
+    ids, vocab = prepare_tokens(a, CACHE)
+    tokens = tmp_path / "tokens.pt"
+    torch.save(ids.to(torch.int32), tokens)
+    cfg = named("zeropp", 2, collective_timeout=20.0)
+    (tmp_path / "calm").mkdir()
+    (tmp_path / "crash").mkdir()
+    calm = spawn(train_worker, 4, 2, args=(a, cfg, str(tmp_path / "calm"), str(tokens), vocab),
+                 timeout=300)[0]
+    crash = spawn(_killed_mid_backward, 4, 2, timeout=300, max_restarts=1,
+                  args=(a, cfg, str(tmp_path / "crash"), str(tokens), vocab, "step_000010"))[0]
+    err = capfd.readouterr().err
+    assert "rank 1 died (killed by SIGKILL)" in err and "restart 1 of 1" in err, err[-2000:]
+    assert crash["start_step"] == 10
+    assert crash["history"][-1]["train_loss"] == calm["history"][-1]["train_loss"]
+    assert [r["step"] for r in crash["history"]] == list(range(14))
+
+
+def test_bad_overlap_settings_are_refused_by_name():
+    for field, bad in (("prefetch_depth", 0), ("reduce_buckets", 0), ("async_reduce", "yes")):
+        with pytest.raises(ValueError, match=field):
+            zeropp.Config(**{field: bad})
