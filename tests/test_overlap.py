@@ -25,7 +25,6 @@ from zeropp.launch import spawn
 from zeropp.train.loop import TrainArgs, prepare_tokens, train_worker
 
 
-
 def _run(preset: str, d: int, steps: int, accum: int, **kw) -> tuple:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = zeropp.shard(build("gpt"), named(preset, d, **kw))
