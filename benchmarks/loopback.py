@@ -20,7 +20,7 @@ import torch.distributed as dist
 from _report import report
 
 import zeropp
-from zeropp.config import NAMED, named
+from zeropp.config import NAMED, is_named, named
 from zeropp.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
@@ -98,7 +98,7 @@ def main() -> None:
     a.configs = a.configs.split(",")
     a.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     for c in a.configs:
-        if c not in NAMED and c != "fsdp2":
+        if not is_named(c) and c != "fsdp2":
             p.error(f"unknown config {c!r}")
     out = spawn(_worker, a.world, a.node_size, args=(a,), timeout=3600)
     base = a.configs[0]

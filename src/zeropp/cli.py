@@ -225,6 +225,14 @@ def run_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _version(pkg: str) -> str:
+    from importlib.metadata import version
+    try:
+        return version(pkg)
+    except Exception:
+        return "?"
+
+
 def run_bench_cmd(ns: argparse.Namespace, argv: Optional[list[str]]) -> int:
     from .bench.run import chart, run_bench, table
     if ns.model not in PRESETS:
@@ -241,6 +249,13 @@ def run_bench_cmd(ns: argparse.Namespace, argv: Optional[list[str]]) -> int:
     head = (f"{r0['params'] / 1e6:.1f}M-parameter GPT ({ns.model}, {ns.dtype}), {ns.nodes} "
             f"nodes x {ns.node_size} ranks, inter-node link {r0['link']}, micro-batch "
             f"{ns.batch} x {ns.seq_len}, median of {ns.steps} steps after a warm-up")
+    if any(r["config"].startswith("deepspeed") for r in results):
+        head += (f"; deepspeed-* rows: DeepSpeed {_version('deepspeed')} ZeRO-3 (hpz: "
+                 "zero_hpz_partition_size = node size, overlap_comm on, its own prefetch "
+                 "buckets); DeepSpeed's qwZ and qgZ need CUDA kernels and do not run on CPU")
+    if any("compute_s" in r for r in results):
+        head += ("; compute s: the same configuration on unshaped links in this invocation; "
+                 "link s: max(tx, rx) wire bytes of the busiest node / link rate")
     print("\n" + head + "\n\n" + text)
     png = bench_dir / "bench.png"
     if chart(results, png, f"zeropp bench: {ns.nodes}x{ns.node_size}, {r0['link']}"):

@@ -9,6 +9,7 @@ root or `ip netns` it says so in one line and runs on plain loopback instead
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -20,12 +21,25 @@ from ..config import is_named
 from .cluster import Cluster, available, parse_rate, rate_bytes_per_s
 
 FSDP = ["fsdp2", "fsdp2-hsdp"]
-ALL = [*FSDP, "zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-plus"]
+DEEPSPEED = ["deepspeed-zero3", "deepspeed-hpz"]
+ALL = [*FSDP, *DEEPSPEED, "zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-plus"]
 
 
 def known(cfg: str) -> bool:
-    """FSDP2's two, or a zeropp preset with any ~SWITCH flips (e.g. zeropp~async)."""
-    return cfg in FSDP or is_named(cfg)
+    """FSDP2's two, DeepSpeed's two, or a zeropp preset with any ~SWITCH flips
+    (e.g. zeropp~async)."""
+    return cfg in FSDP or cfg in DEEPSPEED or is_named(cfg)
+
+
+def _without_missing_deepspeed(configs: list[str]) -> list[str]:
+    """DeepSpeed rows need the optional extra; without it they are left out, said in
+    one line."""
+    if not any(c in DEEPSPEED for c in configs) or importlib.util.find_spec("deepspeed"):
+        return configs
+    left = [c for c in configs if c not in DEEPSPEED]
+    print(f"zeropp bench: {', '.join(c for c in configs if c in DEEPSPEED)} skipped: DeepSpeed "
+          "is not installed (DS_BUILD_OPS=0 pip install 'zeropp[bench]')", flush=True)
+    return left
 
 
 def _worker_cmd(cfg: str, ns, out: Path) -> list[str]:
@@ -89,6 +103,9 @@ def run_bench(ns) -> tuple[list[dict], Path]:
     if bad or not configs:
         raise ValueError(f"unknown configuration {bad[0] if bad else ''!r}; choose from "
                          f"{', '.join(ALL)} (zeropp presets also with ~SWITCH flips)")
+    configs = _without_missing_deepspeed(configs)
+    if not configs:
+        raise ValueError("no configuration left to run")
     if ns.nodes < 1 or ns.node_size < 1:
         raise ValueError(f"--nodes {ns.nodes} and --node-size {ns.node_size} must be >= 1")
     if ns.nproc is not None and ns.nproc != ns.nodes * ns.node_size:

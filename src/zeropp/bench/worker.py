@@ -21,6 +21,7 @@ from zeropp.config import is_named, named
 from zeropp.train.model import GPT, PRESETS, GPTConfig
 
 FSDP = ("fsdp2", "fsdp2-hsdp")
+DEEPSPEED = ("deepspeed-zero3", "deepspeed-hpz")  # real DeepSpeed, the optional extra [bench]
 
 
 def link_bytes() -> tuple[int, int]:
@@ -42,8 +43,29 @@ def build(name: str, a, node_size: int, nodes: int):
             fully_shard(block, mp_policy=mp, mesh=mesh)
         fully_shard(model, mp_policy=mp, mesh=mesh)
         return model
+    if name in DEEPSPEED:
+        return _deepspeed(model, name, a, node_size, dtype)
     return zeropp.shard(model, named(name, node_size,
                                      param_dtype=None if dtype == torch.float32 else dtype))
+
+
+def _deepspeed(model, name: str, a, node_size: int, dtype):
+    """DeepSpeed's own ZeRO-3 engine on the same model, data and optimizer (torch's
+    AdamW); hpZ as `zero_hpz_partition_size` = the node size. DeepSpeed fetches
+    per module with its own prefetch buckets (it has no units to set). Its qwZ
+    and qgZ need CUDA kernels and do not run on CPU."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    import deepspeed
+    zo = {"stage": 3, "overlap_comm": True}
+    if name == "deepspeed-hpz":
+        zo["zero_hpz_partition_size"] = node_size
+    cfg = {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+           "zero_optimization": zo, "steps_per_print": 1 << 30,
+           "bf16": {"enabled": dtype == torch.bfloat16}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=cfg)
+    return engine
 
 
 def main() -> None:
@@ -58,7 +80,7 @@ def main() -> None:
                    help="ranks per node (default LOCAL_WORLD_SIZE, as torchrun sets it)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    if a.config not in FSDP and not is_named(a.config):
+    if a.config not in (*FSDP, *DEEPSPEED) and not is_named(a.config):
         p.error(f"unknown configuration {a.config!r}")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -68,27 +90,37 @@ def main() -> None:
     n_params = sum(p.numel() for p in GPT(GPTConfig(vocab_size=256, block_size=a.seq_len,
                                                     **PRESETS[a.model])).parameters())
     model = build(a.config, a, node_size, nodes)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ours = is_named(a.config)  # zeropp: instrumented (comm_stats)
+    engine = a.config in DEEPSPEED
+    opt = None if engine else torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, 256, (a.batch, a.seq_len), generator=torch.Generator().manual_seed(rank))
 
     def step() -> float:
         dist.barrier()
         t0 = time.perf_counter()
         loss = model(x, x)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        t1 = time.perf_counter()
+        if engine:
+            model.backward(loss)
+            t2 = time.perf_counter()
+            model.step()  # DeepSpeed's step zeroes the gradients itself
+        else:
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
         dist.barrier()
-        return time.perf_counter() - t0, loss.item()
+        t3 = time.perf_counter()
+        return t3 - t0, loss.item(), (t1 - t0, t2 - t1, t3 - t2)
 
     step()  # warm-up: learns unit order, builds groups and connections
-    if a.config not in FSDP:
+    if ours:
         zeropp.reset_comm_stats(model)
     rx0, tx0 = link_bytes()
-    times, losses = zip(*(step() for _ in range(a.steps)))
+    times, losses, phases = zip(*(step() for _ in range(a.steps)))
     rx1, tx1 = link_bytes()  # the barriers add a few hundred bytes
     first = int(os.environ.get("LOCAL_RANK", 0)) == 0  # counters are per node
-    stats = zeropp.comm_stats(model) if a.config not in FSDP else {}
+    stats = zeropp.comm_stats(model) if ours else {}
     acct, intra = stats.get("inter_node_bytes", 0), stats.get("intra_node_bytes", 0)
     local = torch.tensor([(rx1 - rx0) * first, (tx1 - tx0) * first, acct, intra,
                           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.float64)
@@ -100,13 +132,15 @@ def main() -> None:
                        for m in range(nodes)) / a.steps
         Path(a.out).write_text(json.dumps({
             "config": a.config, "median_step_s": statistics.median(times), "times": times,
-            "final_loss": losses[-1], "world": world, "nodes": nodes, "node_size": node_size,
+            "final_loss": losses[-1],
+            # rank 0's forward / backward / optimizer+barrier seconds, per step
+            "phases_s": phases, "world": world, "nodes": nodes, "node_size": node_size,
             "params": n_params,
             "wire_rx_tx_bytes_per_node_step": node_max(0) + node_max(1),
             "wire_tx_bytes_per_node_step": node_max(1),
             # what a node sends across, by zeropp's accounting: compare with tx
-            "accounted_inter_bytes_per_node_step": node_max(2) if a.config not in FSDP else None,
-            "accounted_intra_bytes_per_node_step": node_max(3) if a.config not in FSDP else None,
+            "accounted_inter_bytes_per_node_step": node_max(2) if ours else None,
+            "accounted_intra_bytes_per_node_step": node_max(3) if ours else None,
             "peak_rss_mb": max(t[4].item() for t in every) / 1024}))
     dist.destroy_process_group()
 
