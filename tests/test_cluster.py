@@ -84,12 +84,18 @@ def test_bench_smoke_2_nodes_x_1_rank_bytes_cross_and_nothing_is_left(tmp_path):
     link carried what the accounting says was sent (within 10% plus the
     barriers' and the store's small change), and no namespace is left."""
     r = _bench("--nodes", "2", "--node-size", "1", "--steps", "2", "--model", "small",
-               "--configs", "zero3,zeropp", "--inter-node", "1gbit", "--out", str(tmp_path))
+               "--configs", "zero3,zeropp", "--inter-node", "1gbit", "--compute-baseline",
+               "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     results = json.loads((tmp_path / "bench.json").read_text())
     for res in results:
         tx, acct = res["wire_tx_bytes_per_node_step"], res["accounted_inter_bytes_per_node_step"]
         assert acct > 0 and 0.9 * tx <= acct <= tx, res
+        # --compute-baseline: the unshaped run's step time, and the link time of the
+        # busiest direction at 1 Gbit/s (= 125e6 bytes/s)
+        rx = res["wire_rx_tx_bytes_per_node_step"] - tx
+        assert res["compute_s"] > 0 and res["link_s"] == max(rx, tx) / 125e6, res
+    assert "| step / max(compute, link) |" in r.stdout
     assert (tmp_path / "bench.png").exists()
     assert leftovers("zppb") == []
 
@@ -105,3 +111,21 @@ def test_bench_without_namespaces_says_so_and_runs_on_loopback(tmp_path, monkeyp
     assert "no emulated cluster (network namespaces need root); running on plain loopback" in out
     (res,) = json.loads((tmp_path / "bench.json").read_text())
     assert res["link"] == "loopback" and res["accounted_inter_bytes_per_node_step"] > 0
+
+
+def test_bench_without_deepspeed_leaves_its_rows_out_in_one_line(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    import zeropp.bench.run as run
+    from zeropp.cli import main
+    real = importlib.util.find_spec
+    monkeypatch.setattr(run.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    monkeypatch.setattr(run, "available", lambda: (False, "network namespaces need root"))
+    rc = main(["bench", "--nodes", "2", "--node-size", "1", "--steps", "1", "--model", "tiny",
+               "--configs", "deepspeed-zero3,zeropp,deepspeed-hpz", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert ("zeropp bench: deepspeed-zero3, deepspeed-hpz skipped: DeepSpeed is not installed "
+            "(DS_BUILD_OPS=0 pip install 'zeropp[bench]')") in out
+    assert [r["config"] for r in json.loads((tmp_path / "bench.json").read_text())] == ["zeropp"]
