@@ -62,6 +62,9 @@ class Unit:
 
     def gather(self) -> None:
         self.issue_gather()
+        self.wait()
+
+    def wait(self) -> None:
         for f in self.flats:
             f.wait_gather()
 
@@ -74,10 +77,14 @@ class Unit:
         st = self.state
         if self.is_root and not _in_backward():
             st.begin_iteration()
-        self.gather()
+        # Issue this unit's gather (if not prefetched), then the next ones, then
+        # wait: the link then carries the next gather while this one is
+        # dequantized, instead of idling until this unit is ready.
+        self.issue_gather()
         if not st.backward_active:
             st.forward_order.append(self)
             st.prefetch_forward()
+        self.wait()
         for f in self.flats:
             f.use_views()
         if st.cfg.param_dtype is not None:
@@ -116,10 +123,12 @@ class Unit:
         st.begin_backward()
         # Gather even if this backward gathered the unit before: a unit used by
         # two graphs (or twice in one) may have been freed after its first use.
-        self.gather()
+        # Issue, prefetch, then wait (as in pre_forward).
+        self.issue_gather()
         if not self.backward_gathered:
             self.backward_gathered = True
             st.prefetch_backward(self)
+        self.wait()
 
     def _flat_grad_ready(self, flat: FlatParam) -> None:
         st = self.state
