@@ -118,8 +118,7 @@ class ReducePipeline:
     def _run(self, job: _Job) -> None:
         try:
             if self._failed.is_set():
-                raise RuntimeError(f"zeropp: reduction of unit {job.label} skipped after an "
-                                   "earlier reduction failed")
+                return  # an earlier job failed: its error (first in line) is the one raised
             self.comm.unit = job.label
             if job.ready is not None:
                 with torch.cuda.stream(self._stream):
