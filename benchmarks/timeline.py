@@ -4,8 +4,8 @@ emulated cluster (rank 0), for finding what is not overlapped.
 Runs `zeropp bench`'s worker for one configuration (2 nodes x 2, gpt-6x384 by
 default) with timestamps patched around the places that wait: each unit's
 gather wait (forward and backward), each gradient hand-over to the reduce
-pipeline (and how long the hook blocked on a full pipeline), each reduction on
-the communication thread, the end of backward's compute and the drain. Prints
+pipeline (and how long the hook blocked on a full pipeline), each reduction's
+two stages on their threads, the end of backward's compute and the drain. Prints
 the last timed step, times relative to its start.
 
     python benchmarks/timeline.py --config zeropp --inter-node 100mbit
@@ -39,7 +39,10 @@ def _traced_worker(events_path: str, argv: list[str]) -> None:
         setattr(cls, name, traced)
 
     wrap(reduce_mod.ReducePipeline, "submit", lambda s, a, t, e: ("hand-over", a[0], t, e))
-    wrap(reduce_mod.ReducePipeline, "_run", lambda s, a, t, e: ("reduce", a[0].label, t, e))
+    wrap(reduce_mod.ReducePipeline, "_run_first",
+         lambda s, a, t, e: ("reduce 1", a[0].label, t, e))
+    wrap(reduce_mod.ReducePipeline, "_run_second",
+         lambda s, a, t, e: ("reduce 2", a[0].label, t, e))
     wrap(shard_mod.Unit, "wait", lambda s, a, t, e: ("gather wait", s.label, t, e))
     wrap(shard_mod.ShardState, "end_backward", lambda s, a, t, e: ("drain", "", t, e))
     from zeropp.bench import worker

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from .collectives import Comm, Pending, dequantize_gathered
 from .config import Config
-from .qgz import inter_node_codec, reduce_scatter_qgz
+from .qgz import inter_node_codec, qgz_inter_encode, qgz_inter_exchange, qgz_intra_hop
 from .quant import quantize
 from .topology import Topology
 from .weights import WeightPath
@@ -170,23 +170,33 @@ class FlatParam:
         g, self.leaf.grad = self.leaf.grad, None
         return g
 
-    def reduce_grad(self, comm: Comm, cfg: Config, g: torch.Tensor) -> None:
-        """Reduce-scatter the full gradient `g` to the mean over W (plain ring,
-        or qgZ) and add it to the primary shard's `.grad` (accumulating
-        micro-batches). Runs on the reduce pipeline's thread (reduce.py)."""
-        w = self.world_size
+    def reduce_first(self, comm: Comm, cfg: Config, g: torch.Tensor) -> Any:
+        """Stage 1 of reducing the full gradient `g` to the mean over W: qgZ's
+        intra-node hop and the inter-node hop's quantization, or the whole plain
+        ring reduce-scatter. Stage 2
+        (`reduce_second`) finishes; the reduce pipeline (reduce.py) runs the two
+        on two threads, so one unit's stage 1 overlaps the previous unit's stage 2."""
         if cfg.quantized_gradients:  # quantized hops, sums in fp32 whatever reduce_dtype
-            part = reduce_scatter_qgz(comm, g.float(), block=self.block,
-                                      intra_bits=cfg.intra_node_grad_bits or cfg.grad_bits,
-                                      inter=self.grad_codec)
-        else:
-            rd = cfg.reduce_dtype
-            g = g.to(rd)
-            if rd != torch.float32:
-                g = g / w  # pre-divide: a low-precision sum of W gradients may overflow
-            part = comm.reduce_scatter_sum(g, op="reduce_scatter").float()
-            if rd == torch.float32:
-                part.div_(w)
+            if self.world_size == 1:
+                return g.float()
+            partial = qgz_intra_hop(comm, g.float(), block=self.block,
+                                    intra_bits=cfg.intra_node_grad_bits or cfg.grad_bits)
+            # The inter-node hop's quantization too: stage 2 then only holds the link.
+            return qgz_inter_encode(comm.topo, partial, inter=self.grad_codec)
+        w, rd = self.world_size, cfg.reduce_dtype
+        g = g.to(rd)
+        if rd != torch.float32:
+            g = g / w  # pre-divide: a low-precision sum of W gradients may overflow
+        part = comm.reduce_scatter_sum(g, op="reduce_scatter").float()
+        if rd == torch.float32:
+            part.div_(w)
+        return part
+
+    def reduce_second(self, comm: Comm, cfg: Config, part: Any) -> None:
+        """Stage 2: qgZ's inter-node all-to-all and sum; then add the mean to the
+        primary shard's `.grad` (accumulating micro-batches)."""
+        if cfg.quantized_gradients and self.world_size > 1:
+            part = qgz_inter_exchange(comm, part, inter=self.grad_codec)
         # Padding must stay exactly zero: a rotated quantization spreads error into it.
         part[self.shard_valid:] = 0
         p = self.primary_shard

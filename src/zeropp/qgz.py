@@ -130,35 +130,79 @@ def reduce_scatter_qgz(comm: Comm, g: torch.Tensor, *, block: int, intra_bits: i
     of them at full width. One node or one rank per node skips the hop that
     would move nothing; padding, not fallbacks, handles any size.
     """
-    topo = comm.topo
-    n, d, w = topo.num_nodes, topo.node_size, topo.world_size
-    if w == 1:
+    if comm.topo.world_size == 1:
         return g.clone()
-    chunk = g.numel() // w
+    partial = qgz_intra_hop(comm, g, block=block, intra_bits=intra_bits, op=op)
+    return qgz_inter_hop(comm, partial, inter=inter, op=op)
+
+
+def qgz_intra_hop(comm: Comm, g: torch.Tensor, *, block: int, intra_bits: int,
+                  op: str = "reduce_scatter/qgz") -> torch.Tensor:
+    """qgZ's first hop: this node's partial sums of the N chunks for this local
+    index (N * |g|/W values; `g` itself reshaped when there is one rank per node).
+    The reduce pipeline runs it for unit k+1 while unit k's second hop holds the link."""
+    topo = comm.topo
+    n, d = topo.num_nodes, topo.node_size
+    chunk = g.numel() // topo.world_size
     by_local = g.view(n, d, chunk).transpose(0, 1)  # [j, m]: slot (p mod D)*N + p // D
-    if d > 1:
-        partial = _quantized_a2a_sum(comm, by_local.reshape(d, n * chunk), group="intra_node",
-                                     op=f"{op}/intra", codec=HopCodec(intra_bits, block),
-                                     own=topo.local_rank)
-    else:
-        partial = by_local.reshape(-1)  # no intra-node hop: nothing to quantize
-    if n > 1:
-        mine = _quantized_a2a_sum(comm, partial.view(n, chunk), group="inter_node",
-                                  op=f"{op}/inter", codec=inter, own=topo.node)
-    else:
-        mine = partial
-    return mine / w
+    if d == 1:
+        return by_local.reshape(-1)  # no intra-node hop: nothing to quantize
+    return _quantized_a2a_sum(comm, by_local.reshape(d, n * chunk), group="intra_node",
+                              op=f"{op}/intra", codec=HopCodec(intra_bits, block),
+                              own=topo.local_rank)
+
+
+def qgz_inter_hop(comm: Comm, partial: torch.Tensor, *, inter: HopCodec,
+                  op: str = "reduce_scatter/qgz") -> torch.Tensor:
+    """qgZ's second hop: the mean over the world of this rank's chunk."""
+    return qgz_inter_exchange(comm, qgz_inter_encode(comm.topo, partial, inter=inter),
+                              inter=inter, op=op)
+
+
+def qgz_inter_encode(topo: Topology, partial: torch.Tensor, *, inter: HopCodec) -> tuple:
+    """The second hop's quantization (no communication): the reduce pipeline
+    runs it beside the first hop, so the thread holding the link only sends."""
+    if topo.num_nodes == 1:
+        return None, partial
+    rows = partial.view(topo.num_nodes, -1)
+    send, wb = _encode(rows, inter, topo.node)
+    return send, rows[topo.node]
+
+
+def qgz_inter_exchange(comm: Comm, encoded: tuple, *, inter: HopCodec,
+                       op: str = "reduce_scatter/qgz") -> torch.Tensor:
+    """The second hop's all-to-all among the ranks of this local index, the
+    fp32 sum of what arrives with this rank's own row, divided by W."""
+    send, own_row = encoded
+    topo = comm.topo
+    if send is None:
+        return own_row / topo.world_size
+    mine = _exchange_sum(comm, send, own_row, group="inter_node", op=f"{op}/inter",
+                         codec=inter, own=topo.node)
+    return mine / topo.world_size
+
+
+def _encode(pieces: torch.Tensor, codec: HopCodec, own: int) -> tuple[torch.Tensor, int]:
+    """Every row of `pieces` but `own`, quantized into its slot of one wire buffer."""
+    k, numel = pieces.shape
+    wb = QTensor.wire_bytes(numel, codec.bits, codec.block)
+    send = torch.empty(k * wb, dtype=torch.uint8, device=pieces.device)
+    codec.encode(pieces, own, send, wb)
+    return send, wb
+
+
+def _exchange_sum(comm: Comm, send: torch.Tensor, own_row: torch.Tensor, *, group: str,
+                  op: str, codec: HopCodec, own: int) -> torch.Tensor:
+    """All-to-all of the encoded rows; the fp32 sum of the rows received and `own_row`."""
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, op=op, group=group,
+                    scale_bytes_per_peer=-(-own_row.numel() // codec.block) * 4)
+    return codec.decode_sum(recv, own, own_row, send.numel() // len(comm.ranks[group]))
 
 
 def _quantized_a2a_sum(comm: Comm, pieces: torch.Tensor, *, group: str, op: str,
                        codec: HopCodec, own: int) -> torch.Tensor:
     """Row k of `pieces` goes, quantized, to group rank k (row `own` stays here
     unquantized); returns the fp32 sum of the rows this rank ends up with."""
-    k, numel = pieces.shape
-    wb = QTensor.wire_bytes(numel, codec.bits, codec.block)
-    send = torch.empty(k * wb, dtype=torch.uint8, device=pieces.device)
-    codec.encode(pieces, own, send, wb)
-    recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, op=op, group=group,
-                    scale_bytes_per_peer=-(-numel // codec.block) * 4)
-    return codec.decode_sum(recv, own, pieces[own], wb)
+    send, _ = _encode(pieces, codec, own)
+    return _exchange_sum(comm, send, pieces[own], group=group, op=op, codec=codec, own=own)

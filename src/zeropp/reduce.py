@@ -42,7 +42,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -50,10 +50,13 @@ from .collectives import Comm
 
 
 class _Job:
-    __slots__ = ("label", "fn", "grad", "ready", "done", "done_event", "error")
+    __slots__ = ("label", "first", "second", "state", "grad", "ready", "done", "done_event",
+                 "error")
 
-    def __init__(self, label: str, fn: Callable[[Comm], None], grad: torch.Tensor) -> None:
-        self.label, self.fn, self.grad = label, fn, grad
+    def __init__(self, label: str, first: Callable[[Comm], Any],
+                 second: Callable[[Comm, Any], None], grad: torch.Tensor) -> None:
+        self.label, self.first, self.second, self.grad = label, first, second, grad
+        self.state: Any = None   # what stage 1 hands to stage 2
         self.ready = None        # CUDA: the compute stream's event at hand-over
         self.done_event = None   # CUDA: the side stream's event when reduced
         self.done = threading.Event()
@@ -62,20 +65,27 @@ class _Job:
 
 class ReducePipeline:
     """Runs unit reductions in hand-over order, at most `depth` in flight
-    (each holds its unit's full gradient), on a thread unless `asynchronous`
-    is False (then inline, in the hook: the synchronous path)."""
+    (each holds its unit's full gradient), in two stages on two threads
+    (stage 1 on the world and intra-node groups, stage 2 on the inter-node
+    group), unless `asynchronous` is False (then inline, in the hook: the
+    synchronous path)."""
 
     def __init__(self, comm: Comm, *, depth: int, asynchronous: bool) -> None:
         self.comm, self.depth, self.asynchronous = comm, depth, asynchronous
+        # Stage 2's own Comm: same groups and stats, its own `unit` for errors.
+        self.comm2 = Comm(comm.topo, comm.stats, timeout=comm.timeout, groups=comm.groups)
         self.inflight: deque[_Job] = deque()
         self._failed = threading.Event()   # skip queued work after a failure
         self._stream = None
 
-    def submit(self, label: str, grad: torch.Tensor, fn: Callable[[Comm], None]) -> None:
-        """Reduce `grad` by `fn(comm)`; returns once handed over (or done, inline)."""
-        job = _Job(label, fn, grad)
+    def submit(self, label: str, grad: torch.Tensor, first: Callable[[Comm], Any],
+               second: Callable[[Comm, Any], None]) -> None:
+        """Reduce `grad`: `second(comm, first(comm))`; returns once handed over
+        (or done, inline)."""
+        job = _Job(label, first, second, grad)
         if not self.asynchronous:
-            self._run(job)
+            self._run_first(job)
+            self._run_second(job)
             self._raise(job)
             return
         while len(self.inflight) >= self.depth:  # bounded memory: wait for the oldest
@@ -86,7 +96,7 @@ class ReducePipeline:
             job.ready = torch.cuda.current_stream(grad.device).record_event()
             grad.record_stream(self._stream)
         self.inflight.append(job)
-        _worker(self.comm.groups).put((self, job))
+        _worker(self.comm.groups, 1).put((self, job))
 
     def drain(self) -> None:
         """Wait for every reduction handed over; raise the first failure."""
@@ -110,49 +120,75 @@ class ReducePipeline:
 
     @staticmethod
     def _raise(job: _Job) -> None:
-        job.grad = job.fn = None
+        job.grad = job.first = job.second = job.state = None
         if job.error is not None:
             err, job.error = job.error, None
             raise err
 
-    def _run(self, job: _Job) -> None:
+    def _stage(self, job: _Job, comm: Comm, fn: Callable[[], None]) -> bool:
+        """Run one stage of `job`; False (and the job done) if it failed or was
+        skipped after an earlier failure (whose error, first in line, is raised)."""
+        if self._failed.is_set():
+            job.done.set()
+            return False
         try:
-            if self._failed.is_set():
-                return  # an earlier job failed: its error (first in line) is the one raised
-            self.comm.unit = job.label
+            comm.unit = job.label
             if job.ready is not None:
                 with torch.cuda.stream(self._stream):
-                    self._stream.wait_event(job.ready)
-                    job.fn(self.comm)
-                    job.done_event = self._stream.record_event()
+                    fn()
             else:
-                job.fn(self.comm)
+                fn()
+            return True
         except BaseException as e:
             job.error = e
             if self.asynchronous:
                 self._failed.set()
-        finally:
+            job.done.set()
+            return False
+
+    def _run_first(self, job: _Job) -> None:
+        def first() -> None:
+            if job.ready is not None:
+                self._stream.wait_event(job.ready)
+            job.state = job.first(self.comm)
+        if self._stage(job, self.comm, first) and self.asynchronous:
+            _worker(self.comm.groups, 2).put((self, job))
+
+    def _run_second(self, job: _Job) -> None:
+        if job.done.is_set():
+            return  # stage 1 failed (inline path)
+        def second() -> None:
+            job.second(self.comm2, job.state)
+            if job.ready is not None:
+                job.done_event = self._stream.record_event()
+        if self._stage(job, self.comm2, second):
             job.done.set()
 
 
-# One communication thread per set of reduce groups, shared by every model on
-# them: a group must see its collectives from one thread, in one order.
-_WORKERS: dict[int, tuple] = {}
+# One communication thread per stage per set of reduce groups, shared by every
+# model on them: a group must see its collectives from one thread, in one
+# order. Stage 1 uses the world and intra-node groups, stage 2 the inter-node one.
+_WORKERS: dict[tuple, tuple] = {}
 _WORKERS_LOCK = threading.Lock()
 
 
-def _worker(groups: dict) -> queue.SimpleQueue:
+def _worker(groups: dict, stage: int) -> queue.SimpleQueue:
+    key = (id(groups), stage)
     with _WORKERS_LOCK:
-        entry = _WORKERS.get(id(groups))
+        entry = _WORKERS.get(key)
         if entry is None or not entry[1].is_alive():
             q: queue.SimpleQueue = queue.SimpleQueue()
-            t = threading.Thread(target=_loop, args=(q,), name="zeropp-reduce", daemon=True)
+            t = threading.Thread(target=_loop, args=(q, stage), daemon=True,
+                                 name=f"zeropp-reduce{stage}")
             t.start()
-            entry = _WORKERS[id(groups)] = (q, t, groups)  # holds groups: id stays unique
+            entry = _WORKERS[key] = (q, t, groups)  # holds groups: id stays unique
         return entry[0]
 
 
-def _loop(q: queue.SimpleQueue) -> None:
+def _loop(q: queue.SimpleQueue, stage: int) -> None:
     while True:
         pipeline, job = q.get()
-        pipeline._run(job)
+        if stage == 1:
+            pipeline._run_first(job)
+        else:
+            pipeline._run_second(job)

@@ -141,7 +141,8 @@ class Unit:
         st = self.state
         g = flat.take_grad()
         st.stats.count_unit(self.label, "reduce_scatter")
-        st.reducer.submit(self.label, g, lambda comm: flat.reduce_grad(comm, st.cfg, g))
+        st.reducer.submit(self.label, g, lambda comm: flat.reduce_first(comm, st.cfg, g),
+                          lambda comm, part: flat.reduce_second(comm, st.cfg, part))
 
 
 class _PostBackward(torch.autograd.Function):
