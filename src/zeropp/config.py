@@ -73,7 +73,7 @@ class Config:
     """How many units ahead gathers are issued, forward and backward; each holds its
     unit's full weights until used."""
     async_reduce: bool = True
-    """Reduce gradients on a communication thread while backward goes on (reduce.py);
+    """Reduce gradients on two communication threads while backward goes on (reduce.py);
     False runs each unit's reduction inside its gradient hook (bitwise the same)."""
     reduce_buckets: int = 2
     """Unit gradients handed to the reduce pipeline and not yet reduced, at most: the

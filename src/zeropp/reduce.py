@@ -2,33 +2,38 @@
 
 When backward finishes a unit, its leaf hook takes the unit's flat gradient and
 hands it here; the hook returns at once and backward goes on to the next unit
-while this unit's reduce-scatter (plain ring, or qgZ's quantize, intra-node
-all-to-all, dequantize-and-sum, inter-node all-to-all, sum) runs on a
-communication thread, the way DeepSpeed and FSDP2 run it on a side stream.
-The end of backward waits for every reduction (an autograd callback, as FSDP2's
-post-backward), so whatever reads gradients afterwards (`clip_grad_norm_`, the
-optimizer, the next micro-batch's accumulation, a checkpoint) sees them complete.
+while the reduction runs on two communication threads, the way DeepSpeed and
+FSDP2 run it on a side stream. Stage 1 does the plain ring reduce-scatter, or
+qgZ's intra-node hop and the quantization of its inter-node hop; stage 2 only
+qgZ's inter-node all-to-all, sum and accumulation. So while unit k's bytes
+hold the slow link, unit k+1 is quantized and reduced inside the node (measured
+with benchmarks/timeline.py: one thread doing both kept the link idle half the
+time). The end of backward waits for every reduction (an autograd callback, as
+FSDP2's post-backward), so whatever reads gradients afterwards
+(`clip_grad_norm_`, the optimizer, the next micro-batch's accumulation, a
+checkpoint) sees them complete.
 
 [Note: reductions on their own process groups]
-The main thread issues gathers (and qWD's deltas) while the communication
-thread issues reductions. Two threads cannot share a process group: the order
+The main thread issues gathers (and qWD's deltas) while the stage threads
+issue reductions. Two threads cannot share a process group: the order
 in which their collectives reach a group would differ between ranks, and a
 collective matched against a different one on another rank hangs or corrupts.
 The reductions therefore run on duplicates of the world, intra-node and
-inter-node groups, made once per model at `shard()` (topology.reduce_groups).
-On each group every rank then issues the same collectives in the same order:
-gathers in unit-use order from the main thread, reductions in gradient-ready
-order from the communication thread, both fixed by the model's structure.
+inter-node groups, made once per layout (topology.reduce_groups).
+Each group is used by one thread only (stage 1: world and intra-node; stage 2:
+inter-node), and on each every rank issues the same collectives in the same
+order: gathers in unit-use order from the main thread, reductions in
+gradient-ready order from the stage threads, all fixed by the model's structure.
 
 [Note: exactness]
-A unit's reduction is the same function whether it runs here or inline
+A unit's reduction is the same two functions whether they run here or inline
 (`Config.async_reduce=False`): the same quantization, the same sums in the
 same order, the same accumulation into the shard's `.grad`; units touch
 disjoint gradients, so the interleaving cannot change a bit. Error-feedback
-state is per FlatParam and only this thread touches it while backward runs.
+state is per FlatParam, and a unit's two stages run one after the other.
 
 [Note: CUDA]
-On CUDA the thread runs each reduction on a side stream that first waits for
+On CUDA the threads run each reduction on a side stream that first waits for
 an event recorded on the compute stream when the gradient was handed over, and
 records its own event when done; `drain()` makes the compute stream wait for
 it. The side stream's work is ordered after everything the compute stream did

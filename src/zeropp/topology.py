@@ -102,7 +102,7 @@ _REDUCE_CACHE: dict[tuple, tuple] = {}
 def reduce_groups(topo: Topology) -> dict[str, Any]:
     """World, intra-node and inter-node groups of the reduce pipeline: made once
     per layout (collective on first use, like get_topology), shared by every
-    model on it, and used by one communication thread only (reduce.py)."""
+    model on it, and each used by one communication thread only (reduce.py)."""
     if topo.world_size == 1:
         return {"world": None, "intra_node": None, "inter_node": None}
     key = (id(topo.world_group), topo.world_size, topo.node_size)
