@@ -107,3 +107,23 @@ def task_batch(step: int, world: int, rank: int | None):
     if rank is not None:
         x, y = x[rank * MICRO_BATCH:(rank + 1) * MICRO_BATCH], y[rank * MICRO_BATCH:(rank + 1) * MICRO_BATCH]
     return x, y
+
+
+def calm_and_crash(tmp_path, a, cfg, crash_fn, after: str) -> tuple[dict, dict]:
+    """The main job's worker at W=4 as 2x2 twice on the same tokens: once
+    undisturbed, once through `crash_fn` (train_worker's arguments plus `after`,
+    the checkpoint after which it kills a rank) with one launcher restart.
+    Returns rank 0's results of both."""
+    from zeropp.cli import CACHE
+    from zeropp.launch import spawn
+    from zeropp.train.loop import prepare_tokens, train_worker
+    ids, vocab = prepare_tokens(a, CACHE)
+    tokens = tmp_path / "tokens.pt"
+    torch.save(ids.to(torch.int32), tokens)
+    (tmp_path / "calm").mkdir()
+    (tmp_path / "crash").mkdir()
+    calm = spawn(train_worker, 4, 2, args=(a, cfg, str(tmp_path / "calm"), str(tokens), vocab),
+                 timeout=300)[0]
+    crash = spawn(crash_fn, 4, 2, timeout=300, max_restarts=1,
+                  args=(a, cfg, str(tmp_path / "crash"), str(tokens), vocab, after))[0]
+    return calm, crash

@@ -14,15 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from cases import build, loss_of, train
+from cases import build, calm_and_crash, loss_of, train
 
 import zeropp
-from zeropp.cli import CACHE
 from zeropp.collectives import CollectiveError
 from zeropp.config import named
 from zeropp.flat_param import FlatParam
 from zeropp.launch import spawn
-from zeropp.train.loop import TrainArgs, prepare_tokens, train_worker
+from zeropp.train.loop import TrainArgs, train_worker
 
 
 def _run(preset: str, d: int, steps: int, accum: int, **kw) -> tuple:
@@ -112,16 +111,8 @@ def test_a_rank_killed_mid_backward_is_restarted_and_the_run_resumes_bit_exactly
         tmp_path, capfd):
     a = TrainArgs(model="tiny", seq_len=32, batch=4, steps=14, save_every=5, eval_every=7,
                   eval_batches=2)
-    ids, vocab = prepare_tokens(a, CACHE)
-    tokens = tmp_path / "tokens.pt"
-    torch.save(ids.to(torch.int32), tokens)
     cfg = named("zeropp", 2, collective_timeout=20.0)
-    (tmp_path / "calm").mkdir()
-    (tmp_path / "crash").mkdir()
-    calm = spawn(train_worker, 4, 2, args=(a, cfg, str(tmp_path / "calm"), str(tokens), vocab),
-                 timeout=300)[0]
-    crash = spawn(_killed_mid_backward, 4, 2, timeout=300, max_restarts=1,
-                  args=(a, cfg, str(tmp_path / "crash"), str(tokens), vocab, "step_000010"))[0]
+    calm, crash = calm_and_crash(tmp_path, a, cfg, _killed_mid_backward, "step_000010")
     err = capfd.readouterr().err
     assert "rank 1 died (killed by SIGKILL)" in err and "restart 1 of 1" in err, err[-2000:]
     assert crash["start_step"] == 10

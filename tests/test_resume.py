@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import torch
+from cases import calm_and_crash
 
-from zeropp.cli import CACHE, main
+from zeropp.cli import main
 from zeropp.config import named
-from zeropp.launch import spawn
-from zeropp.train.loop import TrainArgs, prepare_tokens, train_worker
+from zeropp.train.loop import TrainArgs, train_worker
 
 SMALL = ["--model", "tiny", "--seq-len", "32", "--batch", "4", "--nproc", "4",
          "--node-size", "2", "--eval-every", "4", "--eval-batches", "2"]
@@ -55,16 +55,8 @@ def _die_once_after(a: TrainArgs, cfg, run_dir: str, tokens: str, vocab: int,
 def test_a_sigkilled_worker_is_restarted_and_the_run_ends_with_the_same_loss(tmp_path, capfd):
     a = TrainArgs(model="tiny", seq_len=32, batch=4, steps=20, save_every=5, eval_every=10,
                   eval_batches=2)
-    ids, vocab = prepare_tokens(a, CACHE)
-    tokens = tmp_path / "tokens.pt"
-    torch.save(ids.to(torch.int32), tokens)
-    cfg = named("zeropp", 2)
-    (tmp_path / "calm").mkdir()
-    (tmp_path / "crash").mkdir()
-    calm = spawn(train_worker, 4, 2, args=(a, cfg, str(tmp_path / "calm"), str(tokens), vocab),
-                 timeout=300)[0]
-    crash = spawn(_die_once_after, 4, 2, timeout=300, max_restarts=1,
-                  args=(a, cfg, str(tmp_path / "crash"), str(tokens), vocab, "step_000010"))[0]
+    calm, crash = calm_and_crash(tmp_path, a, named("zeropp", 2), _die_once_after,
+                                 "step_000010")
     err = capfd.readouterr()
     assert "rank 1 died (killed by SIGKILL)" in err.err and "restarting all 4 workers (restart 1 of 1)" in err.err
     assert crash["start_step"] == 10 and calm["start_step"] == 0  # resumed, not restarted

@@ -9,7 +9,7 @@ root for the rest. Per unit and iteration:
   output grad hook   (backward reaches this unit) gather again, prefetch the
                      unit backward reaches next
   leaf grad hook     its gradient is complete: hand it to the reduce pipeline
-                     (reduce.py; reduced on a thread while backward goes on), free
+                     (reduce.py; reduced on two threads while backward goes on), free
   end of backward    wait for every reduction, free leftovers
 The model class is untouched and the training loop stays plain PyTorch.
 """

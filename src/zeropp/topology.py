@@ -113,6 +113,13 @@ def reduce_groups(topo: Topology) -> dict[str, Any]:
 
 def _new_groups(topo: Topology) -> dict[str, Any]:
     world = dist.new_group(list(range(topo.world_size)))
+    intra, inter = _node_groups(topo)
+    return {"world": world, "intra_node": intra, "inter_node": inter}
+
+
+def _node_groups(topo: Topology) -> tuple[Any, Any]:
+    """This rank's new intra-node and inter-node groups. new_group is
+    collective: every rank creates every group, in this order."""
     intra = inter = None
     for n in range(topo.num_nodes):
         g = dist.new_group(topo.intra_node_ranks(n))
@@ -122,7 +129,7 @@ def _new_groups(topo: Topology) -> dict[str, Any]:
         g = dist.new_group(topo.inter_node_ranks(j))
         if j == topo.local_rank:
             inter = g
-    return {"world": world, "intra_node": intra, "inter_node": inter}
+    return intra, inter
 
 
 def get_topology(node_size: Optional[int] = None) -> Topology:
@@ -147,17 +154,7 @@ def get_topology(node_size: Optional[int] = None) -> Topology:
     key = (id(dist.group.WORLD), world, node_size)
     if key in _CACHE:
         return _CACHE[key]
-    base = Topology(world, rank, node_size)
-    # new_group is collective: every rank creates every group, in this order.
-    intra = inter = None
-    for n in range(base.num_nodes):
-        g = dist.new_group(base.intra_node_ranks(n))
-        if n == base.node:
-            intra = g
-    for j in range(node_size):
-        g = dist.new_group(base.inter_node_ranks(j))
-        if j == base.local_rank:
-            inter = g
+    intra, inter = _node_groups(Topology(world, rank, node_size))
     topo = Topology(world, rank, node_size, dist.group.WORLD, intra, inter)
     _CACHE[key] = topo
     return topo
