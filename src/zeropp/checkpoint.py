@@ -248,6 +248,9 @@ def load_checkpoint(path: os.PathLike, model: nn.Module,
     or stateful object passed by keyword in `restore` is restored in place.
     Any problem is a CheckpointError naming it, raised on every rank."""
     st = get_state(model)
+    if st.gathered_depth:
+        raise CheckpointError("load_checkpoint inside zeropp.gathered(): the resident weights "
+                              "would not see the loaded ones; load after the context")
     err, plan = None, None
     try:
         plan = _read(Path(path), st, model, optimizer, restore)

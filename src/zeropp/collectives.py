@@ -143,6 +143,25 @@ class Comm:
             _wait(dist.all_to_all_single(out, inp, group=self.groups[group], async_op=True),
                   self, op, self.unit)
 
+    def scatter(self, chunks: torch.Tensor, *, src: int, op: str) -> torch.Tensor:
+        """Rank `src`'s `chunks` ([W, n], every rank passes its own: only src's are
+        read) scattered over the world: chunk r to rank r; returns this rank's."""
+        me = self.topo.rank
+        if me == src:
+            piece = _nbytes(chunks[0])
+            for peer in range(self.topo.world_size):
+                if peer != src:
+                    inter = self.topo.node_of(peer) != self.topo.node
+                    self.stats.record(op, group="world", sent=piece,
+                                      inter=piece if inter else 0.0)
+        out = torch.empty_like(chunks[0])
+        if self.topo.world_size == 1:
+            return out.copy_(chunks[0])
+        parts = list(chunks.contiguous().unbind(0)) if me == src else None
+        _wait(dist.scatter(out, parts, src=src, group=self.groups["world"], async_op=True),
+              self, op, self.unit)
+        return out
+
     def reduce_scatter_sum(self, full: torch.Tensor, *, op: str) -> torch.Tensor:
         """Sum `full` (flat, W equal chunks) over the world; return this rank's chunk."""
         g, i = self.topo.world_size, self.topo.rank

@@ -127,12 +127,17 @@ class FlatParam:
         if self.gathered or self.pending is not None:
             return False
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        self.pending = self.weights.issue(comm, phase)
+        # Buffers made here outlive the forward (hpZ secondaries, qWD copies): under
+        # inference_mode they would become inference tensors, which training may not
+        # update in place.
+        with torch.inference_mode(False):
+            self.pending = self.weights.issue(comm, phase)
         return True
 
     def wait_gather(self) -> None:
         if self.pending is not None:
-            self.pending.wait()
+            with torch.inference_mode(False):
+                self.pending.wait()
             self.pending = None
             self.gathered = True
 
@@ -150,6 +155,11 @@ class FlatParam:
         """Point the module attributes at views of the gathered weights (see the note)."""
         if self.trainable and torch.is_grad_enabled():
             self.needs_reduce = True
+        self._install_views(self.leaf)
+
+    def install_full_views(self) -> None:
+        """Module attributes read the gathered weights (zeropp.gathered), no
+        gradient bookkeeping."""
         self._install_views(self.leaf)
 
     def _install_views(self, base: torch.Tensor) -> None:

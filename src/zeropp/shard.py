@@ -45,6 +45,7 @@ class Unit:
         self.is_root = name == ""
         self.label = name or "<root>"
         self.backward_gathered = False
+        self.pins = 0  # zeropp.gathered() contexts holding the full weights resident
         for f in flats:
             f.on_grad_ready = self._flat_grad_ready
 
@@ -69,6 +70,8 @@ class Unit:
             f.wait_gather()
 
     def free(self) -> None:
+        if self.pins:
+            return  # resident inside zeropp.gathered()
         for f in self.flats:
             f.free()
 
@@ -189,6 +192,7 @@ class ShardState:
         self.finished_order: list[Unit] = []   # by post-forward: inner units first
         self.backward_order: list[Unit] = []
         self.backward_active = False
+        self.gathered_depth = 0  # open zeropp.gathered() contexts
         self.optimizer_steps = 0  # steps over these shards; kept in checkpoints
 
     @property
@@ -206,6 +210,10 @@ class ShardState:
         self.backward_active = False
         for u in self.units:
             u.free()
+            for f in u.flats:  # a gradient an aborted backward left on the leaf
+                f.needs_reduce = False
+                if f.trainable:
+                    f.leaf.grad = None
         self.reducer.drain()  # an interrupted backward's reductions (raises a failure once)
 
     def prefetch_forward(self) -> None:
@@ -230,6 +238,11 @@ class ShardState:
     def begin_backward(self) -> None:
         if self.backward_active:
             return
+        if self.gathered_depth:
+            raise RuntimeError(
+                "zeropp: backward inside zeropp.gathered() is not supported (the resident "
+                "weights would go stale at the next optimizer step); leave the context, then "
+                "run the training forward and backward")
         self.backward_active = True
         for u in self.units:
             u.backward_gathered = False
@@ -346,6 +359,9 @@ def _optimizer_step_hooks(state_ref: weakref.ref) -> tuple[Any, Any]:
 
     def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         flats = flats_of(opt)
+        if flats and state_ref().gathered_depth:
+            raise RuntimeError("zeropp: optimizer.step() inside zeropp.gathered(): the "
+                               "gathered weights would go stale; step after the context")
         if flats:
             state_ref().reducer.drain()  # no-op after a backward: it drained already
         for f in flats:

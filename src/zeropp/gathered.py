@@ -1,0 +1,195 @@
+"""zeropp.gathered(model): full weights resident for a while, gathered once.
+
+Generation under ZeRO-3 re-gathers every unit for every token: an RLHF actor
+generating 100 tokens moves its weights 100 times. Inside `gathered()` the
+units stay gathered, so the forwards inside issue no collective at all; the
+gather on entry is the one a training forward would run (hpZ's secondary
+inside the node when it is current, qwZ's INT8 or qWD's copies otherwise), so
+the weights are bit for bit those a training forward uses. PyTorch's
+`summon_full_params` and DeepSpeed's `GatheredParameters` are the models.
+
+[Note: writing back]
+With `writable=True` every gathered flat buffer is also kept as it was
+gathered (a snapshot), and on a normal exit each rank compares its own shard's
+slice of the (possibly edited) full weights with the snapshot, bit for bit,
+and writes the elements that differ into its fp32 master shard. Unedited
+weights keep their exact master values even though qwZ's gathered copy is
+rounded; an edit such as `w.mul_(2)` doubles what the forward saw. With
+`modifier_rank=r`, rank r's edits count: it scatters each rank's slice of its
+full weights first (DeepSpeed's GatheredParameters semantics); otherwise every
+rank must make the same edits (PyTorch's writeback semantics). Then every
+rank's hpZ secondaries / qWD copies of those units are dropped, edited or not,
+so routes stay identical on every rank and the next forward gathers in full.
+Leaving by an exception discards the edits: the master shards are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from .flat_param import FlatParam
+from .quant import QTensor, dequantize, quantize
+from .shard import ShardState, Unit, _in_backward, get_state
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module, *, writable: bool = False,
+             units: Optional[Iterable[Union[str, nn.Module]]] = None,
+             max_bytes: Optional[int] = None,
+             modifier_rank: Optional[int] = None) -> Iterator[nn.Module]:
+    """Gather the units of a sharded `model` once and keep them resident; yields the model.
+
+    Inside, forwards of the gathered units issue no collective (generation:
+    one gather per rollout instead of one per token), under grad, `no_grad` or
+    `inference_mode`, with HF `generate()` and its KV cache. The module
+    attributes (`model.lm_head.weight`, ...) are the full weights inside.
+    Call it on every rank with the same arguments (it gathers). Nesting is
+    harmless. Backward and optimizer steps inside raise: the gathered weights
+    would go stale; train after the context.
+
+    `units`: which units to keep (names as in `model._zeropp_state.units`,
+    "" or "<root>" for the root, or the unit modules); the others are gathered
+    per forward as in training. `max_bytes`: keep units, in model order, while
+    their full weights (compute dtype; twice that with `writable`) fit. What to
+    pick: everything (the default) when the full model fits beside the
+    activations and KV cache; otherwise as many units as fit: every unit kept
+    saves its whole size per token, so which ones matters little, but without
+    hpZ a per-token gather crosses nodes and with hpZ it stays inside the node
+    (keeping units matters most without hpZ). Memory: each kept unit's full
+    weights at compute precision for the whole context.
+
+    `writable=True`: edits made inside are written into the master shards on
+    exit (see the note in gathered.py); costs a snapshot of every kept unit
+    during the context and a full (non-hpZ) gather of them afterwards.
+    `modifier_rank`: with `writable`, that rank's edits are the ones kept.
+    """
+    st = _state(model)
+    if _in_backward() or st.backward_active:
+        raise RuntimeError("zeropp.gathered: called while a backward is in flight; enter it "
+                           "before the forward or after backward() returns")
+    if modifier_rank is not None:
+        if not writable:
+            raise ValueError("zeropp.gathered: modifier_rank needs writable=True")
+        if not isinstance(modifier_rank, int) or not 0 <= modifier_rank < st.topo.world_size:
+            raise ValueError(f"zeropp.gathered: modifier_rank={modifier_rank!r} is not a rank "
+                             f"of this world (0..{st.topo.world_size - 1})")
+    chosen = _select(st, units, max_bytes, writable)
+    st.reducer.drain()
+    # Issue every gather, then wait: the same collectives in the same order on
+    # every rank (model order), all in flight together.
+    with torch.inference_mode(False), torch.no_grad():
+        for u in chosen:
+            u.issue_gather()
+        for u in chosen:
+            u.wait()
+        for u in chosen:
+            u.pins += 1
+        snapshots = {f: f.full.clone() for u in chosen for f in u.flats} if writable else {}
+        for u in chosen:
+            for f in u.flats:
+                f.install_full_views()  # module attributes read the gathered weights
+    st.gathered_depth += 1
+    ok = False
+    try:
+        yield model
+        ok = True
+    finally:
+        st.gathered_depth -= 1
+        for u in chosen:
+            u.pins -= 1
+        try:
+            if ok and writable:
+                _write_back(st, snapshots, modifier_rank)
+        finally:
+            snapshots.clear()
+            for u in chosen:
+                u.free()  # no-op while an outer context still holds it
+
+
+def _state(model: nn.Module) -> ShardState:
+    try:
+        return get_state(model)
+    except ValueError:
+        raise ValueError("zeropp.gathered: this model was not sharded with zeropp.shard(); "
+                         "call zeropp.shard(model, cfg) first (a plain model needs no "
+                         "gathering)") from None
+
+
+def _select(st: ShardState, units, max_bytes: Optional[int], writable: bool) -> list[Unit]:
+    by_name = {u.name: u for u in st.units}
+    by_name["<root>"] = st.units[0]
+    if units is None:
+        chosen = list(st.units)
+    else:
+        if isinstance(units, (str, nn.Module)):
+            units = [units]
+        picked = set()
+        for x in units:
+            u = (by_name.get(x) if isinstance(x, str)
+                 else getattr(x, "_zeropp_unit", None) if isinstance(x, nn.Module) else None)
+            if u is None or u.state is not st:
+                names = ", ".join(repr(u.label) for u in st.units)
+                raise ValueError(f"zeropp.gathered: {x!r} is not a unit of this model; its "
+                                 f"units are {names}")
+            picked.add(u)
+        chosen = [u for u in st.units if u in picked]  # model order, whatever was passed
+    if max_bytes is not None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"zeropp.gathered: max_bytes={max_bytes!r} must be an int >= 0")
+        kept, total = [], 0
+        for u in chosen:
+            size = sum(f.padded_numel * f.full.element_size() for f in u.flats)
+            size *= 2 if writable else 1
+            if total + size <= max_bytes:
+                kept.append(u)
+                total += size
+        chosen = kept
+    return chosen
+
+
+def _write_back(st: ShardState, snapshots: dict[FlatParam, torch.Tensor],
+                modifier_rank: Optional[int]) -> None:
+    rank = st.topo.rank
+    with torch.inference_mode(False), torch.no_grad():
+        for f, before in snapshots.items():
+            lo = rank * f.shard_numel
+            if modifier_rank is None:
+                mine = f.full[lo:lo + f.shard_numel]
+            else:
+                mine = st.comm.scatter(f.full.view(f.world_size, -1), src=modifier_rank,
+                                       op="scatter/gathered")
+            changed = _bits(mine) != _bits(before[lo:lo + f.shard_numel])
+            changed[f.shard_valid:] = False  # padding stays zero
+            if changed.any():
+                _write_shard(f, mine, changed)
+            f.weights.invalidate()  # on every rank, edited or not: routes stay the same
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of `t`: a bitwise comparison (NaN == NaN, -0.0 != 0.0)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+                  [t.element_size()])
+
+
+def _write_shard(f: FlatParam, values: torch.Tensor, changed: torch.Tensor) -> None:
+    p = f.primary_shard
+    if not f.int_storage:
+        p[changed] = values[changed].to(p.dtype)  # in place: bumps the version counter
+        return
+    # Frozen weights stored as integer wire bytes: requantize, then keep the new
+    # bytes only in blocks with an edit (the others stay exactly as they were).
+    old = QTensor.from_bytes(p.detach(), (f.shard_numel,), torch.float32, f.weight_bits, f.block)
+    cur = dequantize(old, torch.float32)
+    cur[changed] = values[changed].float()
+    new = quantize(cur, f.weight_bits, f.block)
+    blocks = changed.view(-1, f.block).any(dim=1)
+    nb = blocks.numel()
+    scales = torch.where(blocks, new.scales, old.scales)
+    data = torch.where(blocks[:, None], new.data.view(torch.uint8).view(nb, -1),
+                       old.data.view(torch.uint8).view(nb, -1))
+    p.copy_(torch.cat([scales.view(torch.uint8), data.reshape(-1)]))
