@@ -153,10 +153,13 @@ class Config:
     def from_deepspeed(cls, ds_config: Union[dict, str, os.PathLike], **overrides) -> Config:
         """A Config from a DeepSpeed config (a dict or a JSON file's path).
 
-        Reads `zero_optimization` (stage must be 3) and its ZeRO++ keys, and the
-        `bf16` / `fp16` sections for the compute dtype. Keys that do not apply
-        to zeropp are listed in one warning; a bad value is an error naming the
-        DeepSpeed key. `overrides` are Config fields that win over the file.
+        Reads `zero_optimization` (stage must be 3) and its ZeRO++ keys, the
+        `bf16` / `fp16` sections for the compute dtype, and an optional `zeropp`
+        section of zeropp's own: `{"preset": "zeropp-plus", "node_size": 2, ...}`
+        (a named configuration and/or Config fields by name; they win over the
+        ZeRO++ keys). Keys that do not apply to zeropp are listed in one warning;
+        a bad value is an error naming the key. `overrides` are Config fields
+        that win over the file.
         """
         ds = _load_ds(ds_config)
         zo = ds.get("zero_optimization")
@@ -167,7 +170,7 @@ class Config:
             raise ValueError(f"DeepSpeed config: zero_optimization.stage={zo.get('stage')!r} is "
                              "invalid; allowed: 3 (zeropp is ZeRO stage 3)")
         kwargs: dict[str, Any] = {}
-        ignored = [k for k in ds if k not in ("zero_optimization", "bf16", "fp16")]
+        ignored = [k for k in ds if k not in ("zero_optimization", "bf16", "fp16", "zeropp")]
         for key, value in zo.items():
             if key == "stage":
                 continue
@@ -199,10 +202,13 @@ class Config:
         if len(enabled) > 1:
             raise ValueError("DeepSpeed config: bf16.enabled and fp16.enabled are both true; "
                              "allowed: at most one")
+        preset = _zeropp_section(ds.get("zeropp", {}), kwargs)
         if ignored:
             warnings.warn("zeropp: these DeepSpeed config keys do not apply and are ignored: "
                           + ", ".join(sorted(ignored)), stacklevel=2)
         kwargs.update(overrides)
+        if preset is not None:
+            return named(preset, kwargs.get("node_size") or _default_node_size(), **kwargs)
         return cls(**kwargs)
 
 
@@ -257,6 +263,31 @@ def named(name: str, node_size: int, **fields) -> Config:
     if not switches.get("hpz_partition_size", 1) > 1:
         switches["weight_delta"] = False  # qWD refreshes hpZ secondaries: without hpZ, none
     return Config(node_size=node_size, **{**switches, **fields})
+
+
+def _zeropp_section(zp: Any, kwargs: dict) -> Optional[str]:
+    """The config's `zeropp` section into `kwargs`; returns its preset name (or None)."""
+    if not isinstance(zp, dict):
+        raise ValueError(f"DeepSpeed config: zeropp={zp!r} is invalid; allowed: a JSON object "
+                         "such as {\"preset\": \"zeropp-plus\", \"node_size\": 2}")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    preset = zp.get("preset")
+    if preset is not None and (not isinstance(preset, str) or not is_named(preset)):
+        raise ValueError(f"DeepSpeed config: zeropp.preset={preset!r} is invalid; allowed: "
+                         f"{', '.join(NAMED)} (optionally with ~SWITCH flips)")
+    for key, value in zp.items():
+        if key == "preset":
+            continue
+        if key not in fields:
+            raise ValueError(f"DeepSpeed config: zeropp.{key} is not a zeropp setting; allowed: "
+                             f"preset, {', '.join(sorted(fields))}")
+        try:
+            Config(**{key: value})
+        except (ValueError, TypeError) as e:
+            raise ValueError(str(e).replace(f"zeropp.Config: {key}",
+                                            f"DeepSpeed config: zeropp.{key}")) from None
+        kwargs[key] = value
+    return preset
 
 
 def _default_node_size() -> int:

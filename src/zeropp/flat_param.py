@@ -30,6 +30,7 @@ call `zeropp.refresh(model)`.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -55,11 +56,17 @@ class ParamInfo:
     offset: int
 
 
+# Tensor id -> (the tensor, its FlatParam), both weakly: `FlatParam.owner_of`.
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
 class FlatParam:
     def __init__(self, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
                  *, topo: Topology, cfg: Config, compute_dtype: torch.dtype,
                  trainable: bool, name: str = "_zeropp_flat0") -> None:
         self.name = name  # as registered on its unit's module, e.g. "blocks.0._zeropp_flat0"
+        self.param_group = -1  # index into shard()'s param_groups (-1: none given)
+        self.unit: Any = None  # the Unit that gathers it (set by the Unit)
         self.trainable, self.compute_dtype = trainable, compute_dtype
         self.world_size = w = topo.world_size
         self.infos: list[ParamInfo] = []
@@ -112,7 +119,17 @@ class FlatParam:
         self.on_grad_ready: Optional[Callable[[FlatParam], None]] = None
         self._free_storage()
         self.weights = WeightPath(self, topo, cfg)   # gathers, hpZ secondary, qWD
+        for t in (self.primary_shard, self.leaf):
+            _OWNERS[id(t)] = (weakref.ref(t), weakref.ref(self))
         self.grad_codec = inter_node_codec(cfg, self.block, topo, name) if trainable else None
+
+    @staticmethod
+    def owner_of(t: torch.Tensor) -> Optional[FlatParam]:
+        """The FlatParam whose master shard or full-weights leaf `t` is, or None."""
+        entry = _OWNERS.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry[1]()
 
     @property
     def version(self) -> tuple[int, int]:

@@ -48,6 +48,7 @@ class Unit:
         self.pins = 0  # zeropp.gathered() contexts holding the full weights resident
         for f in flats:
             f.on_grad_ready = self._flat_grad_ready
+            f.unit = self
 
     def __repr__(self) -> str:
         return f"Unit({self.label})"
@@ -194,6 +195,11 @@ class ShardState:
         self.backward_active = False
         self.gathered_depth = 0  # open zeropp.gathered() contexts
         self.optimizer_steps = 0  # steps over these shards; kept in checkpoints
+
+    @property
+    def root(self) -> nn.Module:
+        """The sharded model."""
+        return self.root_ref()
 
     @property
     def flats(self) -> list[FlatParam]:
@@ -379,11 +385,16 @@ def _optimizer_step_hooks(state_ref: weakref.ref) -> tuple[Any, Any]:
 
 
 def shard(model: nn.Module, cfg: Optional[Config] = None, *,
-          unit_types: Optional[tuple] = None) -> nn.Module:
+          unit_types: Optional[tuple] = None,
+          param_groups: Optional[list] = None) -> nn.Module:
     """Shard `model` in place (ZeRO-3) and return it.
 
     `unit_types`: module classes whose instances become units; default: the
     entries of every `nn.ModuleList`. The root is always a unit.
+    `param_groups`: lists of the model's parameters that an optimizer will
+    treat differently (e.g. no weight decay); a unit's parameters of different
+    groups go to different flat buffers, and `FlatParam.param_group` says which
+    (the index in this list; parameters in none: -1).
     """
     cfg = cfg if cfg is not None else Config()
     if not isinstance(cfg, Config):
@@ -399,6 +410,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     units = _unit_modules(model, unit_types)
     check_same_model(model, list(units.values()))  # one small all-gather; raises on all ranks
     owned = _assign_params(model, units)
+    group_of = {id(p): k for k, ps in enumerate(param_groups or []) for p in ps}
     for plist in owned.values():
         for _, regs, _ in plist:
             for m, attr in regs:
@@ -408,12 +420,14 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
         groups: dict[tuple, list] = {}
         for entry in owned[mod]:
             p = entry[0]
-            key = (p.requires_grad, cfg.param_dtype or p.dtype)
+            key = (p.requires_grad, cfg.param_dtype or p.dtype, group_of.get(id(p), -1))
             groups.setdefault(key, []).append(entry)
         prefix = f"{name}." if name else ""
         flats = [FlatParam(plist, topo=topo, cfg=cfg, compute_dtype=dtype, trainable=trainable,
                            name=f"{prefix}_zeropp_flat{k}")
-                 for k, ((trainable, dtype), plist) in enumerate(groups.items())]
+                 for k, ((trainable, dtype, _), plist) in enumerate(groups.items())]
+        for f, (_, _, g) in zip(flats, groups):
+            f.param_group = g
         for k, f in enumerate(flats):
             mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)
         unit = Unit(name, mod, flats, state)
@@ -422,6 +436,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
         mod.register_forward_hook(unit.post_forward)
         state.units.append(unit)
     model._zeropp_state = state
+    state.root_ref = weakref.ref(model)
     pre, post = _optimizer_step_hooks(weakref.ref(state))
     state._step_hooks = (register_optimizer_step_pre_hook(pre),
                          register_optimizer_step_post_hook(post))

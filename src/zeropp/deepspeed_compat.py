@@ -1,0 +1,271 @@
+"""DeepSpeed's front door on zeropp: `initialize`, `init_distributed`,
+`add_config_arguments`, so that `import zeropp as deepspeed` runs a DeepSpeed
+training script (README, "Coming from DeepSpeed").
+
+`initialize` builds, in DeepSpeed's order: the process group (from torchrun's
+or the deepspeed launcher's environment, or one process), the config
+(ds_config.py), the sharded model (zeropp.shard with the config's ZeRO++
+keys), the optimizer over the master shards, the LR schedule, the data loader
+and the engine (engine.py).
+
+[Note: optimizers over shards]
+An optimizer built before `initialize` holds the model's original parameters,
+which sharding replaces. It is rebuilt over the shards: same class, same
+hyper-parameters per param group. A unit's parameters of different param
+groups (say, no weight decay for biases) go to different flat shards
+(`shard(param_groups=...)`), so per-group settings hold exactly. A schedule
+built on the client optimizer is re-pointed at the rebuilt one. A callable
+`optimizer(params)` or `lr_scheduler(optimizer)` is called with the shards'
+groups / the optimizer, as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import ds_config, lr_schedules
+from .engine import DeepSpeedEngine
+from .shard import shard
+
+_DS_OPTIMIZERS_NOT_HERE = {"lamb", "lion", "onebitadam", "zerooneadam", "onebitlamb", "muadam",
+                           "muadamw", "musgd", "muon"}
+
+
+def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True,
+                     timeout: Optional[timedelta] = None, init_method: Optional[str] = None,
+                     dist_init_required: Optional[bool] = None, config: Any = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Initialize torch.distributed from the launcher's environment (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or as one process when there is
+    none; a no-op when already initialized. Backend: NCCL with CUDA, else gloo."""
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise RuntimeError("zeropp.init_distributed: dist_init_required=False but "
+                           "torch.distributed is not initialized")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        if rank > 0 or world_size > 1:
+            raise RuntimeError("zeropp.init_distributed: no launcher environment (RANK, "
+                               "WORLD_SIZE); start with torchrun or `zeropp launch`")
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, init_method=init_method,
+                            timeout=timeout or timedelta(minutes=10))
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's command-line flags: --deepspeed, --deepspeed_config (and the
+    deprecated --deepscale, --deepscale_config)."""
+    g = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (run by zeropp)")
+    g.add_argument("--deepspeed", default=False, action="store_true",
+                   help="enable DeepSpeed (always on under zeropp)")
+    g.add_argument("--deepspeed_config", default=None, type=str,
+                   help="DeepSpeed json configuration file")
+    g.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None,
+               dist_init_required: Optional[bool] = None, collate_fn: Any = None,
+               config: Any = None, mesh_param: Any = None, config_params: Any = None
+               ) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+    """DeepSpeed's `initialize` on zeropp: returns (engine, optimizer,
+    training_dataloader, lr_scheduler). `config`: a dict or a JSON path
+    (`config_params` is its old name; `args.deepspeed_config` works too)."""
+    if model is None:
+        raise ValueError("zeropp.initialize: a model is required")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("zeropp.initialize: model parallelism (mpu, mesh_param) is not "
+                         "supported; zeropp is data-parallel ZeRO-3")
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    config = _config_source(args, config, config_params)
+    ds = ds_config.parse(config, dist.get_world_size())
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    groups = _param_groups(model, model_parameters, optimizer)
+    model.to(device)
+    module = shard(model, ds.zero, param_groups=[g["params"] for g in groups])
+    opt = _optimizer(module, groups, optimizer, ds)
+    sched = _scheduler(opt, optimizer, lr_scheduler, ds)
+    loader = _dataloader(training_data, ds, collate_fn)
+    engine = DeepSpeedEngine(module, ds, opt, sched, loader, device)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        raise ValueError("zeropp.initialize: a config was given both as --deepspeed_config and "
+                         "as initialize(config=...); pass one")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError("zeropp.initialize: no config; pass config=... (a dict or a JSON "
+                         "path) or --deepspeed_config")
+    return config
+
+
+def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any) -> list[dict]:
+    """The param groups (original parameters + their own hyper-parameters)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = [dict(g) for g in optimizer.param_groups]
+    elif model_parameters is None:
+        groups = [{"params": list(model.parameters())}]
+    else:
+        items = list(model_parameters) if isinstance(model_parameters, Iterable) \
+            else [model_parameters]
+        if items and all(isinstance(x, dict) for x in items):
+            groups = [dict(x) for x in items]
+            for g in groups:
+                g["params"] = list(g["params"])
+        else:
+            groups = [{"params": items}]
+    ours = {id(p) for p in model.parameters()}
+    seen: set[int] = set()
+    for g in groups:
+        for p in g["params"]:
+            if id(p) not in ours:
+                raise ValueError("zeropp.initialize: the optimizer / model_parameters hold a "
+                                 "tensor that is not a parameter of the model")
+            if id(p) in seen:
+                raise ValueError("zeropp.initialize: a parameter appears in two param groups")
+            seen.add(id(p))
+    names = {id(p): n for n, p in model.named_parameters()}
+    left = [names[id(p)] for p in model.parameters() if p.requires_grad and id(p) not in seen]
+    if left:
+        raise ValueError(f"zeropp.initialize: {len(left)} trainable parameters are in no param "
+                         f"group (e.g. {left[0]!r}); freeze them (requires_grad=False) or pass "
+                         "them in model_parameters")
+    return groups
+
+
+def _shard_groups(module: nn.Module, groups: list[dict]) -> list[dict]:
+    from .shard import get_state
+    flats = get_state(module).flats
+    out = []
+    for k, g in enumerate(groups):
+        params = [f.primary_shard for f in flats if f.trainable and f.param_group == k]
+        if params:  # DeepSpeed drops empty groups too
+            out.append({**{key: v for key, v in g.items() if key != "params"}, "params": params})
+    return out
+
+
+def _optimizer(module: nn.Module, groups: list[dict], client: Any,
+               ds: ds_config.DSConfig) -> Optional[torch.optim.Optimizer]:
+    sgroups = _shard_groups(module, groups)
+    if client is not None:
+        if ds.optimizer is not None:
+            warnings.warn("zeropp.initialize: the config's optimizer section is ignored: a "
+                          "client optimizer was passed (as DeepSpeed does)", stacklevel=3)
+        if isinstance(client, torch.optim.Optimizer):
+            try:
+                return type(client)(sgroups, **client.defaults)
+            except TypeError as e:
+                raise ValueError(f"zeropp.initialize: cannot rebuild {type(client).__name__} "
+                                 f"over the shards ({e}); pass a callable `lambda params: "
+                                 f"{type(client).__name__}(params, ...)` instead") from None
+        if callable(client):
+            return client(sgroups)
+        raise ValueError(f"zeropp.initialize: optimizer={client!r} is neither an optimizer nor "
+                         "a callable")
+    if ds.optimizer is None:
+        return None
+    return _config_optimizer(ds.optimizer, sgroups)
+
+
+def _config_optimizer(spec: dict, sgroups: list[dict]) -> torch.optim.Optimizer:
+    name, params = spec["type"], dict(spec["params"])
+    if "max_grad_norm" in params:
+        raise ValueError("DeepSpeed config: optimizer.params.max_grad_norm is not supported; "
+                         "use the top-level gradient_clipping")
+    adam_w_mode = params.pop("adam_w_mode", True)
+    torch_adam = params.pop("torch_adam", False)
+    params.pop("fp32_optimizer_states", None)
+    low = name.lower()
+    if low in ("adam", "adamw"):
+        cls = torch.optim.AdamW if low == "adamw" or adam_w_mode else torch.optim.Adam
+        if params.pop("bias_correction", True) is not True:
+            raise ValueError("DeepSpeed config: optimizer.params.bias_correction=false is not "
+                             "supported")
+        if not torch_adam:  # DeepSpeed's FusedAdam, which it uses then, defaults to no decay
+            params.setdefault("weight_decay", 0.0)
+    elif low == "sgd":
+        cls = torch.optim.SGD
+    elif low == "adagrad":
+        cls = torch.optim.Adagrad
+    elif low not in _DS_OPTIMIZERS_NOT_HERE and isinstance(getattr(torch.optim, name, None), type) \
+            and issubclass(getattr(torch.optim, name), torch.optim.Optimizer):
+        cls = getattr(torch.optim, name)
+    else:
+        raise ValueError(f"DeepSpeed config: optimizer.type={name!r} is not supported; allowed: "
+                         "Adam, AdamW, SGD, Adagrad, or a torch.optim class name (e.g. RMSprop)")
+    try:
+        return cls(sgroups, **params)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"DeepSpeed config: optimizer.params for {name}: {e}") from None
+
+
+def _scheduler(opt: Optional[torch.optim.Optimizer], client_opt: Any, client: Any,
+               ds: ds_config.DSConfig) -> Any:
+    if ds.scheduler is not None:  # DeepSpeed: the config's schedule wins over a client one
+        if opt is None:
+            raise ValueError("DeepSpeed config: a scheduler needs an optimizer")
+        name, params = ds.scheduler["type"], ds.scheduler["params"]
+        if name in lr_schedules.UNSUPPORTED:
+            raise ValueError(f"DeepSpeed config: scheduler.type={name!r} is not supported by "
+                             f"zeropp; allowed: {', '.join(lr_schedules.SCHEDULES)} or a "
+                             "torch.optim.lr_scheduler class name")
+        cls = lr_schedules.SCHEDULES.get(name) or getattr(torch.optim.lr_scheduler, name, None)
+        if not isinstance(cls, type):
+            raise ValueError(f"DeepSpeed config: scheduler.type={name!r} is unknown; allowed: "
+                             f"{', '.join(lr_schedules.SCHEDULES)} or a "
+                             "torch.optim.lr_scheduler class name")
+        try:
+            return cls(opt, **params)
+        except TypeError as e:
+            raise ValueError(f"DeepSpeed config: scheduler.params for {name}: {e}") from None
+    if client is None:
+        return None
+    if hasattr(client, "step") and hasattr(client, "state_dict"):
+        if client_opt is not None and getattr(client, "optimizer", None) is client_opt:
+            client.optimizer = opt  # built on the client optimizer, which was rebuilt
+        return client
+    if callable(client):
+        return client(opt)
+    raise ValueError(f"zeropp.initialize: lr_scheduler={client!r} is neither a scheduler nor a "
+                     "callable")
+
+
+def _dataloader(data: Any, ds: ds_config.DSConfig, collate_fn: Any) -> Any:
+    """DeepSpeed's loader: micro-batches, a DistributedSampler (shuffled with
+    seed 0; like DeepSpeed it never calls set_epoch, so every pass has the same
+    order), in-process loading."""
+    if data is None:
+        return None
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+    if isinstance(data, IterableDataset):
+        return DataLoader(data, batch_size=ds.micro_batch, collate_fn=collate_fn,
+                          drop_last=ds.drop_last)
+    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        raise ValueError("zeropp.initialize: training_data must be a torch Dataset")
+    sampler = DistributedSampler(data, num_replicas=dist.get_world_size(), rank=dist.get_rank())
+    return DataLoader(data, batch_size=ds.micro_batch, sampler=sampler, collate_fn=collate_fn,
+                      drop_last=ds.drop_last)

@@ -1,0 +1,212 @@
+"""A DeepSpeed config (ds_config.json) for `zeropp.initialize`: batch sizes,
+optimizer, scheduler, clipping, precision and loss scaling, with DeepSpeed's
+semantics (its 0.19 defaults), and the ZeRO section as a zeropp Config.
+
+[Note: batch sizes]
+train_batch_size = micro_batch_per_gpu * gradient_accumulation_steps * W.
+Any two determine the third (floor division, as DeepSpeed); one alone:
+train_batch_size -> accumulation 1; micro -> accumulation 1. Then the three
+must agree exactly, or a ValueError names them and W.
+
+Unknown keys are listed in one warning; keys DeepSpeed has that zeropp does
+not need are accepted silently (IGNORED); a wrong value is an error naming
+the key.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .config import Config, _load_ds
+
+# Top-level keys read here.
+KNOWN = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+         "optimizer", "scheduler", "gradient_clipping", "fp16", "bf16", "bfloat16",
+         "steps_per_print", "zero_optimization", "zeropp", "dataloader_drop_last",
+         "zero_allow_untested_optimizer"}
+# DeepSpeed keys that change nothing here (logging, timers, kernels zeropp does not use).
+IGNORED = {"wall_clock_breakdown", "memory_breakdown", "prescale_gradients",
+           "gradient_predivide_factor", "communication_data_type", "flops_profiler",
+           "tensorboard", "wandb", "csv_monitor", "comms_logger", "log_level", "activation_checkpointing",
+           "checkpoint", "dump_state", "seed"}
+ZERO_IGNORED = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size",
+                "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                "sub_group_size", "allgather_bucket_size", "round_robin_gradients",
+                "zero_quantized_nontrainable_weights_bits"}
+FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
+             "hysteresis", "consecutive_hysteresis", "min_loss_scale",
+             "fp16_master_weights_and_grads"}
+BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow",
+             "bf16_master_weights_and_grads", "bf16_optimizer_states"}
+
+
+@dataclass
+class LossScaling:
+    """fp16's loss scale: static (`loss_scale` > 0) or dynamic (DeepSpeed's rule)."""
+    static: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class DSConfig:
+    train_batch_size: int
+    micro_batch: int
+    grad_accum: int
+    zero: Config
+    optimizer: Optional[dict] = None       # {"type": ..., "params": {...}}
+    scheduler: Optional[dict] = None
+    gradient_clipping: float = 1.0          # DeepSpeed 0.19's default; 0 = off
+    fp16: Optional[LossScaling] = None      # None: fp16 off
+    bf16: bool = False
+    skip_non_finite: bool = True            # bf16.check_grad_overflow (and always for fp16)
+    steps_per_print: Optional[int] = None
+    drop_last: bool = False
+    raw: dict = field(default_factory=dict)
+
+
+def _err(key: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"DeepSpeed config: {key}={value!r} is invalid; allowed: {allowed}")
+
+
+def _pos_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _err(key, value, "a positive integer")
+    return value
+
+
+def batch_sizes(ds: dict, world: int) -> tuple[int, int, int]:
+    """(train_batch_size, micro_batch_per_gpu, gradient_accumulation_steps) by
+    DeepSpeed's rule (see the note)."""
+    tb, mb, gas = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                        "gradient_accumulation_steps"))
+    for k, v in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
+                 ("gradient_accumulation_steps", gas)):
+        if v is not None:
+            _pos_int(k, v)
+    if tb is None and mb is None:
+        raise ValueError("DeepSpeed config: set train_batch_size or "
+                         "train_micro_batch_size_per_gpu (or both)")
+    if tb is not None and mb is not None and gas is None:
+        gas = tb // mb // world
+    elif tb is not None and gas is not None and mb is None:
+        mb = tb // world // gas
+    elif mb is not None and gas is not None and tb is None:
+        tb = mb * gas * world
+    elif tb is not None and mb is None:
+        gas, mb = 1, tb // world
+    elif mb is not None and tb is None:
+        gas, tb = 1, mb * world
+    if not mb or not gas or tb != mb * gas * world:
+        raise ValueError(
+            f"DeepSpeed config: train_batch_size ({tb}) must equal "
+            f"train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps ({gas}) x "
+            f"the world size ({world}); given: "
+            + ", ".join(f"{k}={ds[k]}" for k in ("train_batch_size",
+                                                 "train_micro_batch_size_per_gpu",
+                                                 "gradient_accumulation_steps") if k in ds))
+    return tb, mb, gas
+
+
+def _section(ds: dict, key: str) -> Optional[dict]:
+    sec = ds.get(key)
+    if sec is None:
+        return None
+    if not isinstance(sec, dict):
+        raise _err(key, sec, "a JSON object")
+    return sec
+
+
+def _typed(key: str, sec: Optional[dict]) -> Optional[dict]:
+    if sec is None:
+        return None
+    t, params = sec.get("type"), sec.get("params", {})
+    if not isinstance(t, str):
+        raise _err(f"{key}.type", t, "a name such as \"AdamW\"" if key == "optimizer"
+                   else "a name such as \"WarmupLR\"")
+    if not isinstance(params, dict):
+        raise _err(f"{key}.params", params, "a JSON object")
+    return {"type": t, "params": dict(params)}
+
+
+def _fp16(sec: Optional[dict]) -> Optional[LossScaling]:
+    if not sec or not sec.get("enabled", False):
+        return None
+    ls = LossScaling()
+    v = sec.get("loss_scale", 0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise _err("fp16.loss_scale", v, "0 (dynamic) or a positive number (static)")
+    ls.static = float(v)
+    for k in ("initial_scale_power", "loss_scale_window", "hysteresis"):
+        if k in sec:
+            setattr(ls, k, _pos_int(f"fp16.{k}", sec[k]))
+    if "min_loss_scale" in sec:
+        m = sec["min_loss_scale"]
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or m <= 0:
+            raise _err("fp16.min_loss_scale", m, "a positive number")
+        ls.min_loss_scale = float(m)
+    c = sec.get("consecutive_hysteresis", False)
+    if not isinstance(c, bool):
+        raise _err("fp16.consecutive_hysteresis", c, "true or false")
+    ls.consecutive_hysteresis = c
+    return ls
+
+
+def parse(config: Any, world: int) -> DSConfig:
+    """A DeepSpeed config (dict or JSON path) for a world of `world` ranks."""
+    ds = _load_ds(config)
+    tb, mb, gas = batch_sizes(ds, world)
+    if "bfloat16" in ds and "bf16" not in ds:
+        ds = {**ds, "bf16": ds["bfloat16"]}
+    fp16, bf16 = _section(ds, "fp16"), _section(ds, "bf16")
+    unknown = sorted(k for k in ds if k not in KNOWN | IGNORED)
+    for name, sec, keys in (("fp16", fp16, FP16_KEYS), ("bf16", bf16, BF16_KEYS)):
+        unknown += [f"{name}.{k}" for k in (sec or {}) if k not in keys]
+    zo = ds.get("zero_optimization")
+    if zo is None:
+        zo = {"stage": 3}  # zeropp is ZeRO-3: a script without the section gets it
+    if isinstance(zo, dict):
+        unknown += [f"zero_optimization.{k}" for k in zo
+                    if k not in ZERO_IGNORED and k != "stage" and not k.startswith("zero_")]
+    # The Config sees only what it reads (its own warning would repeat ours).
+    sub = {"zero_optimization": ({k: v for k, v in zo.items() if k not in ZERO_IGNORED
+                                  and (k == "stage" or k.startswith("zero_"))}
+                                 if isinstance(zo, dict) else zo),
+           "fp16": {"enabled": bool(fp16 and fp16.get("enabled"))},
+           "bf16": {"enabled": bool(bf16 and bf16.get("enabled"))}}
+    if "zeropp" in ds:
+        sub["zeropp"] = ds["zeropp"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zero = Config.from_deepspeed(sub)
+    clip = ds.get("gradient_clipping", 1.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise _err("gradient_clipping", clip, "a number >= 0 (0 = off)")
+    spp = ds.get("steps_per_print")
+    if spp is not None:
+        _pos_int("steps_per_print", spp)
+    drop = ds.get("dataloader_drop_last", False)
+    if not isinstance(drop, bool):
+        raise _err("dataloader_drop_last", drop, "true or false")
+    skip = True
+    if bf16 and "check_grad_overflow" in bf16:
+        skip = bf16["check_grad_overflow"]
+        if not isinstance(skip, bool):
+            raise _err("bf16.check_grad_overflow", skip, "true or false")
+    if unknown:
+        warnings.warn("zeropp.initialize: unknown DeepSpeed config keys, ignored: "
+                      + ", ".join(unknown), stacklevel=3)
+    return DSConfig(train_batch_size=tb, micro_batch=mb, grad_accum=gas, zero=zero,
+                    optimizer=_typed("optimizer", _section(ds, "optimizer")),
+                    scheduler=_typed("scheduler", _section(ds, "scheduler")),
+                    gradient_clipping=float(clip), fp16=_fp16(fp16),
+                    bf16=bool(bf16 and bf16.get("enabled")), skip_non_finite=skip,
+                    steps_per_print=spp, drop_last=drop, raw=ds)

@@ -1,0 +1,321 @@
+"""DeepSpeedEngine: DeepSpeed's training-engine surface over a zeropp-sharded
+model, so a DeepSpeed script runs on zeropp by changing its import
+(`import zeropp as deepspeed`; `zeropp.initialize` builds it).
+
+The loop DeepSpeed scripts write, per micro-batch:
+    loss = engine(batch); engine.backward(loss); engine.step()
+`backward` scales the loss by 1/gradient_accumulation_steps (and by the fp16
+loss scale) and runs autograd; zeropp reduces each unit's gradient into the
+shards as it goes. `step` counts micro-steps and, at an accumulation boundary
+((micro_steps + 1) % gas == 0), unscales, takes the global gradient norm and
+clips it (`gradient_clipping`), skips the update if the norm is not finite,
+else steps the optimizer and then the LR schedule, zeroes the gradients and
+advances global_steps / global_samples (DeepSpeed's counters: a skipped step
+counts too, the schedule does not advance on one). Checkpoints are zeropp's own
+sharded, pickle-free format in `save_dir/<tag>/`, with DeepSpeed's `latest` file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from .ds_config import DSConfig, LossScaling
+from .optim import clip_grad_norm_
+from .shard import get_state
+
+
+class LossScaler:
+    """fp16's loss scale with DeepSpeed's dynamic rule: an overflow halves the
+    scale (after `hysteresis` overflows in a row; never below min_loss_scale,
+    and an overflow at the minimum is an error), and every `loss_scale_window`
+    steps without one double it. Static when `loss_scale` > 0."""
+
+    def __init__(self, cfg: LossScaling) -> None:
+        self.cfg = cfg
+        self.dynamic = cfg.static == 0
+        self.scale = cfg.static if not self.dynamic else 2.0 ** cfg.initial_scale_power
+        self.cur_iter, self.last_overflow_iter = 0, -1
+        self.cur_hysteresis = cfg.hysteresis
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        c = self.cfg
+        if overflow:
+            if c.hysteresis == 1 or self.cur_hysteresis == 1:
+                if self.scale <= c.min_loss_scale:
+                    raise FloatingPointError(
+                        f"zeropp: fp16 gradients overflow at the minimum loss scale "
+                        f"{c.min_loss_scale:g}; lower the learning rate or use bf16")
+                self.scale = max(self.scale / 2, c.min_loss_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if c.consecutive_hysteresis:
+                self.cur_hysteresis = c.hysteresis
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % c.loss_scale_window == 0:
+                if not c.consecutive_hysteresis:
+                    self.cur_hysteresis = c.hysteresis
+                self.scale *= 2
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "cur_iter": self.cur_iter,
+                "last_overflow_iter": self.last_overflow_iter,
+                "cur_hysteresis": self.cur_hysteresis}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale, self.cur_iter = sd["scale"], sd["cur_iter"]
+        self.last_overflow_iter, self.cur_hysteresis = sd["last_overflow_iter"], sd["cur_hysteresis"]
+
+
+class DeepSpeedEngine(nn.Module):
+    """Made by `zeropp.initialize`; see the module docstring. Attribute access
+    falls through to the model (`engine.config` of an HF model, ...)."""
+
+    def __init__(self, module: nn.Module, ds: DSConfig,
+                 optimizer: Optional[torch.optim.Optimizer],
+                 lr_scheduler: Any, training_dataloader: Any, device: torch.device) -> None:
+        super().__init__()
+        self.module = module
+        self._config = ds
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.device = device
+        self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.loss_scaler = LossScaler(ds.fp16) if ds.fp16 is not None else None
+        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
+        self._step_applied = False
+        self._global_grad_norm: Optional[float] = None
+        self._boundary: Optional[bool] = None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # ---- the config's numbers ----------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.grad_accum
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def steps_per_print(self) -> Optional[int]:
+        return self._config.steps_per_print
+
+    def zero_optimization_stage(self) -> int:
+        return 3
+
+    def zero_optimization(self) -> bool:
+        return True
+
+    def bf16_enabled(self) -> bool:
+        return self._config.bf16
+
+    bfloat16_enabled = bf16_enabled  # DeepSpeed's own name for it
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16 is not None
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scaler is not None and self.loss_scaler.dynamic
+
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [g.get("lr", 0.0) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        if self.optimizer is None:
+            return []
+        return [g.get("momentum", g.get("betas")) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The global gradient norm of the last boundary step, before clipping."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    # ---- the loop -----------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary is not None:
+            return self._boundary
+        return (self.micro_steps + 1) % self._config.grad_accum == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary = bool(is_boundary)
+
+    def _need_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"zeropp engine.{what}(): no optimizer; pass one to "
+                               "zeropp.initialize or add an \"optimizer\" section to the config")
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of `loss` / gradient_accumulation_steps (times the fp16 loss
+        scale); returns the loss so scaled by accumulation, as DeepSpeed does."""
+        self._need_optimizer("backward")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("zeropp engine.backward(loss): loss must be a scalar tensor")
+        if scale_wrt_gas and self._config.grad_accum > 1:
+            loss = loss / self._config.grad_accum
+        scaled = loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
+        scaled.backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        """Count a micro-step; at an accumulation boundary, update (see the module
+        docstring)."""
+        self._need_optimizer("step")
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            self._take_step(lr_kwargs)
+        self.micro_steps += 1
+
+    def _take_step(self, lr_kwargs: Optional[dict]) -> None:
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        if scale != 1.0:
+            for g in self.optimizer.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.grad.div_(scale)
+        clip = self._config.gradient_clipping
+        norm = float(clip_grad_norm_(self.module, clip if clip > 0 else math.inf))
+        overflow = not math.isfinite(norm) and (self.loss_scaler is not None
+                                                or self._config.skip_non_finite)
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._global_grad_norm = norm
+        self._step_applied = not overflow
+        spp = self._config.steps_per_print
+        if spp and (self.global_steps + 1) % spp == 0 and self.global_rank == 0:
+            scale_txt = f", loss_scale={self.loss_scale():g}" if self.loss_scaler else ""
+            print(f"[zeropp] step={self.global_steps + 1}, skipped={self.skipped_steps}, "
+                  f"lr={self.get_lr()}{scale_txt}", flush=True)
+        self.global_steps += 1
+        self.global_samples += self._config.train_batch_size
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: os.PathLike, tag: Any = None,
+                        client_state: Optional[dict] = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Save to `save_dir/<tag>` (tag: "global_step<N>" by default), every rank
+        its shards; rank 0 writes `save_dir/latest` = tag. `client_state`: JSON
+        values (rank 0's are kept), tensors and Generators (each rank's own),
+        objects with state_dict(); returned by load_checkpoint."""
+        if not save_dir:
+            raise ValueError("zeropp engine.save_checkpoint: save_dir is empty")
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        client_state = dict(client_state or {})
+        extras: dict[str, Any] = {
+            "ds_engine": {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                          "skipped_steps": self.skipped_steps, "micro_steps": self.micro_steps,
+                          "loss_scaler": (self.loss_scaler.state_dict()
+                                          if self.loss_scaler is not None else None)},
+            "ds_client_keys": list(client_state)}
+        extras.update({f"client:{k}": v for k, v in client_state.items()})
+        if self.lr_scheduler is not None:
+            extras["ds_lr_scheduler"] = self.lr_scheduler
+        save_checkpoint(Path(save_dir) / tag, self.module, self.optimizer, **extras)
+        if save_latest:
+            if self.global_rank == 0:
+                tmp = Path(save_dir) / ".latest.partial"
+                tmp.write_text(tag)  # as DeepSpeed writes it: the tag, no newline
+                os.replace(tmp, Path(save_dir) / "latest")
+            dist.barrier()
+        return True
+
+    def load_checkpoint(self, load_dir: os.PathLike, tag: Any = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Any = None) -> tuple[Optional[str], Optional[dict]]:
+        """Load `load_dir/<tag>` (tag: the `latest` file's); returns (path,
+        client_state), or (None, None) with a warning when there is no `latest`."""
+        if custom_load_fn is not None:
+            raise ValueError("zeropp engine.load_checkpoint: custom_load_fn is not supported")
+        if tag is None:
+            latest = Path(load_dir) / "latest"
+            if not latest.is_file():
+                warnings.warn(f"zeropp engine.load_checkpoint: no 'latest' file in {load_dir}; "
+                              "nothing loaded", stacklevel=2)
+                return None, None
+            tag = latest.read_text().strip()
+        path = Path(load_dir) / str(tag)
+        full = not load_module_only
+        restore = {}
+        if self.lr_scheduler is not None and load_lr_scheduler_states and full:
+            restore["ds_lr_scheduler"] = self.lr_scheduler
+        opt = self.optimizer if load_optimizer_states and full else None
+        extra = load_checkpoint(path, self.module, opt, **restore)
+        if full:
+            e = extra.get("ds_engine", {})
+            self.global_steps = e.get("global_steps", 0)
+            self.global_samples = e.get("global_samples",
+                                        self.global_steps * self._config.train_batch_size)
+            self.skipped_steps = e.get("skipped_steps", 0)
+            self.micro_steps = e.get("micro_steps", 0)
+            if self.loss_scaler is not None and e.get("loss_scaler"):
+                self.loss_scaler.load_state_dict(e["loss_scaler"])
+        return str(path), {k: extra[f"client:{k}"] for k in extra.get("ds_client_keys", [])}
+
+    def save_16bit_model(self, save_dir: os.PathLike, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The consolidated weights in the compute dtype (bf16 / fp16 when enabled,
+        else fp32) under the original names, written by rank 0: `torch.save` of a
+        flat state dict (as DeepSpeed), or safetensors for a `.safetensors` name.
+        Collective."""
+        sd = full_state_dict(self.module)
+        if self.global_rank == 0:
+            dtype = (torch.bfloat16 if self._config.bf16 else
+                     torch.float16 if self._config.fp16 is not None else None)
+            frozen = set()
+            if exclude_frozen_parameters:
+                frozen = {n for f in get_state(self.module).flats if not f.trainable
+                          for i in f.infos for n in i.fqns}
+            sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+                  for k, v in sd.items() if k not in frozen}
+            os.makedirs(save_dir, exist_ok=True)
+            path = Path(save_dir) / save_filename
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
+                save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+            else:
+                torch.save(sd, path)
+        dist.barrier()
+        return True
+
+    save_fp16_model = save_16bit_model

@@ -1,0 +1,68 @@
+"""`zeropp.zero`: DeepSpeed's `deepspeed.zero` names that scripts use.
+
+`GatheredParameters(params, modifier_rank=None)` is `zeropp.gathered()` on the
+units holding `params`: inside, the module attributes are the full weights;
+with `modifier_rank=r`, rank r's edits are written into every shard on exit
+(DeepSpeed broadcasts rank r's full weights); without it, edits are discarded,
+as in DeepSpeed. Parameters that zeropp does not shard make it a no-op, as
+DeepSpeed does for non-ZeRO parameters. `Init()` is accepted and does nothing:
+zeropp shards the model in `initialize`, after it is built whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+
+from .gathered import gathered
+
+
+def _unit_of(t: Any) -> Any:
+    """The zeropp Unit a tensor belongs to: a master shard (what `parameters()`
+    yields after sharding) or a module attribute (a view of a unit's weights)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    from .flat_param import FlatParam
+    for cand in (t, t._base):
+        f = FlatParam.owner_of(cand) if cand is not None else None
+        if f is not None:
+            return f.unit
+    return None
+
+
+@contextlib.contextmanager
+def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_module: Any = None,
+                       enabled: bool = True) -> Iterator[None]:
+    """Gather the units of `params` (a tensor or an iterable of them) for the
+    duration; see the module docstring. Call it on every rank."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    elif params is None:
+        params = []
+    else:
+        try:
+            params = list(params)
+        except TypeError:
+            params = [params]
+    units = [u for u in map(_unit_of, params) if u is not None]
+    if not enabled or not units:
+        yield
+        return
+    by_state: dict[int, tuple[Any, list]] = {}
+    for u in units:
+        by_state.setdefault(id(u.state), (u.state, []))[1].append(u.module)
+    with contextlib.ExitStack() as stack:
+        for st, mods in by_state.values():
+            stack.enter_context(gathered(st.root, units=mods, writable=modifier_rank is not None,
+                                         modifier_rank=modifier_rank))
+        yield
+
+
+@contextlib.contextmanager
+def Init(*args: Any, **kwargs: Any) -> Iterator[None]:
+    """Accepted for DeepSpeed scripts; zeropp builds the model whole and shards it in
+    `initialize` (models that only fit sharded need zeropp.shard per submodule)."""
+    yield
