@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 import time
@@ -294,6 +295,17 @@ def run_export(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_launch(ns: argparse.Namespace) -> int:
+    from .launch import run_script, spawn
+    if not os.path.isfile(ns.script):
+        raise UsageError(f"no such script: {ns.script}")
+    if ns.nproc < 1 or ns.node_size < 1 or ns.nproc % ns.node_size:
+        raise UsageError(f"--node-size {ns.node_size} must divide --nproc {ns.nproc} (both >= 1)")
+    spawn(run_script, ns.nproc, ns.node_size, args=(ns.script, ns.args),
+          timeout=ns.timeout, max_restarts=ns.max_restarts)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="zeropp", description="ZeRO-3 + ZeRO++ in plain PyTorch")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -340,7 +352,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                                "transformers model, so from_pretrained(OUT) works)")
     e.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="cast floating tensors (default: as saved, fp32 masters)")
+    la = sub.add_parser("launch", help="run a training script on N local ranks, like torchrun "
+                                       "(nodes of --node-size emulated)")
+    la.add_argument("--nproc", type=int, default=4, help="ranks")
+    la.add_argument("--node-size", type=int, default=None,
+                    help="ranks per emulated node (default: all on one node)")
+    la.add_argument("--max-restarts", type=int, default=0,
+                    help="restart the whole world this many times after a failure")
+    la.add_argument("--timeout", type=float, default=None, help="seconds (default: none)")
+    la.add_argument("script")
+    la.add_argument("args", nargs=argparse.REMAINDER)
     ns = p.parse_args(argv)
+    if ns.cmd == "launch" and ns.node_size is None:
+        ns.node_size = ns.nproc
     if argv is None and hasattr(signal, "pthread_sigmask"):
         # Ctrl-C must stop the run and its workers even when the process that
         # started us left SIGINT blocked or ignored (both are inherited across exec).
@@ -353,6 +377,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return run_plan(ns)
         if ns.cmd == "bench":
             return run_bench_cmd(ns, argv)
+        if ns.cmd == "launch":
+            return run_launch(ns)
         return run_train(ns)
     except UsageError as e:
         print(f"zeropp {ns.cmd}: {e}", file=sys.stderr)

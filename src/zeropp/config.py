@@ -208,7 +208,8 @@ class Config:
                           + ", ".join(sorted(ignored)), stacklevel=2)
         kwargs.update(overrides)
         if preset is not None:
-            return named(preset, kwargs.get("node_size") or _default_node_size(), **kwargs)
+            node = kwargs.pop("node_size", None) or _default_node_size()
+            return named(preset, node, **kwargs)
         return cls(**kwargs)
 
 

@@ -167,3 +167,12 @@ def _stop(procs: list, grace: float) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
+
+
+def run_script(path: str, argv: Sequence[str]) -> None:
+    """A worker of `zeropp launch`: run the script as `__main__` with `argv`, in
+    the environment torchrun would give it (the process group is already up)."""
+    import runpy
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    runpy.run_path(path, run_name="__main__")

@@ -1,0 +1,339 @@
+"""The DeepSpeed front door (issue 15): `import zeropp as deepspeed` runs a
+DeepSpeed script. Config semantics against DeepSpeed 0.19's documented and
+measured numbers; the engine against zeropp's native API (same losses); the
+two example scripts under torchrun and `zeropp launch`, resuming bit-exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import batch, build, loss_of
+
+import zeropp
+from zeropp import ds_config, lr_schedules
+from zeropp.engine import LossScaler
+from zeropp.launch import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "deepspeed"
+
+
+# ---- config: batch sizes, errors, warnings (no processes) ----------------------------
+@pytest.mark.parametrize("given, expected", [
+    ({"train_batch_size": 32}, (32, 8, 1)),
+    ({"train_micro_batch_size_per_gpu": 2}, (8, 2, 1)),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2}, (32, 2, 4)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, (32, 4, 2)),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, (24, 2, 3)),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 2,
+      "gradient_accumulation_steps": 3}, (24, 2, 3)),
+])
+def test_batch_size_rule_matches_deepspeed_at_world_4(given, expected):
+    assert ds_config.batch_sizes(given, 4) == expected
+
+
+@pytest.mark.parametrize("given, words", [
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 2}, "30"),       # gas 3: 24 != 30
+    ({"train_batch_size": 33}, "33"),
+    ({"train_batch_size": 3}, "(3)"),                                              # micro 0
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2,
+      "gradient_accumulation_steps": 3}, "gradient_accumulation_steps=3"),
+    ({"gradient_accumulation_steps": 2}, "set train_batch_size or"),
+    ({"train_batch_size": 0}, "train_batch_size=0"),
+])
+def test_inconsistent_batch_sizes_are_one_clear_error(given, words):
+    with pytest.raises(ValueError) as e:
+        ds_config.batch_sizes(given, 4)
+    assert words in str(e.value) and "DeepSpeed config" in str(e.value)
+
+
+def test_config_errors_name_the_key_and_unknown_keys_warn_once():
+    base = {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=2 is invalid; allowed: 3"):
+        ds_config.parse({**base, "zero_optimization": {"stage": 2}}, 4)
+    with pytest.raises(ValueError, match=r"gradient_clipping=-1"):
+        ds_config.parse({**base, "gradient_clipping": -1}, 4)
+    with pytest.raises(ValueError, match=r"fp16.loss_scale=-2"):
+        ds_config.parse({**base, "fp16": {"enabled": True, "loss_scale": -2}}, 4)
+    with pytest.raises(ValueError, match=r"zeropp.preset='zeropp-max' is invalid"):
+        ds_config.parse({**base, "zeropp": {"preset": "zeropp-max"}}, 4)
+    with pytest.raises(ValueError, match=r"optimizer.type='Lamb' is not supported"):
+        from zeropp.deepspeed_compat import _config_optimizer
+        _config_optimizer({"type": "Lamb", "params": {}}, [{"params": [torch.zeros(1)]}])
+    with pytest.raises(ValueError, match=r"max_grad_norm is not supported; use the top-level"):
+        _config_optimizer({"type": "AdamW", "params": {"max_grad_norm": 1}},
+                          [{"params": [torch.zeros(1)]}])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ds = ds_config.parse({**base, "wall_clock_breakdown": False, "my_key": 1,
+                              "zero_optimization": {"stage": 3, "overlap_comm": True,
+                                                    "zero_quantized_weights": True, "oops": 1},
+                              "fp16": {"enabled": False, "loss_scale_window": 10}}, 4)
+    msgs = [str(x.message) for x in w]
+    assert len(msgs) == 1 and "my_key" in msgs[0] and "zero_optimization.oops" in msgs[0], msgs
+    assert "wall_clock_breakdown" not in msgs[0] and "overlap_comm" not in msgs[0]
+    assert ds.zero.quantized_weights and ds.gradient_clipping == 1.0  # DeepSpeed 0.19 default
+    plus = ds_config.parse({**base, "zeropp": {"preset": "zeropp-plus", "node_size": 2}}, 4)
+    assert plus.zero.weight_delta and plus.zero.hierarchical_gather and plus.zero.node_size == 2
+
+
+# ---- schedules and the loss scaler: DeepSpeed 0.19's values ---------------------------
+def _lrs(cls, n, **kw):
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.001)
+    s = cls(opt, **kw)
+    out = [opt.param_groups[0]["lr"]]  # t = -1, set at construction
+    for _ in range(n):
+        s.step()
+        out.append(opt.param_groups[0]["lr"])
+    return out
+
+
+def test_warmup_schedules_match_deepspeed_values():
+    lin = _lrs(lr_schedules.WarmupLR, 13, warmup_min_lr=0, warmup_max_lr=0.001,
+               warmup_num_steps=10, warmup_type="linear")
+    assert lin[:4] == [0, 0.0, 0.0001, 0.0002] and lin[11:] == [0.001, 0.001, 0.001]
+    log = _lrs(lr_schedules.WarmupLR, 13, warmup_min_lr=0, warmup_max_lr=0.001,
+               warmup_num_steps=10)
+    assert log[2] == pytest.approx(0.00030102999566398113, rel=1e-12)
+    assert log[10] == pytest.approx(0.0009999999999999998, rel=1e-12)
+    decay = _lrs(lr_schedules.WarmupDecayLR, 22, total_num_steps=20, warmup_min_lr=0,
+                 warmup_max_lr=0.001, warmup_num_steps=10, warmup_type="linear")
+    assert decay[11] == 0.001 and decay[12] == pytest.approx(0.0009, rel=1e-12)
+    assert decay[20] == pytest.approx(0.0001, rel=1e-12) and decay[21:] == [0.0, 0.0]
+    cos = _lrs(lr_schedules.WarmupCosineLR, 22, total_num_steps=20, warmup_num_steps=5,
+               warmup_min_ratio=0, cos_min_ratio=0.0001)
+    assert cos[0] == 0.0 and cos[2] == pytest.approx(0.00043067655807339306, rel=1e-12)
+    assert cos[7] == pytest.approx(0.0009567770515484183, rel=1e-12)
+    assert cos[20] == pytest.approx(1.0000000000000001e-07, rel=1e-9)
+    # WarmupLR's max defaults to the optimizer's lr (DeepSpeed 0.19).
+    assert _lrs(lr_schedules.WarmupLR, 12, warmup_num_steps=10, warmup_type="linear")[-1] == 0.001
+    with pytest.raises(ValueError, match="warmup_num_steps=10.0"):
+        _lrs(lr_schedules.WarmupLR, 1, warmup_num_steps=10.0)
+
+
+def test_dynamic_loss_scale_follows_deepspeeds_rule():
+    s = LossScaler(ds_config.LossScaling(initial_scale_power=4, loss_scale_window=3,
+                                         hysteresis=2, min_loss_scale=4))
+    trace = []
+    for overflow in [True, True, False, False, False, False, True, True, True]:
+        s.update(overflow)
+        trace.append(s.scale)
+    # 16; hysteresis absorbs the first overflow, the second halves; 3 good steps
+    # after it the scale doubles; then two overflows halve it to the floor.
+    assert trace == [16, 8, 8, 8, 8, 16, 16, 8, 4]
+    with pytest.raises(FloatingPointError, match="minimum loss scale 4"):
+        s.update(True)
+
+
+# ---- the engine against the native API, counters, checkpoints, GatheredParameters ----
+def _config(**extra):
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+            "gradient_clipping": 0.5, "zero_optimization": {"stage": 3},
+            "zeropp": {"node_size": 2}, **extra}
+
+
+def _engine_run(tmp: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    # Native zeropp: the same settings by hand.
+    model = zeropp.shard(build("gpt"), zeropp.Config(node_size=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    native = []
+    for step in range(5):
+        for micro in range(2):
+            x, y = batch("gpt", step, micro, world, rank)
+            loss = loss_of("gpt", model, x, y)
+            (loss / 2).backward()
+            native.append(loss.item())
+        zeropp.clip_grad_norm_(model, 0.5)
+        opt.step()
+        opt.zero_grad()
+    out["native"] = native
+    out["native_sd"] = zeropp.full_state_dict(model)
+
+    engine, eopt, loader, sched = zeropp.initialize(model=build("gpt"), config=_config())
+    assert loader is None and sched is None and eopt is engine.optimizer
+    losses, trace = [], []
+    for step in range(5):
+        for micro in range(2):
+            x, y = batch("gpt", step, micro, world, rank)
+            boundary = engine.is_gradient_accumulation_boundary()
+            loss = loss_of("gpt", engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            trace.append((boundary, engine.was_step_applied(), engine.global_steps,
+                          engine.global_samples, engine.micro_steps))
+    out["engine"], out["trace"] = losses, trace
+    out["engine_sd"] = zeropp.full_state_dict(engine.module)
+    out["grad_norm"] = engine.get_global_grad_norm()
+    out["sizes"] = (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                    engine.gradient_accumulation_steps(), engine.zero_optimization_stage(),
+                    engine.bf16_enabled(), engine.fp16_enabled(), engine.world_size,
+                    engine.global_rank, str(engine.device))
+
+    # Checkpoint: client_state round trip, `latest`, resume equal to going on.
+    gen = torch.Generator().manual_seed(rank)
+    engine.save_checkpoint(tmp, client_state={"epoch": 3, "tag": "x", "rng": gen,
+                                              "t": torch.arange(3) + rank})
+    out["latest"] = (Path(tmp) / "latest").read_bytes()
+    go_on = []
+    for micro in range(4):
+        x, y = batch("gpt", 9, micro, world, rank)
+        loss = loss_of("gpt", engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        go_on.append(loss.item())
+    again, _, _, _ = zeropp.initialize(model=build("gpt"), config=_config())
+    path, client = again.load_checkpoint(tmp)
+    resumed = []
+    for micro in range(4):
+        x, y = batch("gpt", 9, micro, world, rank)
+        loss = loss_of("gpt", again, x, y)
+        again.backward(loss)
+        again.step()
+        resumed.append(loss.item())
+    out["resume"] = (go_on, resumed, again.global_steps, again.global_samples,
+                     path.endswith("global_step5"))
+    out["client"] = {k: (v.tolist() if isinstance(v, torch.Tensor) else
+                         v.initial_seed() if isinstance(v, torch.Generator) else v)
+                     for k, v in client.items()}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out["no_latest"] = (again.load_checkpoint(os.path.join(tmp, "nothing")),
+                            any("no 'latest' file" in str(x.message) for x in w))
+
+    # Schedule through the engine: optimizer step k runs at the lr of t = k - 2.
+    eng2, opt2, _, _ = zeropp.initialize(model=build("gpt"), config=_config(
+        scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
+                                                   "warmup_num_steps": 10,
+                                                   "warmup_type": "linear"}}))
+    used = []
+    opt2.register_step_pre_hook(lambda o, a, k: used.append(o.param_groups[0]["lr"]))
+    for step in range(4):
+        for micro in range(2):
+            x, y = batch("gpt", step, micro, world, rank)
+            eng2.backward(loss_of("gpt", eng2, x, y))
+            eng2.step()
+    out["lrs_used"], out["lr_after"] = used, eng2.get_lr()
+
+    # GatheredParameters: rank 0's edit reaches every shard; without modifier_rank none does.
+    m = eng2.module
+    with zeropp.zero.GatheredParameters(m.lm_head.weight, modifier_rank=0):
+        with torch.no_grad():
+            if rank == 0:
+                m.lm_head.weight.fill_(0.25)
+    with zeropp.zero.GatheredParameters(list(m.parameters())):
+        with torch.no_grad():
+            m.lm_head.weight.fill_(-1.0)  # discarded
+    sd = zeropp.full_state_dict(m, all_ranks=True)
+    out["gathered_edit"] = bool(torch.all(sd["lm_head.weight"] == 0.25))
+    with zeropp.zero.GatheredParameters([torch.zeros(2)]):  # not ours: a no-op, as DeepSpeed
+        pass
+
+    # fp16: a huge initial scale overflows; the steps are skipped, the scale halves,
+    # the schedule waits, and training then proceeds.
+    eng3, _, _, _ = zeropp.initialize(model=build("gpt"), config=_config(
+        fp16={"enabled": True, "initial_scale_power": 24, "hysteresis": 1},
+        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5,
+                                                   "warmup_type": "linear"}}))
+    scales, applied = [], []
+    for step in range(12):
+        for micro in range(2):
+            x, y = batch("gpt", step, micro, world, rank)
+            eng3.backward(loss_of("gpt", eng3, x, y))
+            eng3.step()
+        scales.append(eng3.loss_scale())
+        applied.append(eng3.was_step_applied())
+    out["fp16"] = (scales, applied, eng3.skipped_steps, eng3.global_steps,
+                   eng3.lr_scheduler.last_batch_iteration)
+    return out
+
+
+def test_engine_equals_native_api_and_keeps_deepspeeds_counters(tmp_path):
+    res = spawn(_engine_run, 4, 2, args=(str(tmp_path / "ck"),), timeout=300)
+    r0 = res[0]
+    for r in res:
+        assert r["engine"] == pytest.approx(r["native"], rel=1e-5, abs=0)
+        if r is r0:
+            for k, v in r["native_sd"].items():
+                assert torch.allclose(v, r["engine_sd"][k], rtol=1e-5, atol=1e-7), k
+        # gas 2: boundaries on every second micro-step; counters as DeepSpeed's.
+        assert [t[0] for t in r["trace"]] == [False, True] * 5
+        assert [t[1] for t in r["trace"]] == [False, True] * 5
+        assert r["trace"][-1][2:] == (5, 5 * 16, 10)
+        assert r["sizes"] == (16, 2, 2, 3, False, False, 4, r["sizes"][7], "cpu")
+        go_on, resumed, steps, samples, named = r["resume"]
+        assert resumed == go_on and steps == 7 and samples == 7 * 16 and named
+        assert r["client"]["epoch"] == 3 and r["client"]["tag"] == "x"
+        assert r["client"]["t"] == (torch.arange(3) + r["sizes"][7]).tolist()
+        assert r["client"]["rng"] == r["sizes"][7]
+        assert r["no_latest"] == ((None, None), True)
+        # WarmupLR linear 0 -> 1e-3 over 10: steps 1..4 run at f(-1), f(0), f(1), f(2).
+        assert r["lrs_used"] == pytest.approx([0, 0.0, 1e-4, 2e-4], abs=1e-12)
+        assert r["lr_after"] == pytest.approx([3e-4], abs=1e-12)
+        assert r["gathered_edit"]
+        scales, applied, skipped, steps, t = r["fp16"]
+        assert skipped >= 1 and scales[0] == 2.0 ** 23 and steps == 12, r["fp16"]
+        assert applied[-3:] == [True] * 3 and scales[-1] == scales[-3] < scales[0]
+        assert t == 12 - skipped - 1  # the schedule advanced only on applied steps
+    assert r0["latest"] == b"global_step5"
+    assert math.isfinite(r0["grad_norm"]) and r0["grad_norm"] > 0
+
+
+# ---- the example scripts, unchanged but for the import ---------------------------------
+def _losses(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^step \d+ loss (\S+)", text, re.M)]
+
+
+def _run(cmd: list[str]) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return r.stdout
+
+
+def _torchrun(script: str, cfg: Path, *args: str) -> str:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    return _run([torchrun, "--standalone", "--nproc-per-node", "4", str(EXAMPLES / script),
+                 "--deepspeed", "--deepspeed_config", str(cfg), *args])
+
+
+def _launch(script: str, cfg: Path, *args: str) -> str:
+    return _run([sys.executable, "-m", "zeropp", "launch", "--nproc", "4", "--node-size", "2",
+                 "--timeout", "500", str(EXAMPLES / script), "--deepspeed_config", str(cfg),
+                 *args])
+
+
+@pytest.mark.parametrize("script, config, steps", [
+    ("cifar_cnn.py", "ds_config_cnn.json", 40),
+    ("transformer_lm.py", "ds_config_lm.json", 30),
+])
+def test_example_runs_under_torchrun_and_zeropp_launch_and_resumes_bit_exactly(
+        tmp_path, script, config, steps):
+    # The 2x2 layout on one machine: torchrun says 4 ranks per node, the config 2.
+    cfg = tmp_path / config
+    cfg.write_text(json.dumps({**json.loads((EXAMPLES / config).read_text()),
+                               "zeropp": {"node_size": 2}}))
+    full = _losses(_torchrun(script, cfg, "--steps", str(steps)))
+    assert len(full) == steps
+    assert sum(full[-5:]) / 5 < 0.6 * sum(full[:5]) / 5, full  # the loss falls
+    ck = tmp_path / "ck"
+    half = steps // 2
+    first = _losses(_launch(script, cfg, "--steps", str(half), "--save_dir", str(ck),
+                            "--save_every", str(half)))
+    assert (ck / "latest").read_text() == f"global_step{half}"
+    rest = _losses(_launch(script, cfg, "--steps", str(steps), "--save_dir", str(ck),
+                           "--resume"))
+    assert first + rest == full  # torchrun and zeropp launch, straight and resumed: same bits
