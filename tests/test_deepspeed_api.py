@@ -258,6 +258,15 @@ def _engine_run(tmp: str) -> dict:
         applied.append(eng3.was_step_applied())
     out["fp16"] = (scales, applied, eng3.skipped_steps, eng3.global_steps,
                    eng3.lr_scheduler.last_batch_iteration)
+
+    # Ranks that built different weights all start from rank 0's, as in DeepSpeed.
+    mine = build("gpt")
+    with torch.no_grad():
+        for p in mine.parameters():
+            p.add_(rank)
+    eng4, _, _, _ = zeropp.initialize(model=mine, config=_config())
+    sd4, ref = zeropp.full_state_dict(eng4.module), build("gpt").state_dict()
+    out["broadcast"] = all(torch.equal(v, ref[k]) for k, v in sd4.items())
     return out
 
 
@@ -288,7 +297,7 @@ def test_engine_equals_native_api_and_keeps_deepspeeds_counters(tmp_path):
         assert skipped >= 1 and scales[0] == 2.0 ** 23 and steps == 12, r["fp16"]
         assert applied[-3:] == [True] * 3 and scales[-1] == scales[-3] < scales[0]
         assert t == 12 - skipped - 1  # the schedule advanced only on applied steps
-    assert r0["latest"] == b"global_step5"
+    assert r0["latest"] == b"global_step5" and r0["broadcast"]
     assert math.isfinite(r0["grad_norm"]) and r0["grad_norm"] > 0
 
 

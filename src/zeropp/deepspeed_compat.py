@@ -101,6 +101,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
               if dist.get_backend() == "nccl" else torch.device("cpu"))
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device)
+    with torch.no_grad():  # as DeepSpeed: every rank starts from rank 0's weights
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
     module = shard(model, ds.zero, param_groups=[g["params"] for g in groups])
     opt = _optimizer(module, groups, optimizer, ds)
     sched = _scheduler(opt, optimizer, lr_scheduler, ds)
