@@ -335,8 +335,13 @@ def test_example_runs_under_torchrun_and_zeropp_launch_and_resumes_bit_exactly(
     cfg = tmp_path / config
     cfg.write_text(json.dumps({**json.loads((EXAMPLES / config).read_text()),
                                "zeropp": {"node_size": 2}}))
-    full = _losses(_torchrun(script, cfg, "--steps", str(steps)))
+    export = ["--export", str(tmp_path / "export")] if script == "transformer_lm.py" else []
+    full = _losses(_torchrun(script, cfg, "--steps", str(steps), *export))
     assert len(full) == steps
+    if export:  # save_16bit_model: rank 0 wrote the bf16 weights under the original names
+        sd = torch.load(tmp_path / "export" / "pytorch_model.bin", weights_only=True)
+        assert "blocks.1.mlp.0.weight" in sd and sd["head.weight"].dtype == torch.bfloat16
+        assert sd["blocks.0.qkv.weight"].shape == (192, 64)
     assert sum(full[-5:]) / 5 < 0.6 * sum(full[:5]) / 5, full  # the loss falls
     ck = tmp_path / "ck"
     half = steps // 2
