@@ -62,6 +62,7 @@ def _deepspeed(model, name: str, a, node_size: int, dtype):
     cfg = {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
            "zero_optimization": zo, "steps_per_print": 1 << 30,
+           "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips at 1.0 by default; zeropp's rows do not clip
            "bf16": {"enabled": dtype == torch.bfloat16}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=cfg)
