@@ -270,6 +270,94 @@ def _engine_run(tmp: str) -> dict:
     return out
 
 
+def _client_objects() -> dict:
+    rank = dist.get_rank()
+    out: dict = {}
+    cfg = {k: v for k, v in _config().items() if k != "optimizer"}
+
+    def lrs_used(engine, steps=4):
+        used = []
+        engine.optimizer.register_step_pre_hook(
+            lambda o, a, k: used.append([g["lr"] for g in o.param_groups]))
+        for step in range(steps):
+            for micro in range(2):
+                x, y = batch("gpt", step, micro, 4, rank)
+                engine.backward(loss_of("gpt", engine, x, y))
+                engine.step()
+        return used
+
+    # An AdamW instance with two param groups and a LambdaLR on it: rebuilt over the
+    # shards with each group's settings; the schedule drives the rebuilt optimizer.
+    model = build("gpt")
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    eng, eopt, _, esched = zeropp.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                             config=cfg)
+    out["adamw"] = (type(eopt).__name__, [g["weight_decay"] for g in eopt.param_groups],
+                    esched is sched, lrs_used(eng))
+
+    # A SequentialLR (schedules inside a schedule) and, for reference, the same
+    # schedule on a plain optimizer.
+    def seq(o):
+        return torch.optim.lr_scheduler.SequentialLR(o, [
+            torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.5)], milestones=[2])
+    model = build("gpt")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eng, _, _, _ = zeropp.initialize(model=model, optimizer=opt, lr_scheduler=seq(opt),
+                                     config=cfg)
+    ref_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    ref_sched, ref = seq(ref_opt), []
+    for _ in range(4):
+        ref.append([ref_opt.param_groups[0]["lr"]])
+        ref_opt.step()
+        ref_sched.step()
+    out["sequential"] = (lrs_used(eng), ref)
+
+    # A client schedule (a callable) and a config schedule: the client's wins, with a warning.
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        eng, _, _, esched = zeropp.initialize(
+            model=build("gpt"), config={**_config(), "scheduler": {
+                "type": "WarmupLR", "params": {"warmup_num_steps": 5}}},
+            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.1))
+    out["client_wins"] = (type(esched).__name__,
+                          any("scheduler section is ignored" in str(x.message) for x in w))
+
+    # GatheredParameters right after initialize, before any forward.
+    eng, _, _, _ = zeropp.initialize(model=build("gpt"), config=_config())
+    with zeropp.zero.GatheredParameters(eng.module.lm_head.weight, modifier_rank=0):
+        with torch.no_grad():
+            if rank == 0:
+                eng.module.lm_head.weight.fill_(0.5)
+    sd = zeropp.full_state_dict(eng.module, all_ranks=True)
+    out["early_gather"] = bool(torch.all(sd["lm_head.weight"] == 0.5))
+
+    # An already-sharded model is refused before anything is touched.
+    try:
+        zeropp.initialize(model=eng.module, config=_config())
+    except ValueError as e:
+        out["resharded"] = str(e)
+    return out
+
+
+def test_client_optimizer_and_schedules_drive_the_rebuilt_optimizer():
+    res = spawn(_client_objects, 4, 2, timeout=300)
+    for r in res:
+        name, wds, same, used = r["adamw"]
+        assert name == "AdamW" and wds == [0.1, 0.0] and same
+        assert used == [[1e-3, 1e-3], [5e-4, 5e-4], [2.5e-4, 2.5e-4], [1.25e-4, 1.25e-4]]
+        got, ref = r["sequential"]
+        assert [x[0] for x in got] == pytest.approx([x[0] for x in ref], rel=1e-12)
+        assert [x[0] for x in ref] == pytest.approx([0.05, 0.075, 0.1, 0.05], rel=1e-12)
+        assert r["client_wins"] == ("StepLR", True)
+        assert r["early_gather"]
+        assert "already sharded" in r["resharded"]
+
+
 def test_engine_equals_native_api_and_keeps_deepspeeds_counters(tmp_path):
     res = spawn(_engine_run, 4, 2, args=(str(tmp_path / "ck"),), timeout=300)
     r0 = res[0]

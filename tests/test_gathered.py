@@ -8,6 +8,8 @@ exception exit, nesting, writable round trips and misuse errors."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -246,7 +248,11 @@ def _semantics() -> dict:
     opt.zero_grad()
     out["errors"] = errors
     out["state_after_errors"] = (st.gathered_depth, [u.pins for u in st.units])
-    # No gradient left over by the aborted backwards: two clean backwards agree.
+    # A gradient an aborted backward left on a leaf is dropped by the next
+    # iteration: injected on every flat, then two clean backwards agree.
+    for f in st.flats:
+        if f.trainable:
+            f.leaf.grad = torch.ones(f.padded_numel)
     grads = []
     for _ in range(2):
         x, y = task_batch(4, 4, rank)
@@ -255,7 +261,81 @@ def _semantics() -> dict:
         grads.append([p.grad.clone() for p in model.parameters()])
         opt.zero_grad()
     out["grads_agree"] = all(torch.equal(a, b) for a, b in zip(*grads))
+
+    # A failure while entering (say, no memory for the snapshot) pins nothing:
+    # the next step's weights reach the next forward.
+    victim = st.flats[1]
+
+    def fail() -> None:
+        raise MemoryError("simulated: no memory for the snapshot")
+    victim.install_full_views = fail
+    try:
+        with zeropp.gathered(model, writable=True):
+            pass
+    except MemoryError:
+        pass
+    del victim.install_full_views
+    out["entry_failure"] = ([u.pins for u in st.units], st.gathered_depth, any(resident(model)))
+    step(model, opt, 5)
+    x, _ = task_batch(6, 4, rank)
+    with torch.no_grad():
+        fresh = model(input_ids=x).logits
+        with zeropp.gathered(model):
+            inside = model(input_ids=x).logits
+    out["after_entry_failure"] = torch.equal(fresh, inside)
+
+    # A forward that failed midway left units gathered; after the step they hold
+    # old weights: gathered() must drop them, as a training forward does.
+    xb, yb = task_batch(7, 4, rank)
+    logits = model(input_ids=xb).logits
+    F.cross_entropy(logits.reshape(-1, 64), yb.reshape(-1)).backward()
+    hook = h1.register_forward_hook(lambda m, a, o: (_ for _ in ()).throw(KeyError("midway")))
+    try:
+        model(input_ids=xb)
+    except KeyError:
+        pass
+    hook.remove()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        with zeropp.gathered(model):
+            inside = model(input_ids=x).logits
+        fresh = model(input_ids=x).logits
+    out["after_aborted_forward"] = torch.equal(fresh, inside)
     return out
+
+
+def _rank_local_exception() -> dict:
+    """One rank leaves a writable context by an exception: no rank writes back,
+    and the next forward takes the same route everywhere (hpZ: no hang)."""
+    rank = dist.get_rank()
+    model = zeropp.shard(build(), named("zeropp", 2, collective_timeout=60))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt, 0)  # hpZ secondaries in play
+    with torch.no_grad():
+        before = zeropp.full_state_dict(model)
+    raised = False
+    try:
+        with zeropp.gathered(model, writable=True):
+            with torch.no_grad():
+                model.transformer.h[0].mlp.c_fc.bias.fill_(3.0)
+            if rank == 1:
+                raise ValueError("a rank-local failure (say, in a reward function)")
+    except ValueError:
+        raised = True
+    with torch.no_grad():
+        after = zeropp.full_state_dict(model)
+    loss = step(model, opt, 1)  # would hang if the ranks' gather routes differed
+    return {"raised": raised, "loss": loss,
+            "unchanged": all(torch.equal(before[k], after[k]) for k in before) if rank == 0
+            else None}
+
+
+def test_gathered_rank_local_exception_discards_every_ranks_edit_without_hanging():
+    res = spawn(_rank_local_exception, 4, 2, timeout=240)
+    assert [r["raised"] for r in res] == [False, True, False, False]
+    assert res[0]["unchanged"]
+    assert all(math.isfinite(r["loss"]) for r in res)
 
 
 def test_gathered_exception_nesting_writable_and_misuse():
@@ -283,6 +363,8 @@ def test_gathered_exception_nesting_writable_and_misuse():
         assert "while a backward is in flight" in e["in_backward"]
         assert r["state_after_errors"] == (0, [0, 0, 0])
         assert r["grads_agree"]
+        assert r["entry_failure"] == ([0, 0, 0], 0, False) and r["after_entry_failure"]
+        assert r["after_aborted_forward"]
     before, after = res[0]["edit"]
     name = "transformer.h.1.mlp.c_fc.bias"
     assert after[name][0] == -2.0 and torch.all(after[name][1:] == 0.5)

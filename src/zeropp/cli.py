@@ -301,7 +301,11 @@ def run_launch(ns: argparse.Namespace) -> int:
         raise UsageError(f"no such script: {ns.script}")
     if ns.nproc < 1 or ns.node_size < 1 or ns.nproc % ns.node_size:
         raise UsageError(f"--node-size {ns.node_size} must divide --nproc {ns.nproc} (both >= 1)")
-    spawn(run_script, ns.nproc, ns.node_size, args=(ns.script, ns.args),
+    import socket
+    with socket.socket() as s:  # a free port for the script's process group (+ restart count)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn(run_script, ns.nproc, ns.node_size, args=(ns.script, ns.args, port),
           timeout=ns.timeout, max_restarts=ns.max_restarts)
     return 0
 

@@ -22,6 +22,7 @@ groups / the optimizer, as in DeepSpeed.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import warnings
 from collections.abc import Iterable
@@ -99,6 +100,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     ds = ds_config.parse(config, dist.get_world_size())
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
               if dist.get_backend() == "nccl" else torch.device("cpu"))
+    if hasattr(model, "_zeropp_state") or any(hasattr(m, "_zeropp_unit") for m in model.modules()):
+        raise ValueError("zeropp.initialize: this model is already sharded (zeropp.shard); pass "
+                         "the unsharded model: initialize shards it")
     groups = _param_groups(model, model_parameters, optimizer)
     model.to(device)
     with torch.no_grad():  # as DeepSpeed: every rank starts from rank 0's weights
@@ -166,8 +170,9 @@ def _shard_groups(module: nn.Module, groups: list[dict]) -> list[dict]:
     out = []
     for k, g in enumerate(groups):
         params = [f.primary_shard for f in flats if f.trainable and f.param_group == k]
-        if params:  # DeepSpeed drops empty groups too
-            out.append({**{key: v for key, v in g.items() if key != "params"}, "params": params})
+        # Kept even when empty (a group of frozen parameters): a client schedule's
+        # per-group values must line up with the groups.
+        out.append({**{key: v for key, v in g.items() if key != "params"}, "params": params})
     return out
 
 
@@ -179,8 +184,12 @@ def _optimizer(module: nn.Module, groups: list[dict], client: Any,
             warnings.warn("zeropp.initialize: the config's optimizer section is ignored: a "
                           "client optimizer was passed (as DeepSpeed does)", stacklevel=3)
         if isinstance(client, torch.optim.Optimizer):
+            # Every group carries its settings; pass only the defaults the class
+            # takes (AdamW's defaults hold a key its constructor refuses).
+            takes = inspect.signature(type(client).__init__).parameters
+            defaults = {k: v for k, v in client.defaults.items() if k in takes}
             try:
-                return type(client)(sgroups, **client.defaults)
+                return type(client)(sgroups, **defaults)
             except TypeError as e:
                 raise ValueError(f"zeropp.initialize: cannot rebuild {type(client).__name__} "
                                  f"over the shards ({e}); pass a callable `lambda params: "
@@ -228,7 +237,12 @@ def _config_optimizer(spec: dict, sgroups: list[dict]) -> torch.optim.Optimizer:
 
 def _scheduler(opt: Optional[torch.optim.Optimizer], client_opt: Any, client: Any,
                ds: ds_config.DSConfig) -> Any:
-    if ds.scheduler is not None:  # DeepSpeed: the config's schedule wins over a client one
+    if client is not None:  # DeepSpeed 0.19: a client schedule wins over the config's
+        if ds.scheduler is not None:
+            warnings.warn("zeropp.initialize: the config's scheduler section is ignored: a "
+                          "client lr_scheduler was passed (as DeepSpeed does)", stacklevel=3)
+        return _client_scheduler(opt, client_opt, client)
+    if ds.scheduler is not None:
         if opt is None:
             raise ValueError("DeepSpeed config: a scheduler needs an optimizer")
         name, params = ds.scheduler["type"], ds.scheduler["params"]
@@ -245,16 +259,31 @@ def _scheduler(opt: Optional[torch.optim.Optimizer], client_opt: Any, client: An
             return cls(opt, **params)
         except TypeError as e:
             raise ValueError(f"DeepSpeed config: scheduler.params for {name}: {e}") from None
-    if client is None:
-        return None
-    if hasattr(client, "step") and hasattr(client, "state_dict"):
-        if client_opt is not None and getattr(client, "optimizer", None) is client_opt:
-            client.optimizer = opt  # built on the client optimizer, which was rebuilt
-        return client
-    if callable(client):
-        return client(opt)
-    raise ValueError(f"zeropp.initialize: lr_scheduler={client!r} is neither a scheduler nor a "
-                     "callable")
+    return None
+
+
+def _client_scheduler(opt: Any, client_opt: Any, client: Any) -> Any:
+    if isinstance(client, type) or (callable(client) and not hasattr(client, "step")):
+        return client(opt)  # a factory: DeepSpeed calls it with the optimizer
+    if not (hasattr(client, "step") and hasattr(client, "state_dict")):
+        raise ValueError(f"zeropp.initialize: lr_scheduler={client!r} is neither a scheduler "
+                         "nor a callable")
+    # A schedule built on the client optimizer, which was rebuilt over the shards:
+    # point it (and the schedules inside a SequentialLR / ChainedScheduler) at the new one.
+    pending, seen = [client], set()
+    while pending:
+        s = pending.pop()
+        if id(s) in seen:
+            continue
+        seen.add(id(s))
+        if getattr(s, "optimizer", None) is not None:
+            if client_opt is None or s.optimizer is not client_opt:
+                raise ValueError("zeropp.initialize: lr_scheduler is not built on the optimizer "
+                                 "passed to initialize; pass that optimizer too, or a callable "
+                                 "`lambda opt: Schedule(opt, ...)`")
+            s.optimizer = opt
+        pending += list(getattr(s, "_schedulers", []))
+    return client
 
 
 def _dataloader(data: Any, ds: ds_config.DSConfig, collate_fn: Any) -> Any:

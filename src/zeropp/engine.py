@@ -28,7 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from .checkpoint_files import CheckpointError
 from .ds_config import DSConfig, LossScaling
+from .guards import agree
 from .optim import clip_grad_norm_
 from .shard import get_state
 
@@ -194,6 +196,9 @@ class DeepSpeedEngine(nn.Module):
         """Count a micro-step; at an accumulation boundary, update (see the module
         docstring)."""
         self._need_optimizer("step")
+        if get_state(self.module).gathered_depth:
+            raise RuntimeError("zeropp engine.step() inside zeropp.gathered(): the gathered "
+                               "weights would go stale; step after the context")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self._take_step(lr_kwargs)
@@ -208,6 +213,8 @@ class DeepSpeedEngine(nn.Module):
                         p.grad.div_(scale)
         clip = self._config.gradient_clipping
         norm = float(clip_grad_norm_(self.module, clip if clip > 0 else math.inf))
+        if not math.isfinite(norm):
+            norm = math.inf  # DeepSpeed reports an overflow's norm as inf (NaN included)
         overflow = not math.isfinite(norm) and (self.loss_scaler is not None
                                                 or self._config.skip_non_finite)
         if overflow:
@@ -215,7 +222,11 @@ class DeepSpeedEngine(nn.Module):
         else:
             self.optimizer.step()
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
+                with warnings.catch_warnings():
+                    # torch's check that optimizer.step ran first cannot see the
+                    # optimizer a client schedule was re-pointed to (it did run).
+                    warnings.filterwarnings("ignore", message=".*optimizer.step\\(\\)")
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
@@ -252,11 +263,15 @@ class DeepSpeedEngine(nn.Module):
             extras["ds_lr_scheduler"] = self.lr_scheduler
         save_checkpoint(Path(save_dir) / tag, self.module, self.optimizer, **extras)
         if save_latest:
+            err = None
             if self.global_rank == 0:
-                tmp = Path(save_dir) / ".latest.partial"
-                tmp.write_text(tag)  # as DeepSpeed writes it: the tag, no newline
-                os.replace(tmp, Path(save_dir) / "latest")
-            dist.barrier()
+                try:
+                    tmp = Path(save_dir) / ".latest.partial"
+                    tmp.write_text(tag)  # as DeepSpeed writes it: the tag, no newline
+                    os.replace(tmp, Path(save_dir) / "latest")
+                except OSError as e:
+                    err = f"writing {Path(save_dir) / 'latest'}: {e}"
+            agree(err, CheckpointError)  # every rank raises it, none waits forever
         return True
 
     def load_checkpoint(self, load_dir: os.PathLike, tag: Any = None,
@@ -286,8 +301,7 @@ class DeepSpeedEngine(nn.Module):
             self.global_steps = e.get("global_steps", 0)
             self.global_samples = e.get("global_samples",
                                         self.global_steps * self._config.train_batch_size)
-            self.skipped_steps = e.get("skipped_steps", 0)
-            self.micro_steps = e.get("micro_steps", 0)
+            self.skipped_steps = e.get("skipped_steps", 0)  # micro_steps restart at 0, as DeepSpeed
             if self.loss_scaler is not None and e.get("loss_scaler"):
                 self.loss_scaler.load_state_dict(e["loss_scaler"])
         return str(path), {k: extra[f"client:{k}"] for k in extra.get("ds_client_keys", [])}
@@ -299,23 +313,31 @@ class DeepSpeedEngine(nn.Module):
         flat state dict (as DeepSpeed), or safetensors for a `.safetensors` name.
         Collective."""
         sd = full_state_dict(self.module)
+        err = None
         if self.global_rank == 0:
-            dtype = (torch.bfloat16 if self._config.bf16 else
-                     torch.float16 if self._config.fp16 is not None else None)
-            frozen = set()
-            if exclude_frozen_parameters:
-                frozen = {n for f in get_state(self.module).flats if not f.trainable
-                          for i in f.infos for n in i.fqns}
-            sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
-                  for k, v in sd.items() if k not in frozen}
-            os.makedirs(save_dir, exist_ok=True)
-            path = Path(save_dir) / save_filename
-            if save_filename.endswith(".safetensors"):
-                from safetensors.torch import save_file
-                save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
-            else:
-                torch.save(sd, path)
-        dist.barrier()
+            try:
+                self._write_16bit(sd, save_dir, save_filename, exclude_frozen_parameters)
+            except (OSError, RuntimeError) as e:
+                err = f"save_16bit_model to {save_dir}: {e}"
+        agree(err, CheckpointError)
         return True
+
+    def _write_16bit(self, sd: dict, save_dir: os.PathLike, save_filename: str,
+                     exclude_frozen_parameters: bool) -> None:
+        dtype = (torch.bfloat16 if self._config.bf16 else
+                 torch.float16 if self._config.fp16 is not None else None)
+        frozen = set()
+        if exclude_frozen_parameters:
+            frozen = {n for f in get_state(self.module).flats if not f.trainable
+                      for i in f.infos for n in i.fqns}
+        sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+              for k, v in sd.items() if k not in frozen}
+        os.makedirs(save_dir, exist_ok=True)
+        path = Path(save_dir) / save_filename
+        if save_filename.endswith(".safetensors"):
+            from safetensors.torch import save_file
+            save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+        else:
+            torch.save(sd, path)
 
     save_fp16_model = save_16bit_model

@@ -119,13 +119,13 @@ class FlatParam:
         self.on_grad_ready: Optional[Callable[[FlatParam], None]] = None
         self._free_storage()
         self.weights = WeightPath(self, topo, cfg)   # gathers, hpZ secondary, qWD
-        for t in (self.primary_shard, self.leaf):
+        for t in (self.primary_shard, self.leaf, self.full):  # full: the first placeholders
             _OWNERS[id(t)] = (weakref.ref(t), weakref.ref(self))
         self.grad_codec = inter_node_codec(cfg, self.block, topo, name) if trainable else None
 
     @staticmethod
     def owner_of(t: torch.Tensor) -> Optional[FlatParam]:
-        """The FlatParam whose master shard or full-weights leaf `t` is, or None."""
+        """The FlatParam whose master shard or full-weights buffer `t` is, or None."""
         entry = _OWNERS.get(id(t))
         if entry is None or entry[0]() is not t:
             return None

@@ -20,7 +20,8 @@ full weights first (DeepSpeed's GatheredParameters semantics); otherwise every
 rank must make the same edits (PyTorch's writeback semantics). Then every
 rank's hpZ secondaries / qWD copies of those units are dropped, edited or not,
 so routes stay identical on every rank and the next forward gathers in full.
-Leaving by an exception discards the edits: the master shards are untouched.
+Leaving by an exception on any rank discards every rank's edits (the ranks
+agree with one all-reduce on exit): the master shards are untouched.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def gathered(model: nn.Module, *, writable: bool = False,
 
     `units`: which units to keep (names as in `model._zeropp_state.units`,
     "" or "<root>" for the root, or the unit modules); the others are gathered
-    per forward as in training. `max_bytes`: keep units, in model order, while
+    per forward as in training, so every rank must then run the same number of
+    forwards (HF `generate`: pass `synced_gpus=True` if ranks may stop at
+    different lengths). `max_bytes`: keep units, in model order, while
     their full weights (compute dtype; twice that with `writable`) fit. What to
     pick: everything (the default) when the full model fits beside the
     activations and KV cache; otherwise as many units as fit: every unit kept
@@ -69,7 +72,7 @@ def gathered(model: nn.Module, *, writable: bool = False,
     `modifier_rank`: with `writable`, that rank's edits are the ones kept.
     """
     st = _state(model)
-    if _in_backward() or st.backward_active:
+    if _in_backward():
         raise RuntimeError("zeropp.gathered: called while a backward is in flight; enter it "
                            "before the forward or after backward() returns")
     if modifier_rank is not None:
@@ -79,20 +82,30 @@ def gathered(model: nn.Module, *, writable: bool = False,
             raise ValueError(f"zeropp.gathered: modifier_rank={modifier_rank!r} is not a rank "
                              f"of this world (0..{st.topo.world_size - 1})")
     chosen = _select(st, units, max_bytes, writable)
-    st.reducer.drain()
-    # Issue every gather, then wait: the same collectives in the same order on
-    # every rank (model order), all in flight together.
-    with torch.inference_mode(False), torch.no_grad():
-        for u in chosen:
-            u.issue_gather()
-        for u in chosen:
-            u.wait()
-        for u in chosen:
-            u.pins += 1
-        snapshots = {f: f.full.clone() for u in chosen for f in u.flats} if writable else {}
-        for u in chosen:
-            for f in u.flats:
-                f.install_full_views()  # module attributes read the gathered weights
+    if not st.gathered_depth:
+        # As a training forward does: leftovers of an interrupted forward or backward
+        # (weights gathered before the last optimizer step) are dropped first.
+        st.begin_iteration()
+    snapshots: dict = {}
+    pinned: list[Unit] = []
+    try:
+        # Issue every gather, then wait: the same collectives in the same order on
+        # every rank (model order), all in flight together.
+        with torch.inference_mode(False), torch.no_grad():
+            for u in chosen:
+                u.issue_gather()
+            for u in chosen:
+                u.wait()
+            if writable:
+                snapshots = {f: f.full.clone() for u in chosen for f in u.flats}
+            for u in chosen:
+                u.pins += 1
+                pinned.append(u)
+                for f in u.flats:
+                    f.install_full_views()  # module attributes read the gathered weights
+    except BaseException:
+        _release(pinned, chosen)  # e.g. out of memory for the snapshot: nothing stays pinned
+        raise
     st.gathered_depth += 1
     ok = False
     try:
@@ -100,21 +113,42 @@ def gathered(model: nn.Module, *, writable: bool = False,
         ok = True
     finally:
         st.gathered_depth -= 1
-        for u in chosen:
-            u.pins -= 1
         try:
-            if ok and writable:
-                _write_back(st, snapshots, modifier_rank)
+            if writable:
+                # Every rank writes back or none does (one rank's exception must not
+                # leave the shards half edited), and every rank drops the secondaries
+                # of these units, so their next gathers take the same route everywhere.
+                if _all_ok(st, ok):
+                    _write_back(st, snapshots, modifier_rank)
+                for f in snapshots:
+                    f.weights.invalidate()
         finally:
             snapshots.clear()
-            for u in chosen:
-                u.free()  # no-op while an outer context still holds it
+            _release(pinned, chosen)
+
+
+def _release(pinned: list[Unit], chosen: list[Unit]) -> None:
+    for u in pinned:
+        u.pins -= 1
+    for u in chosen:
+        u.free()  # no-op while an outer context still holds it
+
+
+def _all_ok(st: ShardState, ok: bool) -> bool:
+    """Collective: whether every rank left the context normally."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=st.flats[0].full.device)
+    st.comm.unit = "<all: gathered exit>"
+    return bool(st.comm.all_reduce(flag, op="all_reduce/gathered",
+                                   reduce_op=torch.distributed.ReduceOp.MIN)[0] == 1.0)
 
 
 def _state(model: nn.Module) -> ShardState:
     try:
         return get_state(model)
     except ValueError:
+        if hasattr(model, "_zeropp_unit"):
+            raise ValueError("zeropp.gathered: this is a unit of a sharded model; pass the "
+                             "root model (select units with units=...)") from None
         raise ValueError("zeropp.gathered: this model was not sharded with zeropp.shard(); "
                          "call zeropp.shard(model, cfg) first (a plain model needs no "
                          "gathering)") from None
@@ -167,7 +201,6 @@ def _write_back(st: ShardState, snapshots: dict[FlatParam, torch.Tensor],
             changed[f.shard_valid:] = False  # padding stays zero
             if changed.any():
                 _write_shard(f, mine, changed)
-            f.weights.invalidate()  # on every rank, edited or not: routes stay the same
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
