@@ -27,7 +27,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/loopback.py --configs zero3,qwz,hpz,qgz,zeropp,zeropp-plus,fsdp2
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) runs
