@@ -188,22 +188,20 @@ def _engine_run(tmp: str) -> dict:
     engine.save_checkpoint(tmp, client_state={"epoch": 3, "tag": "x", "rng": gen,
                                               "t": torch.arange(3) + rank})
     out["latest"] = (Path(tmp) / "latest").read_bytes()
-    go_on = []
-    for micro in range(4):
-        x, y = batch("gpt", 9, micro, world, rank)
-        loss = loss_of("gpt", engine, x, y)
-        engine.backward(loss)
-        engine.step()
-        go_on.append(loss.item())
+
+    def two_steps(eng) -> list[float]:
+        losses = []
+        for micro in range(4):
+            x, y = batch("gpt", 9, micro, world, rank)
+            loss = loss_of("gpt", eng, x, y)
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+        return losses
+    go_on = two_steps(engine)
     again, _, _, _ = zeropp.initialize(model=build("gpt"), config=_config())
     path, client = again.load_checkpoint(tmp)
-    resumed = []
-    for micro in range(4):
-        x, y = batch("gpt", 9, micro, world, rank)
-        loss = loss_of("gpt", again, x, y)
-        again.backward(loss)
-        again.step()
-        resumed.append(loss.item())
+    resumed = two_steps(again)
     out["resume"] = (go_on, resumed, again.global_steps, again.global_samples,
                      path.endswith("global_step5"))
     out["client"] = {k: (v.tolist() if isinstance(v, torch.Tensor) else

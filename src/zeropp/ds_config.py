@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .config import Config, _load_ds
+from .config import Config, _is_int, _load_ds
 
 # Top-level keys read here.
 KNOWN = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -78,7 +78,7 @@ def _err(key: str, value: Any, allowed: str) -> ValueError:
 
 
 def _pos_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not (_is_int(value) and value > 0):
         raise _err(key, value, "a positive integer")
     return value
 

@@ -63,9 +63,9 @@ _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 class FlatParam:
     def __init__(self, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
                  *, topo: Topology, cfg: Config, compute_dtype: torch.dtype,
-                 trainable: bool, name: str = "_zeropp_flat0") -> None:
+                 trainable: bool, name: str = "_zeropp_flat0", param_group: int = -1) -> None:
         self.name = name  # as registered on its unit's module, e.g. "blocks.0._zeropp_flat0"
-        self.param_group = -1  # index into shard()'s param_groups (-1: none given)
+        self.param_group = param_group  # index into shard()'s param_groups (-1: in none)
         self.unit: Any = None  # the Unit that gathers it (set by the Unit)
         self.trainable, self.compute_dtype = trainable, compute_dtype
         self.world_size = w = topo.world_size

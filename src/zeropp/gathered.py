@@ -33,6 +33,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from .config import _is_int
 from .flat_param import FlatParam
 from .quant import QTensor, dequantize, quantize
 from .shard import ShardState, Unit, _in_backward, get_state
@@ -78,7 +79,7 @@ def gathered(model: nn.Module, *, writable: bool = False,
     if modifier_rank is not None:
         if not writable:
             raise ValueError("zeropp.gathered: modifier_rank needs writable=True")
-        if not isinstance(modifier_rank, int) or not 0 <= modifier_rank < st.topo.world_size:
+        if not (_is_int(modifier_rank) and 0 <= modifier_rank < st.topo.world_size):
             raise ValueError(f"zeropp.gathered: modifier_rank={modifier_rank!r} is not a rank "
                              f"of this world (0..{st.topo.world_size - 1})")
     chosen = _select(st, units, max_bytes, writable)
@@ -173,7 +174,7 @@ def _select(st: ShardState, units, max_bytes: Optional[int], writable: bool) -> 
             picked.add(u)
         chosen = [u for u in st.units if u in picked]  # model order, whatever was passed
     if max_bytes is not None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        if not (_is_int(max_bytes) and max_bytes >= 0):
             raise ValueError(f"zeropp.gathered: max_bytes={max_bytes!r} must be an int >= 0")
         kept, total = [], 0
         for u in chosen:

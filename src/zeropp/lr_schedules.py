@@ -17,16 +17,21 @@ from typing import Any, Optional
 
 import torch
 
+from .config import _is_int
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not (_is_int(value) and value > 0):
+        raise ValueError(f"scheduler: {name}={value!r} is invalid; allowed: a positive integer")
+    return value
+
 
 class _Warmup:
     """Shared by the three schedules: per-group values, t, state dict."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_num_steps: int,
                  warmup_type: str, last_batch_iteration: int) -> None:
-        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) \
-                or warmup_num_steps <= 0:
-            raise ValueError(f"scheduler: warmup_num_steps={warmup_num_steps!r} is invalid; "
-                             "allowed: a positive integer")
+        _positive_int("warmup_num_steps", warmup_num_steps)
         if warmup_type not in ("log", "linear"):
             raise ValueError(f"scheduler: warmup_type={warmup_type!r} is invalid; allowed: "
                              "'log' or 'linear'")
@@ -107,11 +112,7 @@ class WarmupDecayLR(WarmupLR):
                  warmup_min_lr: Any = 0.0, warmup_max_lr: Any = 0.001,
                  warmup_num_steps: int = 1000, warmup_type: str = "log",
                  last_batch_iteration: int = -1) -> None:
-        if isinstance(total_num_steps, bool) or not isinstance(total_num_steps, int) \
-                or total_num_steps <= 0:
-            raise ValueError(f"scheduler: total_num_steps={total_num_steps!r} is invalid; "
-                             "allowed: a positive integer")
-        self.total_num_steps = total_num_steps
+        self.total_num_steps = _positive_int("total_num_steps", total_num_steps)
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps,
                          warmup_type, last_batch_iteration)
 
@@ -130,12 +131,8 @@ class WarmupCosineLR(_Warmup):
                  warmup_min_ratio: float = 0.0, warmup_num_steps: int = 1000,
                  cos_min_ratio: float = 0.0001, warmup_type: str = "log",
                  last_batch_iteration: int = -1) -> None:
-        if isinstance(total_num_steps, bool) or not isinstance(total_num_steps, int) \
-                or total_num_steps <= 0:
-            raise ValueError(f"scheduler: total_num_steps={total_num_steps!r} is invalid; "
-                             "allowed: a positive integer")
+        self.total_num_steps = _positive_int("total_num_steps", total_num_steps)
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
-        self.total_num_steps = total_num_steps
         self.warmup_min_ratio, self.cos_min_ratio = float(warmup_min_ratio), float(cos_min_ratio)
         self.org_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         if last_batch_iteration == -1:

@@ -424,10 +424,8 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
             groups.setdefault(key, []).append(entry)
         prefix = f"{name}." if name else ""
         flats = [FlatParam(plist, topo=topo, cfg=cfg, compute_dtype=dtype, trainable=trainable,
-                           name=f"{prefix}_zeropp_flat{k}")
-                 for k, ((trainable, dtype, _), plist) in enumerate(groups.items())]
-        for f, (_, _, g) in zip(flats, groups):
-            f.param_group = g
+                           name=f"{prefix}_zeropp_flat{k}", param_group=group)
+                 for k, ((trainable, dtype, group), plist) in enumerate(groups.items())]
         for k, f in enumerate(flats):
             mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)
         unit = Unit(name, mod, flats, state)
