@@ -20,8 +20,9 @@ import torch.distributed as dist
 from cases import batch, build, loss_of
 
 import zeropp
-from zeropp import ds_config, lr_schedules
-from zeropp.engine import LossScaler
+from zeropp.deepspeed import config as ds_config
+from zeropp.deepspeed import lr_schedules
+from zeropp.deepspeed.engine import LossScaler
 from zeropp.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +69,7 @@ def test_config_errors_name_the_key_and_unknown_keys_warn_once():
     with pytest.raises(ValueError, match=r"zeropp.preset='zeropp-max' is invalid"):
         ds_config.parse({**base, "zeropp": {"preset": "zeropp-max"}}, 4)
     with pytest.raises(ValueError, match=r"optimizer.type='Lamb' is not supported"):
-        from zeropp.deepspeed_compat import _config_optimizer
+        from zeropp.deepspeed.compat import _config_optimizer
         _config_optimizer({"type": "Lamb", "params": {}}, [{"params": [torch.zeros(1)]}])
     with pytest.raises(ValueError, match=r"max_grad_norm is not supported; use the top-level"):
         _config_optimizer({"type": "AdamW", "params": {"max_grad_norm": 1}},

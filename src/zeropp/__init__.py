@@ -1,15 +1,25 @@
 """zeropp: ZeRO-3 sharded data parallelism with the ZeRO++ communication
 optimizations, in plain PyTorch on torch.distributed.
 
-DeepSpeed scripts run on it with `import zeropp as deepspeed`: `initialize`,
-`init_distributed`, `add_config_arguments` and `zero.GatheredParameters`."""
+DeepSpeed scripts run on it with `import zeropp as deepspeed` (`initialize`,
+`init_distributed`, `zero`, `comm`, `accelerator`; see zeropp/deepspeed/), and
+Hugging Face's Trainer, accelerate and TRL after `zeropp.install_as_deepspeed()`."""
 
-from . import zero
+import sys
+
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from .checkpoint_files import CheckpointError
 from .config import Config
-from .deepspeed_compat import add_config_arguments, init_distributed, initialize
-from .engine import DeepSpeedEngine
+from .deepspeed import (
+    DeepSpeedEngine,
+    accelerator,
+    add_config_arguments,
+    comm,
+    init_distributed,
+    initialize,
+    zero,
+)
+from .deepspeed.alias import install_as_deepspeed
 from .gathered import gathered
 from .optim import clip_grad_norm_
 from .shard import comm_stats, refresh, reset_comm_stats, shard
@@ -18,5 +28,11 @@ from .topology import Topology, get_topology
 __all__ = ["Config", "Topology", "get_topology", "shard", "clip_grad_norm_", "comm_stats",
            "reset_comm_stats", "refresh", "gathered", "full_state_dict", "save_checkpoint",
            "load_checkpoint", "CheckpointError", "initialize", "init_distributed",
-           "add_config_arguments", "DeepSpeedEngine", "zero"]
+           "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator",
+           "install_as_deepspeed"]
 __version__ = "0.1.0"
+
+# `from zeropp.accelerator import get_accelerator` (as scripts write it for deepspeed):
+# the modules live in zeropp/deepspeed/, importable under these names too.
+for _m in (zero, comm, accelerator):
+    sys.modules.setdefault(f"{__name__}.{_m.__name__.rsplit('.', 1)[1]}", _m)

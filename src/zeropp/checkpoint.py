@@ -16,7 +16,8 @@ Master shards (resharded if the world size or layout differs), optimizer
 state (sharded tensors resharded; hyper-parameters and step counts as saved),
 buffers, each rank's RNG states (torch, CUDA, Python, NumPy; only when the
 world size is unchanged: ranks do not map otherwise), and the extras given to
-save. Everything is read and checked before anything is written, on every
+save: each rank gets its own back (at another world size, rank 0's JSON and
+state-dict extras on every rank, and no per-rank tensors). Everything is read and checked before anything is written, on every
 rank, so a failed load leaves the model and optimizer as they were. hpZ
 secondaries and any gathered weights are dropped: the next gather is from
 the loaded masters (DeepSpeed #7130, #7606).
@@ -100,8 +101,9 @@ def save_checkpoint(path: os.PathLike, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer] = None, **extra: Any) -> Path:
     """Save a sharded checkpoint to the directory `path` (collective: every rank
     calls it). `extra`: anything else to keep, returned by `load_checkpoint`:
-    JSON values (rank 0's are kept), tensors and torch.Generators (each rank's
-    own), and objects with state_dict() such as an LR scheduler."""
+    JSON values, tensors, torch.Generators and objects with state_dict() such
+    as an LR scheduler, each rank's own (as DeepSpeed ZeRO-3 keeps each rank's
+    client_state); see the note on what a load restores."""
     st = get_state(model)
     rank = st.topo.rank
     path = Path(path)
@@ -177,6 +179,7 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
             values[k], kinds[k] = jsonable(v.state_dict(), f"extra {k!r}"), "stateful"
         else:
             values[k], kinds[k] = jsonable(v, f"extra {k!r}"), "json"
+    meta["extra"], meta["extra_kinds"] = values, kinds  # this rank's; the manifest: rank 0's
     manifest = {
         "format": FORMAT, "version": VERSION, "world_size": st.topo.world_size,
         "node_size": st.topo.node_size, "config": st.cfg.to_dict(),
@@ -293,12 +296,16 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     meta = json.loads(rd.file(rank).metadata()["zeropp"]) if same_world else None
     rng = {k: rd.get(rank, f"rng/{k}") for k in ("torch", "cuda")
            if same_world and rd.has(rank, f"rng/{k}")}
-    missing = sorted(set(restore) - set(man.get("extra_kinds", {})))
+    own = meta is not None and "extra_kinds" in meta  # this rank's extras (see the note)
+    kinds = meta["extra_kinds"] if own else man.get("extra_kinds", {})
+    missing = sorted(set(restore) - set(kinds))
     if missing:
         raise CheckpointError(f"{path}: nothing saved under {', '.join(map(repr, missing))} "
-                              f"(saved extras: {', '.join(man.get('extra_kinds', {})) or 'none'})")
-    extras: dict[str, Any] = dict(man.get("extra", {}))
-    for k, kind in man.get("extra_kinds", {}).items():
+                              f"(saved extras: {', '.join(kinds) or 'none'})")
+    # JSON and state-dict extras: this rank's own; at another world size ranks do
+    # not map, and every rank gets rank 0's (the manifest's).
+    extras: dict[str, Any] = dict(meta["extra"] if own else man.get("extra", {}))
+    for k, kind in kinds.items():
         if kind == "tensor" or kind.startswith("generator"):
             if same_world:
                 extras[k] = rd.get(rank, f"extra/{k}")
@@ -307,7 +314,7 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
                                       f"{man['world_size']}; it cannot be restored at "
                                       f"{st.topo.world_size}")
     return {"man": man, "shards": shards, "buffers": buffers, "opt": opt_sd, "meta": meta,
-            "rng": rng, "extras": extras, "engine": engine}
+            "rng": rng, "extras": extras, "extra_kinds": kinds, "engine": engine}
 
 
 def _check_names(man: dict, st: ShardState, model: nn.Module, path: Path) -> None:
@@ -421,10 +428,11 @@ def _apply(plan: dict, st: ShardState, model: nn.Module,
     elif st.topo.rank == 0:
         warnings.warn(f"zeropp: checkpoint saved at world size {man['world_size']}, loaded at "
                       f"{st.topo.world_size}: weights and optimizer state resharded; per-rank "
-                      "RNG states and per-rank extras were not restored", stacklevel=3)
+                      "RNG states and per-rank tensors were not restored; JSON and "
+                      "state-dict extras are rank 0's on every rank", stacklevel=3)
     out = {}
     for k, v in plan["extras"].items():
-        kind = man["extra_kinds"].get(k, "json")
+        kind = plan["extra_kinds"].get(k, "json")
         if kind.startswith("generator"):
             gen = restore.get(k)
             if gen is None:

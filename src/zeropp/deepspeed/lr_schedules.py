@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from .config import _is_int
+from ..config import _is_int
 
 
 def _positive_int(name: str, value: Any) -> int:

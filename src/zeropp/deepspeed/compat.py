@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import ds_config, lr_schedules
+from ..shard import shard
+from . import config as ds_config
+from . import lr_schedules
 from .engine import DeepSpeedEngine
-from .shard import shard
 
 _DS_OPTIMIZERS_NOT_HERE = {"lamb", "lion", "onebitadam", "zerooneadam", "onebitlamb", "muadam",
                            "muadamw", "musgd", "muon"}
@@ -165,7 +166,7 @@ def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any) -> li
 
 
 def _shard_groups(module: nn.Module, groups: list[dict]) -> list[dict]:
-    from .shard import get_state
+    from ..shard import get_state
     flats = get_state(module).flats
     out = []
     for k, g in enumerate(groups):

@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
-from .checkpoint_files import CheckpointError
-from .ds_config import DSConfig, LossScaling
-from .guards import agree
-from .optim import clip_grad_norm_
-from .shard import get_state
+from ..checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from ..checkpoint_files import CheckpointError
+from ..guards import agree
+from ..optim import clip_grad_norm_
+from ..shard import get_state
+from .config import DSConfig, LossScaling
 
 
 class LossScaler:
@@ -158,6 +158,35 @@ class DeepSpeedEngine(nn.Module):
             return []
         return [g.get("momentum", g.get("betas")) for g in self.optimizer.param_groups]
 
+    @property
+    def config(self) -> dict:
+        """The DeepSpeed config as a dict (DeepSpeed's `engine.config`; the model's
+        own config is `engine.module.config`)."""
+        return self._config.raw
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return True
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return True
+
+    def zero_offload_optimizer(self) -> bool:
+        return False
+
+    def zero_offload_param(self) -> bool:
+        return False
+
+    zero_cpu_offload = zero_offload_optimizer
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether a model save gathers the full weights: the config's
+        `stage3_gather_16bit_weights_on_model_save`, true when unset (zeropp's
+        default; DeepSpeed's is false, which leaves `save_model` only a checkpoint)."""
+        zo = self._config.raw.get("zero_optimization") or {}
+        v = zo.get("stage3_gather_16bit_weights_on_model_save",
+                   zo.get("gather_16bit_weights_on_model_save", True))
+        return v if isinstance(v, bool) else True  # "auto" (unfilled): gather
+
     def get_global_grad_norm(self) -> Optional[float]:
         """The global gradient norm of the last boundary step, before clipping."""
         return self._global_grad_norm
@@ -240,14 +269,34 @@ class DeepSpeedEngine(nn.Module):
         self.global_steps += 1
         self.global_samples += self._config.train_batch_size
 
+    # ---- memory ------------------------------------------------------------------------
+    def empty_partition_cache(self) -> None:
+        """Release every unit's gathered weights and hpZ secondaries (not the qWD
+        copies, which are training state; nor what zeropp.gathered() holds). The
+        next forward gathers afresh. Call it on every rank (the routes must agree)."""
+        st = get_state(self.module)
+        for u in st.units:
+            u.free()
+            if not u.pins:
+                for f in u.flats:
+                    if not f.weights.delta:
+                        f.weights.invalidate()
+
+    def destroy(self) -> None:
+        """DeepSpeed frees the engine's buffers here (Trainer and accelerate call it
+        when they let an engine go): gathered weights and hpZ secondaries are
+        released and pending reductions finished. The model stays usable."""
+        get_state(self.module).reducer.drain()
+        self.empty_partition_cache()
+
     # ---- checkpoints --------------------------------------------------------------------
     def save_checkpoint(self, save_dir: os.PathLike, tag: Any = None,
                         client_state: Optional[dict] = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         """Save to `save_dir/<tag>` (tag: "global_step<N>" by default), every rank
         its shards; rank 0 writes `save_dir/latest` = tag. `client_state`: JSON
-        values (rank 0's are kept), tensors and Generators (each rank's own),
-        objects with state_dict(); returned by load_checkpoint."""
+        values, tensors, Generators, objects with state_dict(); each rank's own,
+        as DeepSpeed ZeRO-3 keeps it, returned to that rank by load_checkpoint."""
         if not save_dir:
             raise ValueError("zeropp engine.save_checkpoint: save_dir is empty")
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
@@ -324,14 +373,7 @@ class DeepSpeedEngine(nn.Module):
 
     def _write_16bit(self, sd: dict, save_dir: os.PathLike, save_filename: str,
                      exclude_frozen_parameters: bool) -> None:
-        dtype = (torch.bfloat16 if self._config.bf16 else
-                 torch.float16 if self._config.fp16 is not None else None)
-        frozen = set()
-        if exclude_frozen_parameters:
-            frozen = {n for f in get_state(self.module).flats if not f.trainable
-                      for i in f.infos for n in i.fqns}
-        sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
-              for k, v in sd.items() if k not in frozen}
+        sd = self._to_16bit(sd, exclude_frozen_parameters)
         os.makedirs(save_dir, exist_ok=True)
         path = Path(save_dir) / save_filename
         if save_filename.endswith(".safetensors"):
@@ -339,5 +381,25 @@ class DeepSpeedEngine(nn.Module):
             save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
         else:
             torch.save(sd, path)
+
+    def _to_16bit(self, sd: dict, exclude_frozen_parameters: bool) -> dict:
+        """`sd` in the compute dtype (bf16 / fp16 when enabled), frozen parameters
+        left out when asked."""
+        dtype = (torch.bfloat16 if self._config.bf16 else
+                 torch.float16 if self._config.fp16 is not None else None)
+        frozen = set()
+        if exclude_frozen_parameters:
+            frozen = {n for f in get_state(self.module).flats if not f.trainable
+                      for i in f.infos for n in i.fqns}
+        return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+                for k, v in sd.items() if k not in frozen}
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> Optional[dict]:
+        """The consolidated state dict in the compute dtype under the original names
+        on rank 0, None elsewhere (what DeepSpeed returns; Trainer and accelerate
+        save it). Collective."""
+        sd = full_state_dict(self.module)
+        return self._to_16bit(sd, exclude_frozen_parameters) if self.global_rank == 0 else None
 
     save_fp16_model = save_16bit_model

@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .config import Config, _is_int, _load_ds
+from ..config import Config, _is_int, _load_ds
 
 # Top-level keys read here.
 KNOWN = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",

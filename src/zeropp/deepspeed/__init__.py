@@ -1,0 +1,21 @@
+"""DeepSpeed's script surface on zeropp: `initialize`, its engine, the config,
+the schedules and `deepspeed.zero` / `.comm` / `.accelerator`, so a DeepSpeed
+script runs with `import zeropp as deepspeed`, and Hugging Face's Trainer,
+accelerate and TRL after `zeropp.install_as_deepspeed()` (alias.py).
+
+  compat.py        initialize, init_distributed, add_config_arguments
+  engine.py        DeepSpeedEngine: backward / step / accumulation / checkpoints
+  config.py        a ds_config.json with DeepSpeed's semantics
+  lr_schedules.py  WarmupLR, WarmupDecayLR, WarmupCosineLR
+  zero.py          GatheredParameters, Init, ZeroParamStatus
+  accelerator.py   get_accelerator(): CUDA or CPU
+  comm.py          deepspeed.comm over torch.distributed
+  alias.py         install_as_deepspeed(): `import deepspeed` answers with these
+"""
+
+from . import accelerator, comm, lr_schedules, zero
+from .compat import add_config_arguments, init_distributed, initialize
+from .engine import DeepSpeedEngine
+
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero",
+           "comm", "accelerator", "lr_schedules"]

@@ -1,0 +1,202 @@
+"""`zeropp.install_as_deepspeed()`: after it, in this process, `import deepspeed`
+and `import deepspeed.<sub>` answer with zeropp's compat modules, and
+`importlib.util.find_spec("deepspeed")` / `importlib.metadata.version("deepspeed")`
+answer too, so Hugging Face transformers, accelerate and TRL take their
+DeepSpeed path and run on zeropp (pymysql's `install_as_MySQLdb()` pattern).
+
+[Note: how the alias works]
+Every name in NAMES is put into `sys.modules` at install: real zeropp modules
+where one implements that DeepSpeed module (`deepspeed.zero` is
+zeropp/deepspeed/zero.py), small namespace modules for DeepSpeed's package
+levels (`deepspeed.runtime`, `deepspeed.runtime.zero`) and for the few names
+the libraries import from elsewhere (`deepspeed.utils.logger`, ...), built in
+`_namespaces`. A finder first on `sys.meta_path` refuses any other
+`deepspeed.*` name with one line saying what zeropp does not implement, and
+a distribution finder answers `importlib.metadata` for "deepspeed" with
+DEEPSPEED_VERSION: the DeepSpeed release whose API and semantics zeropp's
+front door follows.
+
+transformers picks `HfDeepSpeedConfig`'s base class when it is imported, so
+the alias must be in place before transformers, accelerate or TRL are
+imported; install refuses (one line) when they were imported first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import logging
+import sys
+import types
+from pathlib import Path
+from typing import Any, Optional
+
+DEEPSPEED_VERSION = "0.19.8"
+
+# DeepSpeed module name -> the zeropp module that implements it.
+NAMES = {
+    "deepspeed.accelerator": "zeropp.deepspeed.accelerator",
+    "deepspeed.comm": "zeropp.deepspeed.comm",
+    "deepspeed.zero": "zeropp.deepspeed.zero",
+    "deepspeed.runtime.engine": "zeropp.deepspeed.engine",
+    "deepspeed.runtime.lr_schedules": "zeropp.deepspeed.lr_schedules",
+    "deepspeed.runtime.zero.partition_parameters": "zeropp.deepspeed.zero",
+}
+
+# DeepSpeed features zeropp leaves out, for the refusal's message.
+NOT_HERE = {
+    "deepspeed.moe": "Mixture-of-Experts",
+    "deepspeed.pipe": "pipeline parallelism",
+    "deepspeed.runtime.pipe": "pipeline parallelism",
+    "deepspeed.inference": "DeepSpeed-Inference kernels",
+    "deepspeed.ops": "DeepSpeed's compiled ops (use torch.optim)",
+    "deepspeed.compression": "model compression",
+    "deepspeed.sequence": "sequence parallelism (Ulysses)",
+    "deepspeed.runtime.zero.offload_config": "ZeRO-Offload",
+}
+
+# Libraries whose DeepSpeed detection is fixed when they are imported.
+_TOO_LATE = ("transformers", "accelerate", "trl")
+
+
+class _Loader(importlib.abc.Loader):
+    """Returns the module install put in sys.modules (for find_spec's answers)."""
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return sys.modules.get(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Refuses `deepspeed.*` names the alias does not have; answers
+    importlib.metadata for the "deepspeed" distribution."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "deepspeed" and not fullname.startswith("deepspeed."):
+            return None
+        if fullname in sys.modules:
+            return sys.modules[fullname].__spec__
+        what = next((v for k, v in NOT_HERE.items()
+                     if fullname == k or fullname.startswith(k + ".")), None)
+        why = f" ({what} is not part of zeropp)" if what else ""
+        raise ModuleNotFoundError(
+            f"No module named {fullname!r}: zeropp stands in for DeepSpeed in this process "
+            f"(zeropp.install_as_deepspeed()) and has no {fullname}{why}", name=fullname)
+
+    def find_distributions(self, context: Any = None) -> Any:
+        name = getattr(context, "name", None)
+        if name is None or name.replace("_", "-").lower() == "deepspeed":
+            yield _Distribution()
+
+
+class _Distribution(importlib.metadata.Distribution):
+    def read_text(self, filename: str) -> Optional[str]:
+        if filename in ("METADATA", "PKG-INFO"):
+            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {DEEPSPEED_VERSION}\n"
+                    "Summary: zeropp standing in for DeepSpeed (zeropp.install_as_deepspeed)\n")
+        if filename == "top_level.txt":
+            return "deepspeed\n"
+        return None
+
+    def locate_file(self, path: Any) -> Path:
+        return Path(__file__).parent / str(path)
+
+
+_finder: Optional[_Finder] = None
+
+
+def installed() -> bool:
+    return _finder is not None
+
+
+def install_as_deepspeed(take_precedence: bool = False) -> None:
+    """Make `import deepspeed` (and its submodules, `find_spec`, `importlib.metadata`)
+    answer with zeropp in this process. Call it before importing transformers,
+    accelerate or TRL. Refuses when the real DeepSpeed is installed, unless
+    `take_precedence=True`; refuses when it is already imported. Idempotent."""
+    global _finder
+    if _finder is not None:
+        return
+    real = sys.modules.get("deepspeed")
+    if real is not None:
+        raise RuntimeError("zeropp.install_as_deepspeed: the real DeepSpeed is already imported "
+                           "in this process; call install_as_deepspeed() before anything "
+                           "imports deepspeed")
+    late = sorted(m for m in _TOO_LATE if m in sys.modules)
+    if late:
+        raise RuntimeError(f"zeropp.install_as_deepspeed: {', '.join(late)} was imported first "
+                           "and has already decided DeepSpeed is absent; call "
+                           "zeropp.install_as_deepspeed() before importing "
+                           f"{' / '.join(_TOO_LATE)}")
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is not None and not take_precedence:
+        try:
+            version = importlib.metadata.version("deepspeed")
+        except importlib.metadata.PackageNotFoundError:
+            version = "?"
+        raise RuntimeError(f"zeropp.install_as_deepspeed: the real DeepSpeed {version} is "
+                           f"installed ({spec.origin}); uninstall it, or pass "
+                           "take_precedence=True to answer `import deepspeed` with zeropp "
+                           "in this process")
+    modules = _namespaces()
+    for name, target in NAMES.items():
+        modules[name] = importlib.import_module(target)
+    for name in sorted(modules):  # parents first: children become their attributes
+        sys.modules[name] = modules[name]
+        parent, _, leaf = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], leaf, modules[name])
+    _finder = _Finder()
+    sys.meta_path.insert(0, _finder)
+    importlib.invalidate_caches()
+
+
+def _package(name: str, **attrs: Any) -> types.ModuleType:
+    m = types.ModuleType(name, attrs.pop("__doc__", None))
+    m.__spec__ = importlib.machinery.ModuleSpec(name, _Loader(), is_package=True,
+                                                origin="zeropp")
+    m.__path__, m.__file__ = [], __file__
+    m.__loader__, m.__package__ = m.__spec__.loader, name
+    for k, v in attrs.items():
+        setattr(m, k, v)
+    return m
+
+
+def _namespaces() -> dict[str, types.ModuleType]:
+    """DeepSpeed's package levels and the names the libraries import from them."""
+    from . import comm as ds_comm
+    from . import engine, lr_schedules, zero
+    top = importlib.import_module("zeropp.deepspeed")
+    public = {k: getattr(top, k) for k in top.__all__}
+    logger = logging.getLogger("zeropp.deepspeed")
+    return {
+        "deepspeed": _package("deepspeed", __doc__="zeropp standing in for DeepSpeed",
+                              __version__=DEEPSPEED_VERSION, **public,
+                              init_inference=_not_here("deepspeed.init_inference",
+                                                       "DeepSpeed-Inference")),
+        "deepspeed.runtime": _package("deepspeed.runtime", DeepSpeedEngine=engine.DeepSpeedEngine,
+                                      lr_schedules=lr_schedules),
+        "deepspeed.runtime.zero": _package("deepspeed.runtime.zero", ZeroParamStatus=zero.ZeroParamStatus,
+                                           GatheredParameters=zero.GatheredParameters),
+        "deepspeed.utils": _package("deepspeed.utils", logger=logger,
+                                    log_dist=_log_dist(logger, ds_comm)),
+    }
+
+
+def _not_here(name: str, what: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"zeropp: {name} ({what}) is not part of zeropp")
+    return refuse
+
+
+def _log_dist(logger: logging.Logger, comm: Any) -> Any:
+    def log_dist(message: str, ranks: Any = None, level: int = logging.INFO) -> None:
+        """DeepSpeed's log_dist: log on the given ranks (all with -1; rank 0 by default)."""
+        ranks = [0] if ranks is None else list(ranks)
+        if -1 in ranks or comm.get_rank() in ranks:
+            logger.log(level, f"[Rank {comm.get_rank()}] {message}")
+    return log_dist

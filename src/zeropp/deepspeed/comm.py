@@ -1,0 +1,211 @@
+"""`deepspeed.comm` on zeropp: DeepSpeed's communication module, thin over
+torch.distributed (which is what DeepSpeed's own is on its torch backend), so
+scripts' `dist = deepspeed.comm; dist.get_rank(); dist.barrier()` run
+unchanged. `init_distributed` is the front door's (gloo on the CPU, NCCL with
+CUDA). `ReduceOp` is torch's, so the two can be mixed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from .compat import init_distributed
+
+__all__ = ["init_distributed", "is_initialized", "is_available", "get_rank", "get_world_size",
+           "get_local_rank", "get_global_rank", "get_world_group", "get_backend", "new_group",
+           "barrier", "monitored_barrier", "all_reduce", "inference_all_reduce", "broadcast",
+           "all_gather", "all_gather_into_tensor", "allgather_fn", "reduce", "reduce_scatter",
+           "reduce_scatter_tensor", "reduce_scatter_fn", "all_to_all_single", "gather",
+           "scatter", "send", "recv", "isend", "irecv", "destroy_process_group", "ReduceOp",
+           "configure", "log_summary"]
+
+
+def _need() -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("zeropp comm: torch.distributed is not initialized; call "
+                           "deepspeed.init_distributed() (or deepspeed.initialize) first")
+
+
+def is_initialized() -> bool:
+    return dist.is_initialized()
+
+
+def is_available() -> bool:
+    return dist.is_available()
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank (0 before initialization, as DeepSpeed's scripts expect
+    of a single process)."""
+    return dist.get_rank(group) if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def get_world_size(group: Any = None) -> int:
+    return (dist.get_world_size(group) if dist.is_initialized()
+            else int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
+    _need()
+    return dist.get_global_rank(group or dist.group.WORLD, group_rank)
+
+
+def get_world_group() -> Any:
+    _need()
+    return dist.group.WORLD
+
+
+def get_backend(group: Any = None) -> str:
+    _need()
+    return dist.get_backend(group)
+
+
+def new_group(ranks: Optional[list[int]] = None, **kwargs: Any) -> Any:
+    _need()
+    return dist.new_group(ranks, **kwargs)
+
+
+def destroy_process_group(group: Any = None) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group(group)
+
+
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
+    _need()
+    return dist.barrier(group=group, async_op=async_op)
+
+
+def monitored_barrier(group: Any = None, timeout: Any = None,
+                      wait_all_ranks: bool = False) -> Any:
+    _need()
+    if dist.get_backend(group) == "gloo":
+        return dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+    return dist.barrier(group=group)  # only gloo implements the monitored one
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
+               async_op: bool = False, prof: bool = False, log_name: str = "all_reduce",
+               debug: Any = None) -> Any:
+    _need()
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
+                         **kwargs: Any) -> Any:
+    return all_reduce(tensor, op=op, group=group)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False,
+              **kwargs: Any) -> Any:
+    _need()
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+               async_op: bool = False, **kwargs: Any) -> Any:
+    _need()
+    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None,
+                           async_op: bool = False, **kwargs: Any) -> Any:
+    _need()
+    return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+
+
+def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
+                 async_op: bool = False, debug: Any = None) -> Any:
+    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None,
+           async_op: bool = False, **kwargs: Any) -> Any:
+    _need()
+    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM,
+                   group: Any = None, async_op: bool = False, **kwargs: Any) -> Any:
+    _need()
+    return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor,
+                          op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False,
+                          **kwargs: Any) -> Any:
+    _need()
+    return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group,
+                                      async_op=async_op)
+
+
+def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
+                      group: Any = None, async_op: bool = False, **kwargs: Any) -> Any:
+    return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor,
+                      output_split_sizes: Optional[list[int]] = None,
+                      input_split_sizes: Optional[list[int]] = None, group: Any = None,
+                      async_op: bool = False, **kwargs: Any) -> Any:
+    _need()
+    return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes,
+                                  group=group, async_op=async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]] = None, dst: int = 0,
+           group: Any = None, async_op: bool = False, **kwargs: Any) -> Any:
+    _need()
+    return dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: Optional[list[torch.Tensor]] = None, src: int = 0,
+            group: Any = None, async_op: bool = False, **kwargs: Any) -> Any:
+    _need()
+    return dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **kwargs: Any) -> Any:
+    _need()
+    return dist.send(tensor, dst=dst, group=group, tag=tag)
+
+
+def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Any = None, tag: int = 0,
+         **kwargs: Any) -> Any:
+    _need()
+    return dist.recv(tensor, src=src, group=group, tag=tag)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **kwargs: Any) -> Any:
+    _need()
+    return dist.isend(tensor, dst=dst, group=group, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Any = None, tag: int = 0,
+          **kwargs: Any) -> Any:
+    _need()
+    return dist.irecv(tensor, src=src, group=group, tag=tag)
+
+
+def configure(deepspeed_config: Any = None, enabled: Any = None, prof_all: Any = None,
+              prof_ops: Any = None, verbose: Any = None, debug: Any = None) -> None:
+    """DeepSpeed's comms logger switch: accepted; zeropp's own byte accounting is
+    `zeropp.comm_stats(model)`."""
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
+    """DeepSpeed prints its comms log here; zeropp points at its accounting."""
+    msg = "zeropp: per-collective byte counts are in zeropp.comm_stats(engine.module)"
+    if return_dict:
+        return {}
+    if get_rank() == 0:
+        print(msg, flush=True)
+    return None
