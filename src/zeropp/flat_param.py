@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import weakref
+import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -43,6 +44,15 @@ from .qgz import inter_node_codec, qgz_inter_encode, qgz_inter_exchange, qgz_int
 from .quant import quantize
 from .topology import Topology
 from .weights import WeightPath
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's name for a ZeRO-3 parameter's state, which libraries read from
+    `param.ds_status` (TRL gathers `lm_head.weight` when it is not AVAILABLE).
+    zeropp sets it on the module attributes: AVAILABLE while their unit is gathered."""
+    AVAILABLE = 1      # gathered: the full weights are in place
+    NOT_AVAILABLE = 2  # partitioned: only the shard exists
+    INFLIGHT = 3       # a gather is in flight
 
 
 @dataclass
@@ -157,6 +167,8 @@ class FlatParam:
                 self.pending.wait()
             self.pending = None
             self.gathered = True
+            for v in self.views:  # the same storage: whatever views exist now hold weights
+                v.ds_status = ZeroParamStatus.AVAILABLE
 
     def free(self) -> None:
         self.wait_gather()
@@ -166,6 +178,8 @@ class FlatParam:
 
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
+        for v in self.views:
+            v.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
     # ---- views ---------------------------------------------------------------
     def use_views(self) -> None:
@@ -180,8 +194,14 @@ class FlatParam:
         self._install_views(self.leaf)
 
     def _install_views(self, base: torch.Tensor) -> None:
-        for info, v in zip(self.infos, base.split(self.split_sizes)):
+        self.views = []
+        for k, (info, v) in enumerate(zip(self.infos, base.split(self.split_sizes))):
             v = v.view(info.shape)
+            # DeepSpeed's ZeRO-3 attributes, for libraries that inspect parameters.
+            v.ds_status = ZeroParamStatus.AVAILABLE if getattr(self, "gathered", False) \
+                else ZeroParamStatus.NOT_AVAILABLE
+            v.ds_shape, v.ds_numel, v.ds_id = info.shape, info.numel, (id(self), k)
+            self.views.append(v)
             for mod, attr in info.registrations:
                 mod.__dict__[attr] = v  # plain attribute: the Parameter was removed
 

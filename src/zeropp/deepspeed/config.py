@@ -191,8 +191,11 @@ def parse(config: Any, world: int) -> DSConfig:
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
         raise _err("gradient_clipping", clip, "a number >= 0 (0 = off)")
     spp = ds.get("steps_per_print")
-    if spp is not None:
-        _pos_int("steps_per_print", spp)
+    if isinstance(spp, float) and spp == math.inf:
+        spp = None  # accelerate writes inf: never print
+    elif spp is not None:
+        if not (_is_int(spp) and spp > 0):
+            raise _err("steps_per_print", spp, "a positive integer, or inf (never)")
     drop = ds.get("dataloader_drop_last", False)
     if not isinstance(drop, bool):
         raise _err("dataloader_drop_last", drop, "true or false")

@@ -154,3 +154,6 @@ class WarmupCosineLR(_Warmup):
 SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR,
              "WarmupCosineLR": WarmupCosineLR}
 UNSUPPORTED = ("OneCycle", "LRRangeTest")
+# DeepSpeed's list of its schedule names (accelerate checks a scheduler's class
+# name against it); the unsupported two are refused when a config names them.
+VALID_LR_SCHEDULES = ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]

@@ -7,27 +7,20 @@ with `modifier_rank=r`, rank r's edits are written into every shard on exit
 as in DeepSpeed. Parameters that zeropp does not shard make it a no-op, as
 DeepSpeed does for non-ZeRO parameters. `Init()` is accepted and does nothing:
 zeropp shards the model in `initialize`, after it is built whole.
-`ZeroParamStatus` is DeepSpeed's enum of a ZeRO-3 parameter's state (scripts
-compare `p.ds_status` with it); zeropp's module attributes are views that
-exist only while their unit is gathered, so it is there for those comparisons.
+`ZeroParamStatus`: DeepSpeed's enum of a ZeRO-3 parameter's state; zeropp's
+module attributes carry `ds_status` (AVAILABLE while their unit is gathered).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 
+from ..flat_param import ZeroParamStatus  # noqa: F401 - deepspeed.zero.ZeroParamStatus
 from ..gathered import gathered
-
-
-class ZeroParamStatus(enum.Enum):
-    AVAILABLE = 1      # gathered: the full weights are in place
-    NOT_AVAILABLE = 2  # partitioned: only the shard exists
-    INFLIGHT = 3       # a gather is in flight
 
 
 def _unit_of(t: Any) -> Any:

@@ -1,0 +1,91 @@
+"""Hugging Face Trainer on zeropp: a tiny GPT-2 built from its config (no hub)
+learns to count (a synthetic next-token task) with `TrainingArguments(deepspeed=...)`.
+The one added line is `zeropp.install_as_deepspeed()`, before transformers.
+
+    torchrun --nproc-per-node 2 examples/hf/trainer_lm.py --out runs/hf_trainer
+    torchrun --nproc-per-node 2 examples/hf/trainer_lm.py --out runs/hf_trainer --resume
+"""
+
+import zeropp
+
+zeropp.install_as_deepspeed()  # the one added line: Trainer's DeepSpeed path runs on zeropp
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainingArguments,
+)
+
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto",
+                                                      "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto",
+                                                      "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                          "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+}
+
+
+class Counting(Dataset):
+    """Sequences that count up from a random start (mod vocab): learnable in a few
+    steps, deterministic."""
+
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        start = torch.randint(0, vocab, (n, 1), generator=torch.Generator().manual_seed(0))
+        self.x = (start + torch.arange(seq)) % vocab
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2,
+                                      n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="runs/hf_trainer")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--ds-config", default=None, help="a ds_config.json (default: the dict above)")
+    p.add_argument("--no-zeropp-keys", action="store_true", help="plain ZeRO-3 (for parity)")
+    a = p.parse_args()
+    ds = json.load(open(a.ds_config)) if a.ds_config else DS_CONFIG
+    if a.no_zeropp_keys:
+        ds = {**ds, "zero_optimization": {"stage": 3,
+                                          "stage3_gather_16bit_weights_on_model_save": True}}
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    args = TrainingArguments(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=4,
+                             learning_rate=3e-3, warmup_steps=2, logging_steps=1,
+                             save_steps=a.steps // 2, save_strategy="steps", report_to=[],
+                             deepspeed=ds, seed=0, use_cpu=not torch.cuda.is_available(),
+                             dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Counting(256, 16, 64))
+    trainer.train(resume_from_checkpoint=True if a.resume else None)
+    trainer.save_model(a.out + "/final")
+    if trainer.is_world_process_zero():
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        print("losses", json.dumps(losses), flush=True)
+
+
+if __name__ == "__main__":
+    main()
