@@ -15,8 +15,8 @@ import os  # noqa: E402
 
 import torch  # noqa: E402
 from accelerate import Accelerator, DeepSpeedPlugin  # noqa: E402
+from tiny import Counting, tiny_gpt2, with_node_size, write_probe  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
-from trainer_lm import Counting, tiny_gpt2  # noqa: E402
 
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": 4,
@@ -32,9 +32,10 @@ def main() -> None:
     p.add_argument("--out", default="runs/hf_accelerate")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--resume", action="store_true", help="load --out/state, train the rest")
+    p.add_argument("--node-size", type=int, default=None, help="zeropp: ranks per node")
     a = p.parse_args()
-    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=DS_CONFIG),
-                      cpu=not torch.cuda.is_available())
+    ds = with_node_size(DS_CONFIG, a.node_size)
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
     torch.manual_seed(0)
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -61,6 +62,7 @@ def main() -> None:
     acc.unwrap_model(model).save_pretrained(
         os.path.join(a.out, "final"), is_main_process=acc.is_main_process,
         save_function=acc.save, state_dict=acc.get_state_dict(model))
+    write_probe(model, os.path.join(a.out, "final", "probe.json"), acc.is_main_process)
     if acc.is_main_process:
         print("losses", json.dumps(losses), flush=True)
 

@@ -1,10 +1,61 @@
-"""What the Hugging Face examples share, built offline (no hub): a word-level
-tokenizer with a chat template, a tiny Llama-style chat model, and a small chat
-set of arithmetic questions whose answers a few steps can learn."""
+"""What the Hugging Face examples share, built offline (no hub): a tiny GPT-2 and
+a counting task (Trainer, accelerate), a word-level tokenizer with a chat
+template, a tiny Llama-style chat model and a small chat set of sums (TRL), and
+the probe the tests use to check that a saved model reloads with equal outputs."""
 
 from __future__ import annotations
 
+import json
 import random
+
+import torch
+from torch.utils.data import Dataset
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2,
+                                      n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+class Counting(Dataset):
+    """Sequences that count up from a random start (mod vocab): learnable in a few
+    steps, deterministic."""
+
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        start = torch.randint(0, vocab, (n, 1), generator=torch.Generator().manual_seed(0))
+        self.x = (start + torch.arange(seq)) % vocab
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def with_node_size(ds: dict, node_size) -> dict:
+    """zeropp's own config section: ranks per node (2x2 emulated on one machine)."""
+    if not node_size:
+        return ds
+    return {**ds, "zeropp": {**ds.get("zeropp", {}), "node_size": node_size}}
+
+
+PROBE = [[1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+@torch.no_grad()
+def write_probe(model, path: str, is_main: bool) -> None:
+    """The trained model's logits on PROBE, written by rank 0 (every rank runs the
+    forward: the model is sharded)."""
+    was = model.training
+    model.eval()
+    logits = model(input_ids=torch.tensor(PROBE)).logits.float()
+    model.train(was)
+    if is_main:
+        with open(path, "w") as f:
+            json.dump(logits.reshape(-1).tolist(), f)
 
 WORDS = [str(i) for i in range(20)] + ["what", "is", "plus", "?", "the", "answer"]
 SPECIAL = ["<pad>", "<s>", "</s>", "<user>", "<assistant>"]
@@ -25,7 +76,6 @@ def tokenizer():
 
 
 def chat_model(tok):
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(

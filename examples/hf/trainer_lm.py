@@ -14,13 +14,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 
 import torch  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
-from transformers import (  # noqa: E402
-    GPT2Config,
-    GPT2LMHeadModel,
-    Trainer,
-    TrainingArguments,
-)
+from tiny import Counting, tiny_gpt2, with_node_size, write_probe  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -39,39 +34,15 @@ DS_CONFIG = {
 }
 
 
-class Counting(Dataset):
-    """Sequences that count up from a random start (mod vocab): learnable in a few
-    steps, deterministic."""
-
-    def __init__(self, n: int, seq: int, vocab: int) -> None:
-        start = torch.randint(0, vocab, (n, 1), generator=torch.Generator().manual_seed(0))
-        self.x = (start + torch.arange(seq)) % vocab
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.x[i], "labels": self.x[i]}
-
-
-def tiny_gpt2() -> GPT2LMHeadModel:
-    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2,
-                                      n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="runs/hf_trainer")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--ds-config", default=None, help="a ds_config.json (default: the dict above)")
-    p.add_argument("--no-zeropp-keys", action="store_true", help="plain ZeRO-3 (for parity)")
+    p.add_argument("--node-size", type=int, default=None, help="zeropp: ranks per node")
     a = p.parse_args()
-    ds = json.load(open(a.ds_config)) if a.ds_config else DS_CONFIG
-    if a.no_zeropp_keys:
-        ds = {**ds, "zero_optimization": {"stage": 3,
-                                          "stage3_gather_16bit_weights_on_model_save": True}}
+    ds = json.load(open(a.ds_config)) if a.ds_config else with_node_size(DS_CONFIG, a.node_size)
     torch.manual_seed(0)
     model = tiny_gpt2()
     args = TrainingArguments(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=4,
@@ -82,6 +53,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=Counting(256, 16, 64))
     trainer.train(resume_from_checkpoint=True if a.resume else None)
     trainer.save_model(a.out + "/final")
+    write_probe(trainer.model, a.out + "/final/probe.json", trainer.is_world_process_zero())
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         print("losses", json.dumps(losses), flush=True)

@@ -13,7 +13,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 
 import torch  # noqa: E402
-from tiny import chat_model, chats, tokenizer  # noqa: E402
+from tiny import chat_model, chats, tokenizer, with_node_size, write_probe  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 DS_CONFIG = {
@@ -32,9 +32,7 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--node-size", type=int, default=None, help="zeropp: ranks per node")
     a = p.parse_args()
-    ds = DS_CONFIG
-    if a.node_size:
-        ds = {**ds, "zeropp": {**ds["zeropp"], "node_size": a.node_size}}
+    ds = with_node_size(DS_CONFIG, a.node_size)
     tok = tokenizer()
     args = SFTConfig(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=8,
                      learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1,
@@ -45,6 +43,7 @@ def main() -> None:
                          processing_class=tok)
     trainer.train(resume_from_checkpoint=True if a.resume else None)
     trainer.save_model(a.out + "/final")
+    write_probe(trainer.model, a.out + "/final/probe.json", trainer.is_world_process_zero())
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         print("losses", json.dumps(losses), flush=True)

@@ -29,9 +29,9 @@ call `zeropp.refresh(model)`.
 
 from __future__ import annotations
 
+import enum
 import math
 import weakref
-import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 

@@ -42,7 +42,6 @@ NAMES = {
     "deepspeed.zero": "zeropp.deepspeed.zero",
     "deepspeed.runtime.engine": "zeropp.deepspeed.engine",
     "deepspeed.runtime.lr_schedules": "zeropp.deepspeed.lr_schedules",
-    "deepspeed.runtime.zero.partition_parameters": "zeropp.deepspeed.zero",
 }
 
 # DeepSpeed features zeropp leaves out, for the refusal's message.
@@ -168,8 +167,10 @@ def _package(name: str, **attrs: Any) -> types.ModuleType:
 
 def _namespaces() -> dict[str, types.ModuleType]:
     """DeepSpeed's package levels and the names the libraries import from them."""
+    import torch
+
+    from . import accelerator, engine, lr_schedules, zero
     from . import comm as ds_comm
-    from . import engine, lr_schedules, zero
     top = importlib.import_module("zeropp.deepspeed")
     public = {k: getattr(top, k) for k in top.__all__}
     logger = logging.getLogger("zeropp.deepspeed")
@@ -177,14 +178,37 @@ def _namespaces() -> dict[str, types.ModuleType]:
         "deepspeed": _package("deepspeed", __doc__="zeropp standing in for DeepSpeed",
                               __version__=DEEPSPEED_VERSION, **public,
                               init_inference=_not_here("deepspeed.init_inference",
-                                                       "DeepSpeed-Inference")),
+                                                       "DeepSpeed-Inference"),
+                              tp_model_init=_not_here("deepspeed.tp_model_init",
+                                                      "tensor parallelism")),
         "deepspeed.runtime": _package("deepspeed.runtime", DeepSpeedEngine=engine.DeepSpeedEngine,
                                       lr_schedules=lr_schedules),
-        "deepspeed.runtime.zero": _package("deepspeed.runtime.zero", ZeroParamStatus=zero.ZeroParamStatus,
-                                           GatheredParameters=zero.GatheredParameters),
+        "deepspeed.runtime.zero": _package("deepspeed.runtime.zero",
+                                           ZeroParamStatus=zero.ZeroParamStatus,
+                                           GatheredParameters=zero.GatheredParameters,
+                                           Init=zero.Init),
+        # transformers swaps `zero_wrapper_for_fp_tensor_constructor` around its
+        # zero.Init; zeropp's Init wraps nothing, so the wrapper is never called.
+        "deepspeed.runtime.zero.partition_parameters": _package(
+            "deepspeed.runtime.zero.partition_parameters", ZeroParamStatus=zero.ZeroParamStatus,
+            GatheredParameters=zero.GatheredParameters, Init=zero.Init,
+            register_external_parameter=zero.register_external_parameter,
+            zero_wrapper_for_fp_tensor_constructor=lambda fn, *a, **k: fn,
+            _orig_torch_arange=torch.arange, get_accelerator=accelerator.get_accelerator),
         "deepspeed.utils": _package("deepspeed.utils", logger=logger,
-                                    log_dist=_log_dist(logger, ds_comm)),
+                                    log_dist=_log_dist(logger, ds_comm),
+                                    is_initialized=ds_comm.is_initialized,
+                                    set_z3_leaf_modules=_set_z3_leaf_modules),
     }
+
+
+def _set_z3_leaf_modules(model: Any, leaf_module_classes: Any) -> list:
+    """DeepSpeed gathers a "leaf" module (a MoE block) whole instead of per
+    submodule; a zeropp unit is always gathered whole, so nothing changes. Returns
+    the matching modules, as DeepSpeed does."""
+    classes = tuple(c for c in leaf_module_classes if isinstance(c, type))
+    names = {c for c in leaf_module_classes if isinstance(c, str)}
+    return [m for m in model.modules() if isinstance(m, classes) or type(m).__name__ in names]
 
 
 def _not_here(name: str, what: str) -> Any:

@@ -114,7 +114,33 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     sched = _scheduler(opt, optimizer, lr_scheduler, ds)
     loader = _dataloader(training_data, ds, collate_fn)
     engine = DeepSpeedEngine(module, ds, opt, sched, loader, device)
+    _zero3_attributes(module, opt)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+class _ParameterOffload:
+    """What DeepSpeed ZeRO-3's optimizer exposes as `parameter_offload`: the module
+    and its hook lists. TRL removes and re-adds those hooks around generation
+    (`unwrap_model_for_generation`, inside GatheredParameters); zeropp's hooks do no
+    collective while a unit is gathered, so they stay, and these lists are empty."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.forward_hooks: list = []
+        self.backward_hooks: list = []
+
+    def _register_deepspeed_module(self, module: nn.Module) -> None:
+        pass
+
+
+def _zero3_attributes(module: nn.Module, opt: Any) -> None:
+    """The ZeRO-3 attributes libraries touch on the optimizer, the master shards
+    and the root module (see _ParameterOffload)."""
+    if opt is not None:
+        opt.parameter_offload = _ParameterOffload(module)
+    for p in module.parameters():
+        p.ds_active_sub_modules = set()
+    module.ds_external_parameters = lambda: []
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

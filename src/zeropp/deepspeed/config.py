@@ -38,6 +38,15 @@ ZERO_IGNORED = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size",
                 "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
                 "sub_group_size", "allgather_bucket_size", "round_robin_gradients",
                 "zero_quantized_nontrainable_weights_bits"}
+OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
+# Sections that turn on a DeepSpeed feature zeropp does not have.
+UNSUPPORTED_SECTIONS = {"pipeline": "pipeline parallelism", "moe": "Mixture-of-Experts",
+                        "tensor_parallel": "tensor parallelism",
+                        "sequence_parallel_size": "sequence parallelism",
+                        "compression_training": "compression", "amp": "apex AMP",
+                        "zenflow": "ZenFlow", "nebula": "Nebula checkpoints",
+                        "aio": "NVMe offload", "autotuning": "the autotuner",
+                        "data_efficiency": "data efficiency (curriculum / routing)"}
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
              "fp16_master_weights_and_grads"}
@@ -160,9 +169,43 @@ def _fp16(sec: Optional[dict]) -> Optional[LossScaling]:
     return ls
 
 
+def _refuse_unsupported(ds: dict) -> None:
+    """DeepSpeed features zeropp does not have: one line naming the key."""
+    zo = ds.get("zero_optimization")
+    for key in OFFLOAD_KEYS:
+        sec = zo.get(key) if isinstance(zo, dict) else None
+        device = sec.get("device", "none") if isinstance(sec, dict) else sec
+        if sec is not None and device not in ("none", None):
+            raise ValueError(f"DeepSpeed config: zero_optimization.{key}.device={device!r} is "
+                             "not supported (zeropp has no ZeRO-Offload); allowed: \"none\"")
+    for key, what in UNSUPPORTED_SECTIONS.items():
+        sec = ds.get(key)
+        if key == "tensor_parallel" and isinstance(sec, dict):
+            on = sec.get("autotp_size", sec.get("tp_size", 1)) not in (0, 1)
+        elif key == "sequence_parallel_size":
+            on = sec not in (None, 0, 1)
+        else:
+            on = bool(sec) and (not isinstance(sec, dict) or sec.get("enabled", True) is True)
+        if on:
+            raise ValueError(f"DeepSpeed config: {key} is not supported ({what} is not part of "
+                             "zeropp); remove the section")
+
+
+def _drop_auto(tree: Any) -> Any:
+    """Hugging Face fills "auto" values; any left unfilled mean "the default", as in
+    DeepSpeed (which drops them)."""
+    if isinstance(tree, dict):
+        return {k: _drop_auto(v) for k, v in tree.items() if v != "auto"}
+    return tree
+
+
 def parse(config: Any, world: int) -> DSConfig:
     """A DeepSpeed config (dict or JSON path) for a world of `world` ranks."""
-    ds = _load_ds(config)
+    ds = _drop_auto(_load_ds(config))
+    # TRL writes tuning knobs as flat dotted keys ("zero_optimization.reduce_bucket_size");
+    # DeepSpeed ignores them, and so do we when they name a knob zeropp ignores.
+    ds = {k: v for k, v in ds.items()
+          if not (k.startswith("zero_optimization.") and k.split(".", 1)[1] in ZERO_IGNORED)}
     tb, mb, gas = batch_sizes(ds, world)
     if "bfloat16" in ds and "bf16" not in ds:
         ds = {**ds, "bf16": ds["bfloat16"]}
@@ -170,9 +213,12 @@ def parse(config: Any, world: int) -> DSConfig:
     unknown = sorted(k for k in ds if k not in KNOWN | IGNORED)
     for name, sec, keys in (("fp16", fp16, FP16_KEYS), ("bf16", bf16, BF16_KEYS)):
         unknown += [f"{name}.{k}" for k in (sec or {}) if k not in keys]
+    _refuse_unsupported(ds)
     zo = ds.get("zero_optimization")
     if zo is None:
         zo = {"stage": 3}  # zeropp is ZeRO-3: a script without the section gets it
+    if isinstance(zo, dict):
+        zo = {k: v for k, v in zo.items() if k not in OFFLOAD_KEYS}  # checked: device none
     if isinstance(zo, dict):
         unknown += [f"zero_optimization.{k}" for k in zo
                     if k not in ZERO_IGNORED and k != "stage" and not k.startswith("zero_")]

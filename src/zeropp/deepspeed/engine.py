@@ -258,6 +258,7 @@ class DeepSpeedEngine(nn.Module):
                     self.lr_scheduler.step(**(lr_kwargs or {}))
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
+        self.optimizer.overflow = overflow  # DeepSpeed's optimizers say so (accelerate reads it)
         self.optimizer.zero_grad(set_to_none=True)
         self._global_grad_norm = norm
         self._step_applied = not overflow
@@ -268,6 +269,11 @@ class DeepSpeedEngine(nn.Module):
                   f"lr={self.get_lr()}{scale_txt}", flush=True)
         self.global_steps += 1
         self.global_samples += self._config.train_batch_size
+
+    def compile(self, backend: Any = None, compile_kwargs: Any = None, **kwargs: Any) -> None:
+        raise NotImplementedError("zeropp engine.compile(): torch.compile of a zeropp-sharded "
+                                  "model is not supported (its gathers run in module hooks); "
+                                  "train without torch_compile")
 
     # ---- memory ------------------------------------------------------------------------
     def empty_partition_cache(self) -> None:

@@ -69,3 +69,13 @@ def Init(*args: Any, **kwargs: Any) -> Iterator[None]:
     """Accepted for DeepSpeed scripts; zeropp builds the model whole and shards it in
     `initialize` (models that only fit sharded need zeropp.shard per submodule)."""
     yield
+
+
+def register_external_parameter(module: Any, parameter: Any) -> None:
+    """DeepSpeed needs to be told of a parameter a module's forward uses but does not
+    own. zeropp gathers whole units (a transformer block, the root with everything
+    else), so a parameter used inside its own unit needs nothing: accepted."""
+
+
+def unregister_external_parameter(module: Any, parameter: Any) -> None:
+    """See register_external_parameter."""

@@ -1,0 +1,165 @@
+"""DeepSpeed's script surface beyond initialize: `deepspeed.accelerator`,
+`deepspeed.comm`, `zero.ZeroParamStatus` / `ds_status`, the engine's ZeRO-3
+methods (config dict, consolidated 16-bit state dict, partition cache), per-rank
+client_state in checkpoints, the config keys Hugging Face writes ("auto", inf,
+dotted keys) and the one-line refusals of features zeropp does not have."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import batch, build, loss_of
+
+import zeropp
+from zeropp.deepspeed import config as ds_config
+from zeropp.launch import spawn
+from zeropp.shard import get_state
+
+CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+       "zero_optimization": {"stage": 3}}
+
+
+# ---- accelerator -----------------------------------------------------------------------
+def test_cpu_accelerator_answers_deepspeeds_questions():
+    from zeropp.accelerator import get_accelerator
+    acc = get_accelerator()
+    assert acc.device_name() == "cpu" and acc.device_name(0) == "cpu"
+    assert acc.current_device_name() == "cpu" and acc.device(3) == torch.device("cpu")
+    assert acc.communication_backend_name() == "gloo" and acc.is_available()
+    assert acc.is_bf16_supported() and torch.bfloat16 in acc.supported_dtypes()
+    assert acc.on_accelerator(torch.zeros(1)) and not acc.is_pinned(torch.zeros(1))
+    acc.set_device(0)
+    acc.synchronize()
+    acc.manual_seed_all(5)
+    a = torch.rand(3)
+    acc.manual_seed(5)
+    assert torch.equal(a, torch.rand(3))
+    with acc.stream(acc.Stream()):
+        e = acc.Event()
+        e.record()
+        e.synchronize()
+    assert acc.FloatTensor(2, 3).shape == (2, 3) and acc.LongTensor([1, 2]).dtype == torch.int64
+
+
+def test_cpu_peak_memory_resets_and_sees_a_256_mb_allocation():
+    from zeropp.accelerator import get_accelerator
+    acc = get_accelerator()
+    acc.reset_peak_memory_stats()
+    base = acc.max_memory_allocated()
+    x = torch.ones(64 * 2**20)  # 256 MiB, touched
+    peak = acc.max_memory_allocated()
+    del x
+    assert peak - base >= 200 * 2**20, (base, peak)
+    assert acc.memory_allocated() > 0 and acc.total_memory() > peak
+
+
+def test_unknown_accelerator_is_one_clear_error(monkeypatch):
+    from zeropp.deepspeed import accelerator as a
+    monkeypatch.setattr(a, "_accelerator", None)
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    with pytest.raises(ValueError, match="'xpu' is not supported; allowed: cuda, cpu"):
+        a.get_accelerator()
+
+
+# ---- config keys Hugging Face writes, and refusals ----------------------------------------
+def test_hf_config_values_auto_inf_and_dotted_keys_are_accepted():
+    ds = ds_config.parse({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
+                          "gradient_clipping": "auto", "steps_per_print": float("inf"),
+                          "zero_optimization.reduce_bucket_size": 4096.0,
+                          "zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
+                                                "stage3_prefetch_bucket_size": "auto"}}, 2)
+    assert (ds.micro_batch, ds.grad_accum, ds.train_batch_size) == (2, 1, 4)
+    assert ds.gradient_clipping == 1.0 and ds.steps_per_print is None  # defaults, as DeepSpeed
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage=2 is invalid; allowed: 3"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.offload_optimizer.device='cpu' is not supported"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "zero_optimization.offload_param.device='nvme' is not supported"),
+    ({"pipeline": {"stages": 2}}, "pipeline is not supported (pipeline parallelism"),
+    ({"moe": {"enabled": True}}, "moe is not supported (Mixture-of-Experts"),
+    ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel is not supported"),
+    ({"sequence_parallel_size": 2}, "sequence_parallel_size is not supported"),
+])
+def test_unsupported_deepspeed_features_are_one_line_naming_the_key(extra, words):
+    with pytest.raises(ValueError) as e:
+        ds_config.parse({"train_batch_size": 4, **extra}, 2)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- distributed: comm, engine methods, ds_status, per-rank client_state -----------------
+def _surface_worker(ckpt: str) -> dict:
+    import zeropp.comm as comm
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {"rank": comm.get_rank(), "world": comm.get_world_size(),
+                 "local": comm.get_local_rank(), "init": comm.is_initialized()}
+    t = torch.tensor([float(rank + 1)])
+    comm.all_reduce(t)
+    out["all_reduce"] = t.item()
+    b = torch.tensor([float(rank)])
+    comm.broadcast(b, src=1)
+    out["broadcast"] = b.item()
+    parts = [torch.zeros(1) for _ in range(world)]
+    comm.all_gather(parts, torch.tensor([float(rank * 10)]))
+    out["all_gather"] = [p.item() for p in parts]
+    comm.barrier()
+    out["world_group"] = comm.get_world_group() is dist.group.WORLD
+
+    eng, _, _, _ = zeropp.initialize(model=build("gpt"), config=CFG)
+    out["config_is_dict"] = eng.config["zero_optimization"] == {"stage": 3}
+    out["gather_on_save"] = eng.zero_gather_16bit_weights_on_model_save()
+    status = zeropp.zero.ZeroParamStatus
+    # ds_status: NOT_AVAILABLE at rest, AVAILABLE inside the unit's forward and under
+    # GatheredParameters, NOT_AVAILABLE again after.
+    w = eng.module.h[0].attn.qkv  # a Linear inside the first block unit
+    out["rest"] = w.weight.ds_status == status.NOT_AVAILABLE
+    inside = []
+    h = w.register_forward_pre_hook(lambda m, a: inside.append(m.weight.ds_status))
+    x, y = batch("gpt", 0, 0, world, rank)
+    loss = loss_of("gpt", eng, x, y)
+    h.remove()
+    out["in_forward"] = inside == [status.AVAILABLE]
+    eng.backward(loss)
+    eng.step()
+    out["after_step"] = w.weight.ds_status == status.NOT_AVAILABLE
+    with zeropp.zero.GatheredParameters(eng.module.parameters()):
+        out["gathered"] = w.weight.ds_status == status.AVAILABLE
+    out["ds_shape"] = tuple(w.weight.ds_shape) == tuple(w.weight.shape)
+    # The consolidated 16-bit state dict: rank 0 gets full_state_dict's values, others None.
+    sd = eng._zero3_consolidated_16bit_state_dict()
+    full = zeropp.full_state_dict(eng.module)
+    out["consolidated"] = (sd is None) if rank else (
+        sd.keys() == full.keys() and all(torch.equal(sd[k], full[k]) for k in sd))
+    # The partition cache: nothing gathered after it, and training goes on.
+    eng.empty_partition_cache()
+    out["cache_empty"] = all(not f.gathered for f in get_state(eng.module).flats)
+    eng.destroy()
+    loss = loss_of("gpt", eng, *batch("gpt", 1, 0, world, rank))
+    eng.backward(loss)
+    eng.step()
+    with pytest.raises(NotImplementedError, match="torch.compile"):
+        eng.compile()
+    # Per-rank client_state: every rank gets its own values back.
+    gen = torch.Generator().manual_seed(100 + rank)
+    eng.save_checkpoint(ckpt, client_state={"rank_value": rank, "name": f"r{rank}",
+                                            "t": torch.full((2,), float(rank)), "gen": gen,
+                                            "nested": {"k": [rank, rank * 2]}})
+    _, cs = eng.load_checkpoint(ckpt)
+    out["client"] = (cs["rank_value"], cs["name"], cs["t"].tolist(), cs["nested"],
+                     torch.equal(cs["gen"].get_state(), gen.get_state()))
+    return out
+
+
+def test_comm_engine_methods_ds_status_and_per_rank_client_state(tmp_path):
+    rs = spawn(_surface_worker, 2, args=(str(tmp_path / "ck"),), timeout=300)
+    for r, o in enumerate(rs):
+        assert (o["rank"], o["world"], o["local"], o["init"]) == (r, 2, r, True)
+        assert o["all_reduce"] == 3.0 and o["broadcast"] == 1.0 and o["all_gather"] == [0, 10]
+        assert o["world_group"] and o["config_is_dict"] and o["gather_on_save"]
+        assert o["rest"] and o["in_forward"] and o["after_step"] and o["gathered"]
+        assert o["ds_shape"] and o["consolidated"] and o["cache_empty"]
+        assert o["client"] == (r, f"r{r}", [float(r)] * 2, {"k": [r, 2 * r]}, True)
