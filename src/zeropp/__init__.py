@@ -15,6 +15,7 @@ from .deepspeed import (
     accelerator,
     add_config_arguments,
     comm,
+    get_accelerator,
     init_distributed,
     initialize,
     zero,
@@ -29,7 +30,7 @@ __all__ = ["Config", "Topology", "get_topology", "shard", "clip_grad_norm_", "co
            "reset_comm_stats", "refresh", "gathered", "full_state_dict", "save_checkpoint",
            "load_checkpoint", "CheckpointError", "initialize", "init_distributed",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator",
-           "install_as_deepspeed"]
+           "install_as_deepspeed", "get_accelerator"]
 __version__ = "0.1.0"
 
 # `from zeropp.accelerator import get_accelerator` (as scripts write it for deepspeed):

@@ -14,8 +14,9 @@ accelerate and TRL after `zeropp.install_as_deepspeed()` (alias.py).
 """
 
 from . import accelerator, comm, lr_schedules, zero
+from .accelerator import get_accelerator
 from .compat import add_config_arguments, init_distributed, initialize
 from .engine import DeepSpeedEngine
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero",
-           "comm", "accelerator", "lr_schedules"]
+           "comm", "accelerator", "lr_schedules", "get_accelerator"]

@@ -46,7 +46,7 @@ NAMES = {
 
 # DeepSpeed features zeropp leaves out, for the refusal's message.
 NOT_HERE = {
-    "deepspeed.moe": "Mixture-of-Experts",
+    "deepspeed.moe": "Mixture-of-Experts",  # but for the two names in _namespaces
     "deepspeed.pipe": "pipeline parallelism",
     "deepspeed.runtime.pipe": "pipeline parallelism",
     "deepspeed.inference": "DeepSpeed-Inference kernels",
@@ -195,11 +195,29 @@ def _namespaces() -> dict[str, types.ModuleType]:
             register_external_parameter=zero.register_external_parameter,
             zero_wrapper_for_fp_tensor_constructor=lambda fn, *a, **k: fn,
             _orig_torch_arange=torch.arange, get_accelerator=accelerator.get_accelerator),
+        # Scripts import these at the top even when they run no MoE layer.
+        "deepspeed.moe": _package("deepspeed.moe"),
+        "deepspeed.moe.utils": _package(
+            "deepspeed.moe.utils",
+            split_params_into_different_moe_groups_for_optimizer=_no_moe_groups,
+            is_moe_param=lambda param: False),
+        "deepspeed.moe.layer": _package("deepspeed.moe.layer",
+                                        MoE=_not_here("deepspeed.moe.layer.MoE",
+                                                      "Mixture-of-Experts")),
         "deepspeed.utils": _package("deepspeed.utils", logger=logger,
                                     log_dist=_log_dist(logger, ds_comm),
                                     is_initialized=ds_comm.is_initialized,
                                     set_z3_leaf_modules=_set_z3_leaf_modules),
     }
+
+
+def _no_moe_groups(param_groups: Any, max_group_size: Any = None) -> Any:
+    """DeepSpeed splits expert parameters into groups of their own; zeropp models
+    have no expert parameters (deepspeed.moe.layer.MoE is refused), so the groups
+    come back as they are (as a list, as DeepSpeed returns them)."""
+    if isinstance(param_groups, dict):
+        return [param_groups]
+    return list(param_groups) if isinstance(param_groups, (list, tuple)) else param_groups
 
 
 def _set_z3_leaf_modules(model: Any, leaf_module_classes: Any) -> list:

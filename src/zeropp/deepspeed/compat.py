@@ -138,8 +138,11 @@ def _zero3_attributes(module: nn.Module, opt: Any) -> None:
     and the root module (see _ParameterOffload)."""
     if opt is not None:
         opt.parameter_offload = _ParameterOffload(module)
-    for p in module.parameters():
+    from ..flat_param import FlatParam, ZeroParamStatus
+    for p in module.parameters():  # the master shards: partitioned, always
+        f = FlatParam.owner_of(p)
         p.ds_active_sub_modules = set()
+        p.ds_status, p.ds_id = ZeroParamStatus.NOT_AVAILABLE, f.name if f is not None else None
     module.ds_external_parameters = lambda: []
 
 

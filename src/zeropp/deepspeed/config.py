@@ -15,9 +15,12 @@ the key.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from ..config import Config, _is_int, _load_ds
@@ -37,7 +40,9 @@ ZERO_IGNORED = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size",
                 "stage3_max_live_parameters", "stage3_max_reuse_distance",
                 "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
                 "sub_group_size", "allgather_bucket_size", "round_robin_gradients",
-                "zero_quantized_nontrainable_weights_bits"}
+                "zero_quantized_nontrainable_weights_bits", "allgather_partitions",
+                "reduce_scatter", "cpu_offload", "load_from_fp32_weights",
+                "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1"}
 OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 # Sections that turn on a DeepSpeed feature zeropp does not have.
 UNSUPPORTED_SECTIONS = {"pipeline": "pipeline parallelism", "moe": "Mixture-of-Experts",
@@ -172,6 +177,9 @@ def _fp16(sec: Optional[dict]) -> Optional[LossScaling]:
 def _refuse_unsupported(ds: dict) -> None:
     """DeepSpeed features zeropp does not have: one line naming the key."""
     zo = ds.get("zero_optimization")
+    if isinstance(zo, dict) and zo.get("cpu_offload") not in (None, False):
+        raise ValueError("DeepSpeed config: zero_optimization.cpu_offload=true is not supported "
+                         "(zeropp has no ZeRO-Offload); allowed: false")
     for key in OFFLOAD_KEYS:
         sec = zo.get(key) if isinstance(zo, dict) else None
         device = sec.get("device", "none") if isinstance(sec, dict) else sec
@@ -199,9 +207,34 @@ def _drop_auto(tree: Any) -> Any:
     return tree
 
 
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def with_override(ds: dict) -> dict:
+    """`ZEROPP_DS_CONFIG` (a JSON object, inline or a file path) merged over the
+    script's config: how the ZeRO++ keys (or stage 3) reach a script that builds its
+    config in code, without editing it."""
+    text = os.environ.get("ZEROPP_DS_CONFIG", "").strip()
+    if not text:
+        return ds
+    try:
+        over = json.loads(text) if text.startswith("{") else json.loads(Path(text).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"ZEROPP_DS_CONFIG: not a JSON object or a readable JSON file: {e}") \
+            from None
+    if not isinstance(over, dict):
+        raise ValueError("ZEROPP_DS_CONFIG: must be a JSON object")
+    return _merge(ds, over)
+
+
 def parse(config: Any, world: int) -> DSConfig:
-    """A DeepSpeed config (dict or JSON path) for a world of `world` ranks."""
-    ds = _drop_auto(_load_ds(config))
+    """A DeepSpeed config (dict or JSON path) for a world of `world` ranks, with
+    `ZEROPP_DS_CONFIG` merged over it."""
+    ds = _drop_auto(with_override(_load_ds(config)))
     # TRL writes tuning knobs as flat dotted keys ("zero_optimization.reduce_bucket_size");
     # DeepSpeed ignores them, and so do we when they name a knob zeropp ignores.
     ds = {k: v for k, v in ds.items()
