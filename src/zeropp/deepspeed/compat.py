@@ -4,7 +4,7 @@ training script (README, "Coming from DeepSpeed").
 
 `initialize` builds, in DeepSpeed's order: the process group (from torchrun's
 or the deepspeed launcher's environment, or one process), the config
-(ds_config.py), the sharded model (zeropp.shard with the config's ZeRO++
+(config.py), the sharded model (zeropp.shard with the config's ZeRO++
 keys), the optimizer over the master shards, the LR schedule, the data loader
 and the engine (engine.py).
 
