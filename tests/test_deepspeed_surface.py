@@ -126,8 +126,14 @@ def _surface_worker(ckpt: str) -> dict:
     eng.backward(loss)
     eng.step()
     out["after_step"] = w.weight.ds_status == status.NOT_AVAILABLE
-    with zeropp.zero.GatheredParameters(eng.module.parameters()):
+    with zeropp.zero.GatheredParameters(eng.module.parameters()):  # TRL's generation context
         out["gathered"] = w.weight.ds_status == status.AVAILABLE
+        zeropp.reset_comm_stats(eng.module)
+        with torch.no_grad():
+            for _ in range(3):  # "tokens": no collective per forward
+                eng(x)
+        st = zeropp.comm_stats(eng.module)
+        out["per_token_bytes"] = st["inter_node_bytes"] + st["intra_node_bytes"]
     out["ds_shape"] = tuple(w.weight.ds_shape) == tuple(w.weight.shape)
     # The consolidated 16-bit state dict: rank 0 gets full_state_dict's values, others None.
     sd = eng._zero3_consolidated_16bit_state_dict()
@@ -162,4 +168,5 @@ def test_comm_engine_methods_ds_status_and_per_rank_client_state(tmp_path):
         assert o["world_group"] and o["config_is_dict"] and o["gather_on_save"]
         assert o["rest"] and o["in_forward"] and o["after_step"] and o["gathered"]
         assert o["ds_shape"] and o["consolidated"] and o["cache_empty"]
+        assert o["per_token_bytes"] == 0
         assert o["client"] == (r, f"r{r}", [float(r)] * 2, {"k": [r, 2 * r]}, True)

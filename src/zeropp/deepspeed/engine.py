@@ -84,7 +84,7 @@ class LossScaler:
 
 class DeepSpeedEngine(nn.Module):
     """Made by `zeropp.initialize`; see the module docstring. Attribute access
-    falls through to the model (`engine.config` of an HF model, ...)."""
+    falls through to the model (`engine.generate`, ...)."""
 
     def __init__(self, module: nn.Module, ds: DSConfig,
                  optimizer: Optional[torch.optim.Optimizer],
