@@ -9,7 +9,8 @@ FusedAdam / CPUAdam need compiled ops; WarmupDecayLR; batch sizes, clipping and
 hyperparameters "auto", i.e. from TrainingArguments). Compares rank 0's per-step
 loss (the script's `losses [...]` line, full precision) and grad norm and learning
 rate (Trainer's log_history, full precision, from the last checkpoint's
-trainer_state.json).
+trainer_state.json). Residual differences (~1 float32 ulp) come from clipping: DeepSpeed
+takes the grad norm in fp64, zeropp in fp32; with max_grad_norm=0 both are bit-equal.
 
     python benchmarks/hf_parity.py --steps 20 [--ds-python /tmp/dsvenv/bin/python] [--write PATH]
 """
