@@ -45,6 +45,17 @@ def with_node_size(ds: dict, node_size) -> dict:
 PROBE = [[1, 2, 3, 4, 5, 6, 7, 8]]
 
 
+def finish(trainer, out: str, series: str) -> None:
+    """After `trainer.train()`: save the model (`out/final`), write the probe the
+    tests check the reload against, and print the logged `series` ("loss" or
+    "reward") as `losses [...]` / `rewards [...]`."""
+    trainer.save_model(out + "/final")
+    write_probe(trainer.model, out + "/final/probe.json", trainer.is_world_process_zero())
+    if trainer.is_world_process_zero():
+        values = [h[series] for h in trainer.state.log_history if series in h]
+        print(series + ("es" if series.endswith("s") else "s"), json.dumps(values), flush=True)
+
+
 @torch.no_grad()
 def write_probe(model, path: str, is_main: bool) -> None:
     """The trained model's logits on PROBE, written by rank 0 (every rank runs the

@@ -14,7 +14,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 
 import torch  # noqa: E402
-from tiny import Counting, tiny_gpt2, with_node_size, write_probe  # noqa: E402
+from tiny import Counting, finish, tiny_gpt2, with_node_size  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 DS_CONFIG = {
@@ -52,11 +52,7 @@ def main() -> None:
                              dataloader_num_workers=0, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=Counting(256, 16, 64))
     trainer.train(resume_from_checkpoint=True if a.resume else None)
-    trainer.save_model(a.out + "/final")
-    write_probe(trainer.model, a.out + "/final/probe.json", trainer.is_world_process_zero())
-    if trainer.is_world_process_zero():
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        print("losses", json.dumps(losses), flush=True)
+    finish(trainer, a.out, "loss")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,9 @@ import zeropp
 zeropp.install_as_deepspeed()  # the one added line: TRL's DeepSpeed path runs on zeropp
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 
 import torch  # noqa: E402
-from tiny import chat_model, chats, prompts, tokenizer, with_node_size, write_probe  # noqa: E402
+from tiny import chat_model, chats, finish, prompts, tokenizer, with_node_size  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 DS_CONFIG = {
@@ -69,11 +68,7 @@ def main() -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=reward_big, args=args,
                           train_dataset=prompts(256), processing_class=tok)
     trainer.train(resume_from_checkpoint=True if a.resume else None)
-    trainer.save_model(a.out + "/final")
-    write_probe(trainer.model, a.out + "/final/probe.json", trainer.is_world_process_zero())
-    if trainer.is_world_process_zero():
-        rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-        print("rewards", json.dumps(rewards), flush=True)
+    finish(trainer, a.out, "reward")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,9 @@ import zeropp
 zeropp.install_as_deepspeed()  # the one added line: TRL's DeepSpeed path runs on zeropp
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 
 import torch  # noqa: E402
-from tiny import chat_model, chats, tokenizer, with_node_size, write_probe  # noqa: E402
+from tiny import chat_model, chats, finish, tokenizer, with_node_size  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 DS_CONFIG = {
@@ -42,11 +41,7 @@ def main() -> None:
     trainer = SFTTrainer(model=chat_model(tok), args=args, train_dataset=chats(512),
                          processing_class=tok)
     trainer.train(resume_from_checkpoint=True if a.resume else None)
-    trainer.save_model(a.out + "/final")
-    write_probe(trainer.model, a.out + "/final/probe.json", trainer.is_world_process_zero())
-    if trainer.is_world_process_zero():
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        print("losses", json.dumps(losses), flush=True)
+    finish(trainer, a.out, "loss")
 
 
 if __name__ == "__main__":
