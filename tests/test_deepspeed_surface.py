@@ -91,6 +91,19 @@ def test_unsupported_deepspeed_features_are_one_line_naming_the_key(extra, words
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_refused_key_ends_the_script_with_one_line_not_a_traceback(tmp_path):
+    import subprocess
+    import sys
+    code = ("import torch, zeropp\n"
+            "zeropp.initialize(model=torch.nn.Linear(2, 2), config={'train_batch_size': 1, "
+            "'zero_optimization': {'stage': 3, 'offload_optimizer': {'device': 'cpu'}}})\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "ValueError: DeepSpeed config: zero_optimization.offload_optimizer.device='cpu' is not "
+        "supported (zeropp has no ZeRO-Offload); allowed: \"none\"")
+
+
 # ---- distributed: comm, engine methods, ds_status, per-rank client_state -----------------
 def _surface_worker(ckpt: str) -> dict:
     import zeropp.comm as comm

@@ -9,6 +9,9 @@
 - `check_optimizer_params`: an optimizer built on the model's parameters
   *before* `shard` holds tensors that no longer receive gradients; its step
   would silently do nothing. A global pre-step hook catches it.
+- `one_line`: a mistake in the user's config (a DeepSpeed key zeropp refuses)
+  is the user's to fix, not a bug to debug: if nothing catches it, it prints
+  as one line, not a traceback per rank.
 
 Everything here exchanges raw bytes in tensors: no pickle crosses ranks.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import weakref
 from typing import Any, Optional
 
@@ -144,3 +148,18 @@ def _check_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) ->
             "would do nothing. Build the optimizer after shard(), from model.parameters() "
             "(the fp32 master shards).")
     _checked[opt] = True
+
+
+def one_line(error: BaseException) -> BaseException:
+    """Have `error`, if it ends the program uncaught, print as `Type: message` alone
+    (exit status 1, as any uncaught exception); any other exception prints as usual.
+    Returns `error`, to be raised."""
+    previous = sys.excepthook
+
+    def hook(tp: Any, value: BaseException, tb: Any) -> None:
+        if value is error:
+            print(f"{tp.__name__}: {value}", file=sys.stderr, flush=True)
+        else:
+            previous(tp, value, tb)
+    sys.excepthook = hook
+    return error

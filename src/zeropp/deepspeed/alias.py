@@ -33,6 +33,8 @@ import types
 from pathlib import Path
 from typing import Any, Optional
 
+from ..guards import one_line
+
 DEEPSPEED_VERSION = "0.19.8"
 
 # DeepSpeed module name -> the zeropp module that implements it.
@@ -122,25 +124,25 @@ def install_as_deepspeed(take_precedence: bool = False) -> None:
         return
     real = sys.modules.get("deepspeed")
     if real is not None:
-        raise RuntimeError("zeropp.install_as_deepspeed: the real DeepSpeed is already imported "
-                           "in this process; call install_as_deepspeed() before anything "
-                           "imports deepspeed")
+        raise one_line(RuntimeError(
+            "zeropp.install_as_deepspeed: the real DeepSpeed is already imported in this "
+            "process; call install_as_deepspeed() before anything imports deepspeed"))
     late = sorted(m for m in _TOO_LATE if m in sys.modules)
     if late:
-        raise RuntimeError(f"zeropp.install_as_deepspeed: {', '.join(late)} was imported first "
-                           "and has already decided DeepSpeed is absent; call "
-                           "zeropp.install_as_deepspeed() before importing "
-                           f"{' / '.join(_TOO_LATE)}")
+        raise one_line(RuntimeError(
+            f"zeropp.install_as_deepspeed: {', '.join(late)} was imported first and has "
+            "already decided DeepSpeed is absent; call zeropp.install_as_deepspeed() before "
+            f"importing {' / '.join(_TOO_LATE)}"))
     spec = importlib.util.find_spec("deepspeed")
     if spec is not None and not take_precedence:
         try:
             version = importlib.metadata.version("deepspeed")
         except importlib.metadata.PackageNotFoundError:
             version = "?"
-        raise RuntimeError(f"zeropp.install_as_deepspeed: the real DeepSpeed {version} is "
-                           f"installed ({spec.origin}); uninstall it, or pass "
-                           "take_precedence=True to answer `import deepspeed` with zeropp "
-                           "in this process")
+        raise one_line(RuntimeError(
+            f"zeropp.install_as_deepspeed: the real DeepSpeed {version} is installed "
+            f"({spec.origin}); uninstall it, or pass take_precedence=True to answer "
+            "`import deepspeed` with zeropp in this process"))
     modules = _namespaces()
     for name, target in NAMES.items():
         modules[name] = importlib.import_module(target)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..guards import one_line
 from ..shard import shard
 from . import config as ds_config
 from . import lr_schedules
@@ -98,7 +99,10 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                          "supported; zeropp is data-parallel ZeRO-3")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     config = _config_source(args, config, config_params)
-    ds = ds_config.parse(config, dist.get_world_size())
+    try:
+        ds = ds_config.parse(config, dist.get_world_size())
+    except ValueError as e:  # a key to fix in the config: one line, not a traceback per rank
+        raise one_line(e) from None
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
               if dist.get_backend() == "nccl" else torch.device("cpu"))
     if hasattr(model, "_zeropp_state") or any(hasattr(m, "_zeropp_unit") for m in model.modules()):
