@@ -76,6 +76,15 @@ def test_real_deepspeed_installed_is_refused_unless_zeropp_takes_precedence(tmp_
     assert r.returncode == 0 and r.stdout.strip() == "zeropp", r.stderr[-2000:]
 
 
+def test_a_deepspeed_folder_of_configs_is_not_the_real_deepspeed(tmp_path):
+    (tmp_path / "deepspeed").mkdir()  # e.g. ds_config json files, no __init__.py
+    (tmp_path / "deepspeed" / "zero3.json").write_text("{}")
+    r = _python("import sys; sys.path.insert(0, '.')\nimport zeropp\n"
+                "zeropp.install_as_deepspeed()\nimport deepspeed\n"
+                "assert deepspeed.initialize is zeropp.initialize", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 # ---- coverage: every deepspeed.* name the Hugging Face libraries reach -----------------------
 # Names zeropp leaves out on purpose; each is on a path zeropp refuses anyway
 # (CPU-offload optimizers, ZeRO stages 0-2, sequence / tensor parallelism, the

@@ -6,6 +6,8 @@ dotted keys) and the one-line refusals of features zeropp does not have."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,14 +66,37 @@ def test_unknown_accelerator_is_one_clear_error(monkeypatch):
 
 
 # ---- config keys Hugging Face writes, and refusals ----------------------------------------
-def test_hf_config_values_auto_inf_and_dotted_keys_are_accepted():
-    ds = ds_config.parse({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
-                          "gradient_clipping": "auto", "steps_per_print": float("inf"),
+def test_hf_config_values_inf_dotted_keys_and_zero_section_auto_are_accepted():
+    ds = ds_config.parse({"train_micro_batch_size_per_gpu": 2, "steps_per_print": float("inf"),
                           "zero_optimization.reduce_bucket_size": 4096.0,
                           "zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
-                                                "stage3_prefetch_bucket_size": "auto"}}, 2)
+                                                "stage3_prefetch_bucket_size": "auto"},
+                          "bf16": {"enabled": "auto"}}, 2)
     assert (ds.micro_batch, ds.grad_accum, ds.train_batch_size) == (2, 1, 4)
-    assert ds.gradient_clipping == 1.0 and ds.steps_per_print is None  # defaults, as DeepSpeed
+    assert ds.steps_per_print is None and not ds.bf16  # DeepSpeed's defaults
+
+
+@pytest.mark.parametrize("key, cfg", [
+    ("gradient_clipping", {"gradient_clipping": "auto"}),
+    ("optimizer.params.lr", {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}),
+    ("scheduler.params.warmup_max_lr",
+     {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}),
+])
+def test_an_unfilled_auto_outside_the_zero_section_is_an_error_naming_it(key, cfg):
+    # DeepSpeed fails on these too; training at a default lr would be silently wrong.
+    with pytest.raises(ValueError, match=f'{re.escape(key)}="auto" was not filled'):
+        ds_config.parse({"train_batch_size": 4, "zero_optimization": {"stage": 3}, **cfg}, 2)
+
+
+def test_zeropp_ds_config_is_merged_over_the_scripts_config(monkeypatch):
+    monkeypatch.setenv("ZEROPP_DS_CONFIG", '{"zero_optimization": {"stage": 3, '
+                       '"zero_quantized_weights": true}, "gradient_clipping": 0.5}')
+    ds = ds_config.parse({"train_batch_size": 4, "gradient_clipping": 1.0,
+                          "zero_optimization": {"stage": 1, "overlap_comm": True}}, 2)
+    assert ds.zero.quantized_weights and ds.gradient_clipping == 0.5
+    monkeypatch.setenv("ZEROPP_DS_CONFIG", "{not json")
+    with pytest.raises(ValueError, match="ZEROPP_DS_CONFIG: not a JSON object"):
+        ds_config.parse({"train_batch_size": 4}, 2)
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -84,6 +109,7 @@ def test_hf_config_values_auto_inf_and_dotted_keys_are_accepted():
     ({"moe": {"enabled": True}}, "moe is not supported (Mixture-of-Experts"),
     ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel is not supported"),
     ({"sequence_parallel_size": 2}, "sequence_parallel_size is not supported"),
+    ({"amp": {"enabled": True}}, "amp is not supported (apex AMP"),
 ])
 def test_unsupported_deepspeed_features_are_one_line_naming_the_key(extra, words):
     with pytest.raises(ValueError) as e:
@@ -130,6 +156,7 @@ def _surface_worker(ckpt: str) -> dict:
     # GatheredParameters, NOT_AVAILABLE again after.
     w = eng.module.h[0].attn.qkv  # a Linear inside the first block unit
     out["rest"] = w.weight.ds_status == status.NOT_AVAILABLE
+    held = w.weight  # a reference kept across gathers must not go stale
     inside = []
     h = w.register_forward_pre_hook(lambda m, a: inside.append(m.weight.ds_status))
     x, y = batch("gpt", 0, 0, world, rank)
@@ -138,7 +165,7 @@ def _surface_worker(ckpt: str) -> dict:
     out["in_forward"] = inside == [status.AVAILABLE]
     eng.backward(loss)
     eng.step()
-    out["after_step"] = w.weight.ds_status == status.NOT_AVAILABLE
+    out["after_step"] = w.weight.ds_status == held.ds_status == status.NOT_AVAILABLE
     with zeropp.zero.GatheredParameters(eng.module.parameters()):  # TRL's generation context
         out["gathered"] = w.weight.ds_status == status.AVAILABLE
         zeropp.reset_comm_stats(eng.module)
@@ -173,6 +200,13 @@ def _surface_worker(ckpt: str) -> dict:
     return out
 
 
+def _load_elsewhere_worker(ckpt: str) -> dict:
+    eng, _, _, _ = zeropp.initialize(model=build("gpt"), config=CFG)
+    with pytest.warns(UserWarning, match="per-rank tensors were not restored"):
+        _, cs = eng.load_checkpoint(ckpt)
+    return cs
+
+
 def test_comm_engine_methods_ds_status_and_per_rank_client_state(tmp_path):
     rs = spawn(_surface_worker, 2, args=(str(tmp_path / "ck"),), timeout=300)
     for r, o in enumerate(rs):
@@ -183,3 +217,6 @@ def test_comm_engine_methods_ds_status_and_per_rank_client_state(tmp_path):
         assert o["ds_shape"] and o["consolidated"] and o["cache_empty"]
         assert o["per_token_bytes"] == 0
         assert o["client"] == (r, f"r{r}", [float(r)] * 2, {"k": [r, 2 * r]}, True)
+    # At another world size ranks do not map: rank 0's JSON values, no per-rank tensors.
+    cs = spawn(_load_elsewhere_worker, 1, args=(str(tmp_path / "ck"),), timeout=300)[0]
+    assert cs == {"rank_value": 0, "name": "r0", "nested": {"k": [0, 0]}}

@@ -14,7 +14,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 
 import torch  # noqa: E402
-from accelerate import Accelerator, DeepSpeedPlugin  # noqa: E402
+from accelerate import Accelerator, DeepSpeedPlugin, PartialState  # noqa: E402
 from tiny import Counting, tiny_gpt2, with_node_size, write_probe  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -35,6 +35,10 @@ def main() -> None:
     p.add_argument("--node-size", type=int, default=None, help="zeropp: ranks per node")
     a = p.parse_args()
     ds = with_node_size(DS_CONFIG, a.node_size)
+    # Without a GPU, accelerate's DeepSpeed path would see one process per rank (every
+    # rank its own "main process", the data unsharded): set up the CPU process group
+    # first, as Trainer does for use_cpu.
+    PartialState(cpu=not torch.cuda.is_available())
     acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
     torch.manual_seed(0)
     model = tiny_gpt2()

@@ -17,8 +17,9 @@ state (sharded tensors resharded; hyper-parameters and step counts as saved),
 buffers, each rank's RNG states (torch, CUDA, Python, NumPy; only when the
 world size is unchanged: ranks do not map otherwise), and the extras given to
 save: each rank gets its own back (at another world size, rank 0's JSON and
-state-dict extras on every rank, and no per-rank tensors). Everything is read and checked before anything is written, on every
-rank, so a failed load leaves the model and optimizer as they were. hpZ
+state-dict extras on every rank, and no per-rank tensors). Everything is read
+and checked before anything is written, on every rank, so a failed load leaves
+the model and optimizer as they were. hpZ
 secondaries and any gathered weights are dropped: the next gather is from
 the loaded masters (DeepSpeed #7130, #7606).
 """

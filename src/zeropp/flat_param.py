@@ -167,8 +167,7 @@ class FlatParam:
                 self.pending.wait()
             self.pending = None
             self.gathered = True
-            for v in self.views:  # the same storage: whatever views exist now hold weights
-                v.ds_status = ZeroParamStatus.AVAILABLE
+            self._set_status(ZeroParamStatus.AVAILABLE)
 
     def free(self) -> None:
         self.wait_gather()
@@ -178,8 +177,17 @@ class FlatParam:
 
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
-        for v in self.views:
-            v.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        self._set_status(ZeroParamStatus.NOT_AVAILABLE)
+
+    def _set_status(self, status: ZeroParamStatus) -> None:
+        """`ds_status` of every view of `full` still alive (module attributes, and
+        older views a caller or autograd still holds): they share its storage."""
+        for key, ref in list(self._views.items()):
+            v = ref()
+            if v is None:
+                del self._views[key]
+            else:
+                v.ds_status = status
 
     # ---- views ---------------------------------------------------------------
     def use_views(self) -> None:
@@ -194,14 +202,15 @@ class FlatParam:
         self._install_views(self.leaf)
 
     def _install_views(self, base: torch.Tensor) -> None:
-        self.views = []
-        for k, (info, v) in enumerate(zip(self.infos, base.split(self.split_sizes))):
+        if not hasattr(self, "_views"):
+            self._views: dict[int, weakref.ref] = {}
+        for info, v in zip(self.infos, base.split(self.split_sizes)):
             v = v.view(info.shape)
             # DeepSpeed's ZeRO-3 attributes, for libraries that inspect parameters.
             v.ds_status = ZeroParamStatus.AVAILABLE if getattr(self, "gathered", False) \
                 else ZeroParamStatus.NOT_AVAILABLE
-            v.ds_shape, v.ds_numel, v.ds_id = info.shape, info.numel, (id(self), k)
-            self.views.append(v)
+            v.ds_shape, v.ds_numel, v.ds_id = info.shape, info.numel, info.fqns[0]
+            self._views[id(v)] = weakref.ref(v)
             for mod, attr in info.registrations:
                 mod.__dict__[attr] = v  # plain attribute: the Parameter was removed
 

@@ -150,16 +150,25 @@ def _check_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) ->
     _checked[opt] = True
 
 
-def one_line(error: BaseException) -> BaseException:
-    """Have `error`, if it ends the program uncaught, print as `Type: message` alone
-    (exit status 1, as any uncaught exception); any other exception prints as usual.
-    Returns `error`, to be raised."""
-    previous = sys.excepthook
+_ONE_LINE = "_zeropp_one_line"
+_hook_installed = False
 
-    def hook(tp: Any, value: BaseException, tb: Any) -> None:
-        if value is error:
-            print(f"{tp.__name__}: {value}", file=sys.stderr, flush=True)
-        else:
-            previous(tp, value, tb)
-    sys.excepthook = hook
+
+def one_line(error: BaseException) -> BaseException:
+    """Mark `error` so that, if it ends the program uncaught, it prints as
+    `Type: message` alone (exit status 1, as any uncaught exception). One
+    excepthook, installed once, holds no exception; other exceptions, and hooks
+    installed before it, are untouched. Returns `error`, to be raised."""
+    global _hook_installed
+    setattr(error, _ONE_LINE, True)
+    if not _hook_installed:
+        previous = sys.excepthook
+
+        def hook(tp: Any, value: BaseException, tb: Any) -> None:
+            if getattr(value, _ONE_LINE, False):
+                print(f"{tp.__name__}: {value}", file=sys.stderr, flush=True)
+            else:
+                previous(tp, value, tb)
+        sys.excepthook = hook
+        _hook_installed = True
     return error

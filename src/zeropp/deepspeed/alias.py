@@ -134,6 +134,8 @@ def install_as_deepspeed(take_precedence: bool = False) -> None:
             "already decided DeepSpeed is absent; call zeropp.install_as_deepspeed() before "
             f"importing {' / '.join(_TOO_LATE)}"))
     spec = importlib.util.find_spec("deepspeed")
+    if spec is not None and spec.origin is None:
+        spec = None  # a namespace package: a `deepspeed/` folder of configs, not DeepSpeed
     if spec is not None and not take_precedence:
         try:
             version = importlib.metadata.version("deepspeed")
@@ -222,13 +224,18 @@ def _no_moe_groups(param_groups: Any, max_group_size: Any = None) -> Any:
     return list(param_groups) if isinstance(param_groups, (list, tuple)) else param_groups
 
 
-def _set_z3_leaf_modules(model: Any, leaf_module_classes: Any) -> list:
+def _set_z3_leaf_modules(model: Any, leaf_module_classes: Any,
+                         raise_if_not_found: bool = True) -> list:
     """DeepSpeed gathers a "leaf" module (a MoE block) whole instead of per
     submodule; a zeropp unit is always gathered whole, so nothing changes. Returns
-    the matching modules, as DeepSpeed does."""
+    the matching modules, and raises when there are none, as DeepSpeed does."""
     classes = tuple(c for c in leaf_module_classes if isinstance(c, type))
     names = {c for c in leaf_module_classes if isinstance(c, str)}
-    return [m for m in model.modules() if isinstance(m, classes) or type(m).__name__ in names]
+    found = [m for m in model.modules() if isinstance(m, classes) or type(m).__name__ in names]
+    if not found and raise_if_not_found:
+        raise ValueError(f"set_z3_leaf_modules: no module of {list(leaf_module_classes)} "
+                         "in the model")
+    return found
 
 
 def _not_here(name: str, what: str) -> Any:
@@ -239,8 +246,11 @@ def _not_here(name: str, what: str) -> Any:
 
 def _log_dist(logger: logging.Logger, comm: Any) -> Any:
     def log_dist(message: str, ranks: Any = None, level: int = logging.INFO) -> None:
-        """DeepSpeed's log_dist: log on the given ranks (all with -1; rank 0 by default)."""
-        ranks = [0] if ranks is None else list(ranks)
-        if -1 in ranks or comm.get_rank() in ranks:
+        """DeepSpeed's log_dist: log on the ranks listed ([-1]: all); before the
+        process group exists, always."""
+        ranks = list(ranks or [])
+        show = not comm.is_initialized() or (bool(ranks) and ranks[0] == -1) \
+            or comm.get_rank() in ranks
+        if show:
             logger.log(level, f"[Rank {comm.get_rank()}] {message}")
     return log_dist

@@ -44,13 +44,14 @@ ZERO_IGNORED = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size",
                 "reduce_scatter", "cpu_offload", "load_from_fp32_weights",
                 "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1"}
 OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
-# Sections that turn on a DeepSpeed feature zeropp does not have.
+# Sections that turn on a DeepSpeed feature zeropp does not have: present (pipeline,
+# moe), a size above 1 (tensor / sequence parallelism), or "enabled": true (the rest,
+# which DeepSpeed leaves off by default).
 UNSUPPORTED_SECTIONS = {"pipeline": "pipeline parallelism", "moe": "Mixture-of-Experts",
                         "tensor_parallel": "tensor parallelism",
                         "sequence_parallel_size": "sequence parallelism",
-                        "compression_training": "compression", "amp": "apex AMP",
-                        "zenflow": "ZenFlow", "nebula": "Nebula checkpoints",
-                        "aio": "NVMe offload", "autotuning": "the autotuner",
+                        "amp": "apex AMP", "nebula": "Nebula checkpoints",
+                        "autotuning": "the autotuner",
                         "data_efficiency": "data efficiency (curriculum / routing)"}
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
@@ -192,19 +193,42 @@ def _refuse_unsupported(ds: dict) -> None:
             on = sec.get("autotp_size", sec.get("tp_size", 1)) not in (0, 1)
         elif key == "sequence_parallel_size":
             on = sec not in (None, 0, 1)
-        else:
+        elif key in ("pipeline", "moe"):
             on = bool(sec) and (not isinstance(sec, dict) or sec.get("enabled", True) is True)
+        else:
+            on = isinstance(sec, dict) and sec.get("enabled", False) is True
         if on:
             raise ValueError(f"DeepSpeed config: {key} is not supported ({what} is not part of "
                              "zeropp); remove the section")
 
 
-def _drop_auto(tree: Any) -> Any:
-    """Hugging Face fills "auto" values; any left unfilled mean "the default", as in
-    DeepSpeed (which drops them)."""
+# Sections where DeepSpeed itself drops an unfilled "auto" (its defaults apply).
+AUTO_DEFAULTS = ("zero_optimization", "fp16", "bf16", "bfloat16")
+
+
+def _drop_auto(tree: Any, keep: tuple = ()) -> Any:
     if isinstance(tree, dict):
-        return {k: _drop_auto(v) for k, v in tree.items() if v != "auto"}
+        return {k: _drop_auto(v) for k, v in tree.items() if v != "auto" or k in keep}
     return tree
+
+
+def _auto_values(ds: dict) -> dict:
+    """Hugging Face fills "auto" values (Trainer, accelerate). Left unfilled, they
+    mean DeepSpeed's default inside zero_optimization / fp16 / bf16 (as DeepSpeed
+    drops them there; `stage` must still be given); anywhere else DeepSpeed fails on
+    them, and so does this, naming the key, rather than train at a default."""
+    def find(tree: Any, path: str) -> Optional[str]:
+        if tree == "auto":
+            return path
+        if isinstance(tree, dict):
+            return next((p for k, v in tree.items() if (p := find(v, f"{path}.{k}"))), None)
+        return None
+    for key, value in ds.items():
+        if key not in AUTO_DEFAULTS and (where := find(value, key)):
+            raise ValueError(f'DeepSpeed config: {where}="auto" was not filled ("auto" is '
+                             "for Hugging Face's Trainer / accelerate to fill); set a value")
+    return {k: _drop_auto(v, keep=("stage",)) if k in AUTO_DEFAULTS else v
+            for k, v in ds.items()}
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -231,10 +255,27 @@ def with_override(ds: dict) -> dict:
     return _merge(ds, over)
 
 
+def _warn_stage_under_alias(given: dict) -> None:
+    """Under install_as_deepspeed, transformers / accelerate / TRL take their ZeRO-3
+    paths (gathers for generation, the consolidated save) from the stage in the config
+    they hold; zeropp runs stage 3 whatever that says (a missing section, or stage 3
+    from ZEROPP_DS_CONFIG), so a config not saying 3 itself leaves them on the wrong
+    paths."""
+    from .alias import installed
+    zo = given.get("zero_optimization")
+    stage = zo.get("stage") if isinstance(zo, dict) else None
+    if installed() and stage != 3:
+        warnings.warn(f"zeropp: the config says zero_optimization.stage={stage!r}; zeropp runs "
+                      "ZeRO-3, but Hugging Face libraries read the stage from their config: set "
+                      "\"zero_optimization\": {\"stage\": 3} in it", stacklevel=4)
+
+
 def parse(config: Any, world: int) -> DSConfig:
     """A DeepSpeed config (dict or JSON path) for a world of `world` ranks, with
     `ZEROPP_DS_CONFIG` merged over it."""
-    ds = _drop_auto(with_override(_load_ds(config)))
+    given = _load_ds(config)
+    _warn_stage_under_alias(given)
+    ds = _auto_values(with_override(given))
     # TRL writes tuning knobs as flat dotted keys ("zero_optimization.reduce_bucket_size");
     # DeepSpeed ignores them, and so do we when they name a knob zeropp ignores.
     ds = {k: v for k, v in ds.items()

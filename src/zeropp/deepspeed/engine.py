@@ -359,7 +359,10 @@ class DeepSpeedEngine(nn.Module):
             self.skipped_steps = e.get("skipped_steps", 0)  # micro_steps restart at 0, as DeepSpeed
             if self.loss_scaler is not None and e.get("loss_scaler"):
                 self.loss_scaler.load_state_dict(e["loss_scaler"])
-        return str(path), {k: extra[f"client:{k}"] for k in extra.get("ds_client_keys", [])}
+        # At another world size per-rank tensors and Generators do not map (rank 0
+        # warned); the rest is rank 0's.
+        return str(path), {k: extra[f"client:{k}"] for k in extra.get("ds_client_keys", [])
+                           if f"client:{k}" in extra}
 
     def save_16bit_model(self, save_dir: os.PathLike, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
