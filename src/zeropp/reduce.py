@@ -44,6 +44,7 @@ gradient handed over is marked used by the side stream (`record_stream`).
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections import deque
@@ -192,8 +193,26 @@ def _worker(groups: dict, stage: int) -> queue.SimpleQueue:
 
 def _loop(q: queue.SimpleQueue, stage: int) -> None:
     while True:
-        pipeline, job = q.get()
+        item = q.get()
+        if item is None:  # _stop_workers
+            return
+        pipeline, job = item
         if stage == 1:
             pipeline._run_first(job)
         else:
             pipeline._run_second(job)
+
+
+@atexit.register
+def _stop_workers() -> None:
+    """At exit, stop the communication threads and wait for them (and drop their
+    process groups) before the interpreter tears itself down: a daemon thread cut
+    off inside torch's C++ can abort the process ("terminate called without an
+    active exception") after the program has finished."""
+    with _WORKERS_LOCK:
+        entries = list(_WORKERS.values())
+        _WORKERS.clear()
+    for q, _, _ in entries:
+        q.put(None)
+    for _, t, _ in entries:
+        t.join(timeout=10)
