@@ -22,6 +22,7 @@ from .deepspeed import (
 )
 from .deepspeed.alias import install_as_deepspeed
 from .gathered import gathered
+from .memory import memory_stats
 from .optim import clip_grad_norm_
 from .shard import comm_stats, refresh, reset_comm_stats, shard
 from .topology import Topology, get_topology
@@ -30,7 +31,7 @@ __all__ = ["Config", "Topology", "get_topology", "shard", "clip_grad_norm_", "co
            "reset_comm_stats", "refresh", "gathered", "full_state_dict", "save_checkpoint",
            "load_checkpoint", "CheckpointError", "initialize", "init_distributed",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator",
-           "install_as_deepspeed", "get_accelerator"]
+           "install_as_deepspeed", "get_accelerator", "memory_stats"]
 __version__ = "0.1.0"
 
 # `from zeropp.accelerator import get_accelerator` (as scripts write it for deepspeed):

@@ -77,6 +77,7 @@ class FlatParam:
         self.name = name  # as registered on its unit's module, e.g. "blocks.0._zeropp_flat0"
         self.param_group = param_group  # index into shard()'s param_groups (-1: in none)
         self.unit: Any = None  # the Unit that gathers it (set by the Unit)
+        self.meter: Any = None  # its model's memory.GatherMeter (set by the Unit)
         self.trainable, self.compute_dtype = trainable, compute_dtype
         self.world_size = w = topo.world_size
         self.infos: list[ParamInfo] = []
@@ -154,6 +155,8 @@ class FlatParam:
         if self.gathered or self.pending is not None:
             return False
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        if self.meter is not None:
+            self.meter.allocated(self, self.padded_numel * self.full.element_size())
         # Buffers made here outlive the forward (hpZ secondaries, qWD copies): under
         # inference_mode they would become inference tensors, which training may not
         # update in place.
@@ -177,6 +180,8 @@ class FlatParam:
 
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
+        if getattr(self, "meter", None) is not None:
+            self.meter.freed(self)
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
 
     def _set_status(self, status: ZeroParamStatus) -> None:

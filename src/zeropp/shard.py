@@ -33,6 +33,7 @@ from .collectives import Comm
 from .config import Config
 from .flat_param import FlatParam
 from .guards import check_same_model, forget_parameters
+from .memory import GatherMeter
 from .reduce import ReducePipeline
 from .stats import CommStats
 from .topology import Topology, get_topology, reduce_groups
@@ -48,7 +49,7 @@ class Unit:
         self.pins = 0  # zeropp.gathered() contexts holding the full weights resident
         for f in flats:
             f.on_grad_ready = self._flat_grad_ready
-            f.unit = self
+            f.unit, f.meter = self, state.meter
 
     def __repr__(self) -> str:
         return f"Unit({self.label})"
@@ -180,6 +181,7 @@ class ShardState:
     def __init__(self, cfg: Config, topo: Topology) -> None:
         self.cfg, self.topo = cfg, topo
         self.stats = CommStats()
+        self.meter = GatherMeter()  # full weights alive now and at peak (memory_stats)
         if topo.world_size % cfg.hpz_partition_size:
             raise ValueError(f"zeropp: hpz_partition_size={cfg.hpz_partition_size} must divide "
                              f"the world size {topo.world_size}")

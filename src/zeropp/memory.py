@@ -1,0 +1,107 @@
+"""Memory accounting: where this rank's bytes go under zeropp (issue 21).
+
+ZeRO-3 promises 16 bytes per parameter / W for the training state (fp32 master,
+gradient, two AdamW moments) plus the full weights of the units gathered at one
+time. `memory_stats(model, optimizer)` says what this rank holds, by kind, from
+the tensors themselves (storage sizes, not estimates), and the peak of gathered
+units' full weights, which `GatherMeter` follows as gathers allocate and frees
+release: with prefetch it is bounded by `prefetch_depth + 1` units in forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+def _bytes(t: Optional[torch.Tensor]) -> int:
+    if t is None:
+        return 0
+    return t.untyped_storage().nbytes()
+
+
+class GatherMeter:
+    """Full-weight buffers alive now and at peak (bytes and units), updated by
+    FlatParam when a gather allocates its buffer and when it is freed."""
+
+    def __init__(self) -> None:
+        self.alive: dict[int, tuple[Any, int]] = {}  # id(flat) -> (flat, bytes)
+        self.peak_bytes = self.peak_units = 0
+
+    def allocated(self, flat: Any, nbytes: int) -> None:
+        self.alive[id(flat)] = (flat, nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        self.peak_units = max(self.peak_units, self.units)
+
+    def freed(self, flat: Any) -> None:
+        self.alive.pop(id(flat), None)
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, n in self.alive.values())
+
+    @property
+    def units(self) -> int:
+        return len({id(f.unit) for f, _ in self.alive.values()})
+
+    def reset_peak(self) -> None:
+        self.peak_bytes, self.peak_units = self.bytes, self.units
+
+
+def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                 reset_peak: bool = False) -> dict[str, int]:
+    """This rank's bytes by kind (see the module docstring):
+
+      master_shards       the fp32 primary shards (optimizer's parameters)
+      gradient_shards     their .grad
+      optimizer_state     state tensors of `optimizer` over the shards (0 without it)
+      secondary_shards    hpZ secondaries / qWD copies kept between gathers
+      error_feedback      qgZ's residuals (error feedback)
+      unreduced_grads     full gradients a backward left that are not reduced yet
+      gathered_now        full weights of units gathered right now
+      buffers             the model's buffers
+      total               the sum of the above
+      gathered_peak, gathered_units_peak
+                          the most full-weight bytes / units alive at once since the
+                          last reset (`reset_peak=True` resets after reading)
+    """
+    from .shard import get_state
+    st = get_state(model)
+    flats = st.flats
+    out = {
+        "master_shards": sum(_bytes(f.primary_shard) for f in flats),
+        "gradient_shards": sum(_bytes(f.primary_shard.grad) for f in flats),
+        "optimizer_state": _optimizer_bytes(optimizer, flats),
+        "secondary_shards": sum(_bytes(f.weights.secondary) for f in flats),
+        "error_feedback": sum(_codec_bytes(f.grad_codec) for f in flats),
+        "unreduced_grads": sum(_bytes(f.leaf.grad) for f in flats if f.trainable),
+        "gathered_now": st.meter.bytes,
+        "buffers": sum(_bytes(b) for b in model.buffers()),
+    }
+    out["total"] = sum(out.values())
+    out["gathered_peak"], out["gathered_units_peak"] = st.meter.peak_bytes, st.meter.peak_units
+    if reset_peak:
+        st.meter.reset_peak()
+    return out
+
+
+def _optimizer_bytes(opt: Optional[torch.optim.Optimizer], flats: list) -> int:
+    if opt is None:
+        return 0
+    ours = {id(f.primary_shard) for f in flats}
+    seen: set[int] = set()
+    total = 0
+    for p, state in opt.state.items():
+        if id(p) not in ours:
+            continue
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in seen:
+                seen.add(v.untyped_storage().data_ptr())
+                total += _bytes(v)
+    return total
+
+
+def _codec_bytes(codec: Any) -> int:
+    return 0 if codec is None else _bytes(getattr(codec, "residual", None))
