@@ -1,0 +1,224 @@
+"""The engine's device path in one command: what a GPU task runs first (issue 21).
+
+    python benchmarks/gpu_check.py                 # CUDA when available, bounded to ~8 min
+    python benchmarks/gpu_check.py --device cpu    # the same checks on the CPU (in make test)
+    python benchmarks/gpu_check.py --json out.json # also write the rows as JSON
+
+Checks, each a row (ok / FAILED, what was measured, seconds):
+  train        4 ranks as 2 nodes x 2 sharing the device over gloo (CUDA tensors on a
+               GPU), a tiny
+               GPT for 4 steps under zero3, zeropp and zeropp-plus: finite losses,
+               every rank's master shards bitwise equal to what one rank gathers,
+               and zero3's losses equal one unsharded process's (fp32, TF32 off)
+  w1           one rank on the device's own backend (NCCL on a GPU, gloo on the CPU)
+  pipeline     the reduce pipeline on its side stream / threads (async_reduce) vs
+               the synchronous path, zeropp-plus: bitwise equal weights after 4 steps
+  quant        INT8 and INT4 blockwise quantize + dequantize of 64 MiB (CPU: 16 MiB)
+               into preallocated outputs, against a copy of the same bytes: GB/s
+  memory       memory_stats per preset after training, and the device's peak
+Exit status 1 if any check fails. Nothing here is a pass/fail timing: throughput
+rows are measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import zeropp  # noqa: E402
+from zeropp.launch import spawn  # noqa: E402
+from zeropp.train.model import GPT, GPTConfig  # noqa: E402
+
+STEPS, WORLD, NODE = 4, 4, 2  # 2 emulated nodes x 2 ranks: every route runs
+PRESETS = ["zero3", "zeropp", "zeropp-plus"]
+
+
+def _model(device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32,
+                         bias=False)).to(device)
+
+
+def _batch(step: int, world: int, rank: int | None, device: str):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 64, (2 * world, 16), generator=g)
+    y = torch.randint(0, 64, (2 * world, 16), generator=g)
+    if rank is not None:
+        x, y = x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]
+    return x.to(device), y.to(device)
+
+
+def _loss(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = m(x)
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def _train(device: str, cfg: zeropp.Config) -> dict:
+    """One rank's run: losses (global mean), whether the ranks' shards agree."""
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    world, rank = dist.get_world_size(), dist.get_rank()
+    m = zeropp.shard(_model(device), cfg)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(m, *_batch(step, world, rank, device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().float().reshape(1)
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    full = zeropp.full_state_dict(m, all_ranks=True)
+    digest = torch.cat([v.float().reshape(-1).cpu() for _, v in sorted(full.items())])
+    mine = digest.clone()
+    dist.broadcast(digest, src=0)
+    return {"losses": losses, "same_on_every_rank": bool(torch.equal(mine, digest)),
+            "weights": digest.tolist() if rank == 0 else None,
+            "memory": zeropp.memory_stats(m, opt),
+            "peak": (torch.cuda.max_memory_allocated() if device == "cuda"
+                     else zeropp.get_accelerator().max_memory_allocated())}
+
+
+def _reference(device: str) -> list[float]:
+    """One unsharded process on the whole batch."""
+    m = _model(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    out = []
+    for step in range(STEPS):
+        loss = _loss(m, *_batch(step, WORLD, None, device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def check_train(device: str, timeout: float) -> list[dict]:
+    rows, ref = [], _reference(device)
+    for preset in PRESETS:
+        t0 = time.perf_counter()
+        cfg = zeropp.Config.preset(preset, node_size=NODE)
+        r = spawn(_train, WORLD, node_size=NODE, args=(device, cfg), timeout=timeout)[0]
+        finite = all(map(lambda v: v == v and abs(v) < 1e9, r["losses"]))
+        ok = finite and r["same_on_every_rank"]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
+        if preset == "zero3":
+            ok = ok and worst <= 1e-5
+        rows.append({"check": f"train {preset}", "ok": ok,
+                     "measured": f"losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}; "
+                                 f"vs one process max rel {worst:.1e}; ranks equal "
+                                 f"{r['same_on_every_rank']}",
+                     "seconds": time.perf_counter() - t0, "memory": r["memory"],
+                     "peak": r["peak"]})
+    return rows
+
+
+def _w1(device: str) -> dict:
+    return _train(device, zeropp.Config.preset("zeropp", node_size=1))
+
+
+def check_w1(device: str, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    backend = "nccl" if device == "cuda" else "gloo"
+    r = spawn(_w1, 1, args=(device,), timeout=timeout, backend=backend)[0]
+    ok = all(v == v for v in r["losses"])
+    return {"check": f"w1 ({backend})", "ok": ok,
+            "measured": f"losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
+            "seconds": time.perf_counter() - t0}
+
+
+def check_pipeline(device: str, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    runs = {}
+    for asynchronous in (True, False):
+        cfg = zeropp.Config.preset("zeropp-plus", node_size=NODE, async_reduce=asynchronous)
+        runs[asynchronous] = spawn(_train, WORLD, node_size=NODE, args=(device, cfg),
+                                   timeout=timeout)[0]
+    same = runs[True]["weights"] == runs[False]["weights"]
+    return {"check": "pipeline async == sync", "ok": same,
+            "measured": f"bitwise equal weights after {STEPS} steps: {same}",
+            "seconds": time.perf_counter() - t0}
+
+
+def check_quant(device: str) -> list[dict]:
+    from zeropp.quant import dequantize, quantize
+    n = (64 if device == "cuda" else 16) * 2**20 // 4
+    x = torch.randn(n, device=device)
+    out, dst = torch.empty_like(x), torch.empty_like(x)
+
+    def best(f, reps: int = 5) -> float:
+        f()
+        times = []
+        for _ in range(reps):
+            zeropp.get_accelerator().synchronize()
+            t0 = time.perf_counter()
+            f()
+            zeropp.get_accelerator().synchronize()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+    copy = best(lambda: dst.copy_(x))
+    rows = []
+    for bits in (8, 4):
+        t = best(lambda b=bits: out.copy_(dequantize(quantize(x, b, 2048))))
+        err = ((out - x).norm() / x.norm()).item()
+        rows.append({"check": f"quant int{bits}", "ok": err < (0.02 if bits == 8 else 0.2),
+                     "measured": f"{x.nbytes / t / 1e9:.1f} GB/s vs copy {x.nbytes / copy / 1e9:.1f}"
+                                 f" GB/s ({t / copy:.1f}x); rel err {err:.4f}",
+                     "seconds": t})
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"],
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per spawned world")
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    rows = []
+    for name, run in (("train", lambda: check_train(a.device, a.timeout)),
+                      ("w1", lambda: [check_w1(a.device, a.timeout)]),
+                      ("pipeline", lambda: [check_pipeline(a.device, a.timeout)]),
+                      ("quant", lambda: check_quant(a.device))):
+        try:
+            rows += run()
+        except Exception as e:  # noqa: BLE001 - a failed check is a row, the others still run
+            rows.append({"check": name, "ok": False, "seconds": 0.0,
+                         "measured": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+    dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    print(f"## gpu_check on {dev} (torch {torch.__version__}), "
+          f"{time.perf_counter() - t0:.0f} s\n")
+    print("| check | ok | measured | s |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['check']} | {'ok' if r['ok'] else 'FAILED'} | {r['measured']} | "
+              f"{r['seconds']:.2f} |")
+    print("\n| preset | master | grads | optimizer | secondaries | error fb | gathered peak "
+          "| device peak |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "memory" in r:
+            m = r["memory"]
+            print(f"| {r['check'][6:]} | {m['master_shards']} | {m['gradient_shards']} | "
+                  f"{m['optimizer_state']} | {m['secondary_shards']} | {m['error_feedback']} | "
+                  f"{m['gathered_peak']} | {r['peak']} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"device": dev, "rows": rows}, indent=1))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

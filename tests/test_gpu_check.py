@@ -1,0 +1,28 @@
+"""benchmarks/gpu_check.py, the script a GPU task runs first, in its CPU mode so
+that it cannot rot: every check passes (zero3 equal to one process to 1e-5,
+ranks bitwise equal, the reduce pipeline bitwise equal to the synchronous path,
+quantization error within bounds) and the memory table is there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
+    out = tmp_path / "gc.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device",
+                        "cpu", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    names = [row["check"] for row in rows]
+    assert names == ["train zero3", "train zeropp", "train zeropp-plus", "w1 (gloo)",
+                     "pipeline async == sync", "quant int8", "quant int4"]
+    assert all(row["ok"] for row in rows)
+    assert "| zeropp-plus |" in r.stdout  # the memory table
