@@ -1,8 +1,8 @@
 """Per-rank memory the engine holds between steps, by kind, for named configurations.
 
-Counts the tensors themselves (not the allocator): fp32 master shards, AdamW
-state, hpZ secondaries / qWD copies, and the error-feedback residuals of the
-inter-node gradient hop, after two training steps (W ranks as nodes of D, on
+Counts the tensors themselves (`zeropp.memory_stats`, not the allocator): fp32
+master shards, AdamW state, hpZ secondaries / qWD copies, and the error-feedback
+residuals of the inter-node gradient hop, after two training steps (W ranks as nodes of D, on
 loopback). `--write` appends the table to benchmarks/RESULTS.md.
 
     python benchmarks/memory.py --configs zero3,zeropp,zeropp-plus,zeropp-plus~ef
@@ -38,18 +38,10 @@ def _held(name: str, model_name: str, d: int) -> dict:
         x = torch.randint(0, 256, (2, 64), generator=g)
         with torch.no_grad():
             model(x)  # a forward after the step: copies current, as in training
-    flats = model._zeropp_state.flats
-
-    def nbytes(ts) -> int:
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
-    return {
-        "master": nbytes(f.primary_shard for f in flats),
-        "optimizer": nbytes(v for s in opt.state.values() for v in s.values()
-                            if isinstance(v, torch.Tensor)),
-        "secondary": nbytes(f.weights.secondary for f in flats),
-        "residual": nbytes(f.grad_codec.residual for f in flats if f.grad_codec is not None),
-        "params": sum(f.numel for f in flats),
-    }
+    m = zeropp.memory_stats(model, opt)
+    return {"master": m["master_shards"], "optimizer": m["optimizer_state"],
+            "secondary": m["secondary_shards"], "residual": m["error_feedback"],
+            "params": sum(f.numel for f in model._zeropp_state.flats)}
 
 
 def main() -> None:
