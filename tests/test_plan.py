@@ -66,3 +66,17 @@ def test_plan_prints_a_table_and_a_recommendation(capsys):
                  "--inter-gbps", "100"]) == 0
     out = capsys.readouterr().out
     assert "| zeropp |" in out and "Turn on quantized_weights=True" in out
+
+
+def test_plan_json_gives_every_config_with_bytes_times_and_the_advice(capsys):
+    import json
+    assert main(["plan", "--params", "7e9", "--nodes", "4", "--gpus-per-node", "8",
+                 "--inter-gbps", "100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cluster"]["nodes"] == 4 and out["cluster"]["inter_gbps"] == 100
+    by = {r["config"]: r for r in out["configs"]}
+    assert set(by) == {"zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-plus"}
+    assert by["zero3"]["speedup"] == 1.0 and by["zeropp"]["cross"] < by["zero3"]["cross"]
+    assert by["zeropp"]["step_s"] == pytest.approx(by["zeropp"]["compute_s"]
+                                                   + by["zeropp"]["comm_s"])  # overlap 0
+    assert out["recommendation"].startswith(("Turn on", "Communication is not"))

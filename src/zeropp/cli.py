@@ -280,6 +280,10 @@ def run_plan(ns: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     rows = plan(c)
+    if ns.json:
+        print(json.dumps({"cluster": dataclasses.asdict(c), "configs": rows,
+                          "recommendation": recommend(rows)}, indent=1))
+        return 0
     print(format_table(c, rows))
     print("\n" + recommend(rows))
     return 0
@@ -331,6 +335,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="fraction of the shorter of compute/communication hidden (0..1)")
     pl.add_argument("--compute-s", type=float, default=0.0,
                     help="measured compute seconds per step (overrides --tflops)")
+    pl.add_argument("--json", action="store_true",
+                    help="print the prediction as JSON (cluster, per-config rows, advice)")
     b = sub.add_parser("bench", help="configurations side by side on an emulated cluster")
     b.add_argument("--nodes", type=int, default=2)
     b.add_argument("--node-size", type=int, default=2)
