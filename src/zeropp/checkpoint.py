@@ -67,10 +67,13 @@ def full_state_dict(model: nn.Module, *, all_ranks: bool = False) -> dict[str, t
     st = get_state(model)
     st.comm.unit = "<all: full_state_dict>"
     out: dict[str, torch.Tensor] = {}
+    keep = all_ranks or st.topo.rank == 0
     for f in st.flats:
-        full = f.gather_master(st.comm)
-        out.update({k: v.clone() for k, v in f.unflatten(full).items()})
-    if not all_ranks and st.topo.rank != 0:
+        full = f.gather_master(st.comm)  # every rank takes part in every gather
+        if keep:  # the others hold one flat's full weights at a time, never the model
+            out.update({k: v.clone() for k, v in f.unflatten(full).items()})
+        del full
+    if not keep:
         return {}
     for name, buf in _buffers(model).items():
         out[name] = buf.detach().clone()
