@@ -80,3 +80,11 @@ def test_plan_json_gives_every_config_with_bytes_times_and_the_advice(capsys):
     assert by["zeropp"]["step_s"] == pytest.approx(by["zeropp"]["compute_s"]
                                                    + by["zeropp"]["comm_s"])  # overlap 0
     assert out["recommendation"].startswith(("Turn on", "Communication is not"))
+
+
+def test_activation_checkpointing_charges_8_instead_of_6_flops_per_param_per_token():
+    import dataclasses
+    plain = predict(BIG, "zero3")
+    ckpt = predict(dataclasses.replace(BIG, recompute=True), "zero3")
+    assert ckpt["compute_s"] == pytest.approx(plain["compute_s"] * 8 / 6)
+    assert ckpt["comm_s"] == plain["comm_s"]  # the bytes do not change

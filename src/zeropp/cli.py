@@ -276,7 +276,8 @@ def run_plan(ns: argparse.Namespace) -> int:
                     inter_gbps=ns.inter_gbps, intra_gbps=ns.intra_gbps,
                     tokens_per_gpu=ns.tokens_per_gpu, tflops=ns.tflops,
                     param_bytes=ns.param_bytes, reduce_bytes=ns.reduce_bytes, units=ns.units,
-                    alpha_us=ns.alpha_us, overlap=ns.overlap, compute_s=ns.compute_s)
+                    alpha_us=ns.alpha_us, overlap=ns.overlap, compute_s=ns.compute_s,
+                    recompute=ns.recompute)
     except ValueError as e:
         raise UsageError(str(e)) from None
     rows = plan(c)
@@ -335,6 +336,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="fraction of the shorter of compute/communication hidden (0..1)")
     pl.add_argument("--compute-s", type=float, default=0.0,
                     help="measured compute seconds per step (overrides --tflops)")
+    pl.add_argument("--recompute", action="store_true",
+                    help="activation checkpointing: 8 instead of 6 FLOPs per param per token")
     pl.add_argument("--json", action="store_true",
                     help="print the prediction as JSON (cluster, per-config rows, advice)")
     b = sub.add_parser("bench", help="configurations side by side on an emulated cluster")

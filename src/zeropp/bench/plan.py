@@ -10,7 +10,9 @@ zeropp-plus: the forward and backward gathers run inside the node from qWD's
 compute-precision copies; across nodes go the INT4 weight deltas ((N-1)/N of
 the values) and qgZ's INT4 hop; its intra-node gradient hop is 8-bit.
 Compute is 6 * params * tokens FLOPs (forward + backward) at the given
-TFLOP/s. `overlap` is the fraction of the shorter of compute and
+TFLOP/s, 8 * params * tokens with activation checkpointing (`recompute`: the
+forward runs again in backward; the ZeRO++ runs and their TFLOP/s figures count
+it). `overlap` is the fraction of the shorter of compute and
 communication hidden behind the longer (0 on CPU/gloo, where neither FSDP2 nor
 DeepSpeed overlaps; high on GPUs with NCCL streams).
 """
@@ -45,6 +47,7 @@ class Cluster:
     alpha_us: float = 10.0     # per message hop
     overlap: float = 0.0
     compute_s: float = 0.0     # measured compute per step; overrides the FLOP estimate
+    recompute: bool = False    # activation checkpointing: the forward runs twice (8 PT FLOPs)
 
     def __post_init__(self) -> None:
         for name in ("params", "inter_gbps", "intra_gbps", "tflops", "tokens_per_gpu"):
@@ -103,7 +106,8 @@ def predict(c: Cluster, name: str) -> dict[str, float]:
     hops = c.units * (fwd_hops + ((d - 1) if hpz else (c.world - 1))
                       + (2 if qgz else c.world - 1))
     comm = hops * c.alpha_us * 1e-6 + v["cross"] / inter_bw + v["intra"] / intra_bw
-    compute = c.compute_s or 6 * c.params * c.tokens_per_gpu / (c.tflops * 1e12)
+    flops = (8 if c.recompute else 6) * c.params * c.tokens_per_gpu
+    compute = c.compute_s or flops / (c.tflops * 1e12)
     step = compute + comm - c.overlap * min(compute, comm)
     return {**v, "comm_s": comm, "compute_s": compute, "step_s": step}
 
