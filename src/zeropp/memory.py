@@ -6,10 +6,24 @@ time. `memory_stats(model, optimizer)` says what this rank holds, by kind, from
 the tensors themselves (storage sizes, not estimates), and the peak of gathered
 units' full weights, which `GatherMeter` follows as gathers allocate and frees
 release: with prefetch it is bounded by `prefetch_depth + 1` units in forward.
+
+[Note: host memory that freed buffers keep]
+On the CPU every step allocates and frees unit-sized buffers (gathered weights,
+full gradients, wire buffers), some on the reduce threads. glibc serves a large
+allocation by mmap and returns it on free, but after the first such free it
+raises its mmap threshold to that size, so later unit-sized buffers come from
+heap arenas (one per thread) that fragment and rarely shrink: the process keeps
+the peak of every thread's arena. `release_freed_host_memory` pins the threshold
+at 1 MiB (unless MALLOC_MMAP_THRESHOLD_ is set, or ZEROPP_KEEP_MALLOC=1), as
+`zeropp.shard` does for a CPU model. Measured, HF GPT-2 124M, W=4 as 2x2, zero3,
+AdamW, batch 1x128, two steps: peak RSS 2702 -> 1573 MB per rank, RSS after the
+steps 2113 -> 848 MB (tensors held: 371 MB), step time 10.1 -> 9.2 s.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import Any, Optional
 
 import torch
@@ -105,3 +119,22 @@ def _optimizer_bytes(opt: Optional[torch.optim.Optimizer], flats: list) -> int:
 
 def _codec_bytes(codec: Any) -> int:
     return 0 if codec is None else _bytes(getattr(codec, "residual", None))
+
+
+_released = False
+
+
+def release_freed_host_memory() -> bool:
+    """Pin glibc's mmap threshold at 1 MiB (see the note); once per process. Returns
+    whether it is in effect."""
+    global _released
+    if _released:
+        return True
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("ZEROPP_KEEP_MALLOC") == "1":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        _released = bool(libc.mallopt(-3, 1 << 20))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return _released

@@ -33,7 +33,7 @@ from .collectives import Comm
 from .config import Config
 from .flat_param import FlatParam
 from .guards import check_same_model, forget_parameters
-from .memory import GatherMeter
+from .memory import GatherMeter, release_freed_host_memory
 from .reduce import ReducePipeline
 from .stats import CommStats
 from .topology import Topology, get_topology, reduce_groups
@@ -408,6 +408,8 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     if unit_types is not None:
         unit_types = tuple(unit_types) if isinstance(unit_types, (list, tuple)) else (unit_types,)
     topo = get_topology(cfg.node_size)
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        release_freed_host_memory()  # freed unit-sized buffers go back to the OS (memory.py)
     state = ShardState(cfg, topo)
     units = _unit_modules(model, unit_types)
     check_same_model(model, list(units.values()))  # one small all-gather; raises on all ranks
