@@ -62,23 +62,31 @@ def _loss(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
-def _train(device: str, cfg: zeropp.Config) -> dict:
-    """One rank's run: losses (global mean), whether the ranks' shards agree."""
+def _steps(m: torch.nn.Module, device: str, rank: int | None) -> tuple[list, torch.optim.Optimizer]:
+    """STEPS AdamW steps; the losses as the whole batch's mean (all ranks' when sharded)."""
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    world, rank = dist.get_world_size(), dist.get_rank()
-    m = zeropp.shard(_model(device), cfg)
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
     losses = []
     for step in range(STEPS):
-        loss = _loss(m, *_batch(step, world, rank, device))
+        loss = _loss(m, *_batch(step, WORLD, rank, device))
         loss.backward()
         opt.step()
         opt.zero_grad()
         t = loss.detach().float().reshape(1)
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+        if rank is not None:
+            dist.all_reduce(t)
+            t /= dist.get_world_size()
+        losses.append(t.item())
+    return losses, opt
+
+
+def _train(device: str, cfg: zeropp.Config) -> dict:
+    """One rank's run: losses, whether the ranks' consolidated weights agree."""
+    rank = dist.get_rank()
+    m = zeropp.shard(_model(device), cfg)
+    losses, opt = _steps(m, device, rank)
     full = zeropp.full_state_dict(m, all_ranks=True)
     digest = torch.cat([v.float().reshape(-1).cpu() for _, v in sorted(full.items())])
     mine = digest.clone()
@@ -92,16 +100,7 @@ def _train(device: str, cfg: zeropp.Config) -> dict:
 
 def _reference(device: str) -> list[float]:
     """One unsharded process on the whole batch."""
-    m = _model(device)
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
-    out = []
-    for step in range(STEPS):
-        loss = _loss(m, *_batch(step, WORLD, None, device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return _steps(_model(device), device, None)[0]
 
 
 def check_train(device: str, timeout: float) -> list[dict]:
