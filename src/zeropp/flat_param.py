@@ -123,9 +123,10 @@ class FlatParam:
         if trainable:
             self.leaf.requires_grad_(True)
             self.leaf.register_post_accumulate_grad_hook(self._grad_ready)
-        self._install_views(self.full)  # placeholders, so modules keep their attributes
         self.pending: Optional[Pending] = None
         self.gathered = False
+        self._views: dict[int, weakref.ref] = {}  # every live view of `full` (ds_status)
+        self._install_views(self.full)  # placeholders, so modules keep their attributes
         self.needs_reduce = False
         self.on_grad_ready: Optional[Callable[[FlatParam], None]] = None
         self._free_storage()
@@ -154,9 +155,10 @@ class FlatParam:
         gathered or in flight."""
         if self.gathered or self.pending is not None:
             return False
-        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        nbytes = self.padded_numel * self.full.element_size()
+        self.full.untyped_storage().resize_(nbytes)
         if self.meter is not None:
-            self.meter.allocated(self, self.padded_numel * self.full.element_size())
+            self.meter.allocated(self, nbytes)
         # Buffers made here outlive the forward (hpZ secondaries, qWD copies): under
         # inference_mode they would become inference tensors, which training may not
         # update in place.
@@ -180,7 +182,7 @@ class FlatParam:
 
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
-        if getattr(self, "meter", None) is not None:
+        if self.meter is not None:
             self.meter.freed(self)
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
 
@@ -207,12 +209,10 @@ class FlatParam:
         self._install_views(self.leaf)
 
     def _install_views(self, base: torch.Tensor) -> None:
-        if not hasattr(self, "_views"):
-            self._views: dict[int, weakref.ref] = {}
         for info, v in zip(self.infos, base.split(self.split_sizes)):
             v = v.view(info.shape)
             # DeepSpeed's ZeRO-3 attributes, for libraries that inspect parameters.
-            v.ds_status = ZeroParamStatus.AVAILABLE if getattr(self, "gathered", False) \
+            v.ds_status = ZeroParamStatus.AVAILABLE if self.gathered \
                 else ZeroParamStatus.NOT_AVAILABLE
             v.ds_shape, v.ds_numel, v.ds_id = info.shape, info.numel, info.fqns[0]
             self._views[id(v)] = weakref.ref(v)

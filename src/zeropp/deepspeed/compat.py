@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..flat_param import ZeroParamStatus
 from ..guards import one_line
-from ..shard import shard
+from ..shard import get_state, shard
 from . import config as ds_config
 from . import lr_schedules
 from .engine import DeepSpeedEngine
@@ -142,11 +143,10 @@ def _zero3_attributes(module: nn.Module, opt: Any) -> None:
     and the root module (see _ParameterOffload)."""
     if opt is not None:
         opt.parameter_offload = _ParameterOffload(module)
-    from ..flat_param import FlatParam, ZeroParamStatus
-    for p in module.parameters():  # the master shards: partitioned, always
-        f = FlatParam.owner_of(p)
+    for f in get_state(module).flats:  # the master shards: partitioned, always
+        p = f.primary_shard
         p.ds_active_sub_modules = set()
-        p.ds_status, p.ds_id = ZeroParamStatus.NOT_AVAILABLE, f.name if f is not None else None
+        p.ds_status, p.ds_id = ZeroParamStatus.NOT_AVAILABLE, f.name
     module.ds_external_parameters = lambda: []
 
 
@@ -199,7 +199,6 @@ def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any) -> li
 
 
 def _shard_groups(module: nn.Module, groups: list[dict]) -> list[dict]:
-    from ..shard import get_state
     flats = get_state(module).flats
     out = []
     for k, g in enumerate(groups):

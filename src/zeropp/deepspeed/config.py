@@ -293,7 +293,6 @@ def parse(config: Any, world: int) -> DSConfig:
         zo = {"stage": 3}  # zeropp is ZeRO-3: a script without the section gets it
     if isinstance(zo, dict):
         zo = {k: v for k, v in zo.items() if k not in OFFLOAD_KEYS}  # checked: device none
-    if isinstance(zo, dict):
         unknown += [f"zero_optimization.{k}" for k in zo
                     if k not in ZERO_IGNORED and k != "stage" and not k.startswith("zero_")]
     # The Config sees only what it reads (its own warning would repeat ours).

@@ -185,7 +185,7 @@ class DeepSpeedEngine(nn.Module):
         zo = self._config.raw.get("zero_optimization") or {}
         v = zo.get("stage3_gather_16bit_weights_on_model_save",
                    zo.get("gather_16bit_weights_on_model_save", True))
-        return v if isinstance(v, bool) else True  # "auto" (unfilled): gather
+        return v if isinstance(v, bool) else True
 
     def get_global_grad_norm(self) -> Optional[float]:
         """The global gradient norm of the last boundary step, before clipping."""
@@ -370,19 +370,17 @@ class DeepSpeedEngine(nn.Module):
         else fp32) under the original names, written by rank 0: `torch.save` of a
         flat state dict (as DeepSpeed), or safetensors for a `.safetensors` name.
         Collective."""
-        sd = full_state_dict(self.module)
+        sd = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         err = None
         if self.global_rank == 0:
             try:
-                self._write_16bit(sd, save_dir, save_filename, exclude_frozen_parameters)
+                self._write_16bit(sd, save_dir, save_filename)
             except (OSError, RuntimeError) as e:
                 err = f"save_16bit_model to {save_dir}: {e}"
         agree(err, CheckpointError)
         return True
 
-    def _write_16bit(self, sd: dict, save_dir: os.PathLike, save_filename: str,
-                     exclude_frozen_parameters: bool) -> None:
-        sd = self._to_16bit(sd, exclude_frozen_parameters)
+    def _write_16bit(self, sd: dict, save_dir: os.PathLike, save_filename: str) -> None:
         os.makedirs(save_dir, exist_ok=True)
         path = Path(save_dir) / save_filename
         if save_filename.endswith(".safetensors"):
