@@ -21,6 +21,7 @@ from .deepspeed import (
     zero,
 )
 from .deepspeed.alias import install_as_deepspeed
+from .deferred import deferred_init
 from .gathered import gathered
 from .memory import memory_stats
 from .optim import clip_grad_norm_
@@ -31,7 +32,7 @@ __all__ = ["Config", "Topology", "get_topology", "shard", "clip_grad_norm_", "co
            "reset_comm_stats", "refresh", "gathered", "full_state_dict", "save_checkpoint",
            "load_checkpoint", "CheckpointError", "initialize", "init_distributed",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator",
-           "install_as_deepspeed", "get_accelerator", "memory_stats"]
+           "install_as_deepspeed", "get_accelerator", "memory_stats", "deferred_init"]
 __version__ = "0.1.0"
 
 # `from zeropp.accelerator import get_accelerator` (as scripts write it for deepspeed):

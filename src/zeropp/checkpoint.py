@@ -26,7 +26,6 @@ the loaded masters (DeepSpeed #7130, #7606).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -37,7 +36,6 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from safetensors.torch import save as st_save
 from torch import nn
 
 from .checkpoint_files import (
@@ -53,6 +51,7 @@ from .checkpoint_files import (
     read_manifest,
     resolve,
     write_durably,
+    write_safetensors,
 )
 from .guards import agree, all_gather_bytes
 from .quant import quantize
@@ -123,9 +122,9 @@ def save_checkpoint(path: os.PathLike, model: nn.Module,
     info, manifest = b"", None
     try:
         tensors, meta, manifest = _collect(st, model, optimizer, extra)
-        data = st_save(tensors, metadata={"zeropp": json.dumps(meta)})
-        write_durably(tmp / rank_file(rank), data)
-        info = json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
+        sha, nbytes = write_safetensors(tmp / rank_file(rank), tensors,
+                                        {"zeropp": json.dumps(meta)})
+        info = json.dumps({"sha256": sha, "bytes": nbytes})
     except Exception as e:  # noqa: BLE001 - every failure must reach every rank
         err = f"saving {path}: {e}"
     agree(err, CheckpointError)

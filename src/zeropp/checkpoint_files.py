@@ -40,7 +40,6 @@ from typing import Any, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as st_save
 
 from .quant import QTensor, dequantize
 
@@ -70,6 +69,44 @@ def write_durably(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str]) -> tuple[str, int]:
+    """Write `tensors` as a safetensors file, streamed tensor by tensor from their
+    own memory (safetensors' `save` builds the whole file in memory first: twice
+    a rank's shards at the peak), fsynced. Returns the file's sha256 and size."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    flat, offset = {}, 0
+    for name, t in tensors.items():
+        if t.dtype not in _ST_DTYPES:
+            raise CheckpointError(f"{name}: dtype {t.dtype} has no safetensors name")
+        t = t.detach().cpu().contiguous().reshape(-1)
+        flat[name] = t
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(head).to_bytes(8, "little"), head):
+            f.write(chunk)
+            digest.update(chunk)
+        for t in flat.values():
+            if t.numel():
+                view = memoryview(t.view(torch.uint8).numpy())
+                f.write(view)
+                digest.update(view)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest(), 8 + len(head) + offset
 
 
 def jsonable(value: Any, what: str) -> Any:
@@ -265,8 +302,7 @@ def export(ckpt: os.PathLike, out: os.PathLike, *, dtype: Optional[torch.dtype] 
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "model.safetensors"]
     tmp = out / ".model.safetensors.partial"
-    write_durably(tmp, st_save({n: t.contiguous() for n, t in sd.items()},
-                               metadata={"format": "pt"}))
+    write_safetensors(tmp, sd, {"format": "pt"})
     os.replace(tmp, written[0])
     if hf:
         cfg = dict(hf["config"])

@@ -40,6 +40,7 @@ from torch import nn
 
 from .collectives import Comm, Pending, dequantize_gathered
 from .config import Config
+from .deferred import materialize, release
 from .qgz import inter_node_codec, qgz_inter_encode, qgz_inter_exchange, qgz_intra_hop
 from .quant import quantize
 from .topology import Topology
@@ -73,7 +74,8 @@ _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 class FlatParam:
     def __init__(self, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
                  *, topo: Topology, cfg: Config, compute_dtype: torch.dtype,
-                 trainable: bool, name: str = "_zeropp_flat0", param_group: int = -1) -> None:
+                 trainable: bool, name: str = "_zeropp_flat0", param_group: int = -1,
+                 sync: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         self.name = name  # as registered on its unit's module, e.g. "blocks.0._zeropp_flat0"
         self.param_group = param_group  # index into shard()'s param_groups (-1: in none)
         self.unit: Any = None  # the Unit that gathers it (set by the Unit)
@@ -111,7 +113,12 @@ class FlatParam:
         with torch.no_grad():
             flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
             for (p, _, _), info in zip(params, self.infos):
-                flat[info.offset:info.offset + info.numel].copy_(p.detach().reshape(-1))
+                # A parameter built under deferred_init() gets its values now, one at
+                # a time, and gives back its storage (deferred.py).
+                flat[info.offset:info.offset + info.numel].copy_(materialize(p).reshape(-1))
+                release(p)
+            if sync is not None:
+                sync(flat)
             shard = flat[topo.rank * self.shard_numel:(topo.rank + 1) * self.shard_numel]
             if self.int_storage:  # stored as the wire bytes it is gathered as
                 shard = quantize(shard, self.weight_bits, self.block).to_bytes()

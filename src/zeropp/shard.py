@@ -21,6 +21,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.optim.optimizer import (
@@ -388,7 +389,8 @@ def _optimizer_step_hooks(state_ref: weakref.ref) -> tuple[Any, Any]:
 
 def shard(model: nn.Module, cfg: Optional[Config] = None, *,
           unit_types: Optional[tuple] = None,
-          param_groups: Optional[list] = None) -> nn.Module:
+          param_groups: Optional[list] = None,
+          sync_module_states: bool = False) -> nn.Module:
     """Shard `model` in place (ZeRO-3) and return it.
 
     `unit_types`: module classes whose instances become units; default: the
@@ -397,6 +399,10 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     treat differently (e.g. no weight decay); a unit's parameters of different
     groups go to different flat buffers, and `FlatParam.param_group` says which
     (the index in this list; parameters in none: -1).
+    `sync_module_states`: every rank starts from rank 0's weights and buffers
+    (broadcast one unit at a time, as FSDP's flag of that name does).
+    A model built under `zeropp.deferred_init()` is materialized here, one unit
+    at a time: no rank ever holds more than one unit's full weights.
     """
     cfg = cfg if cfg is not None else Config()
     if not isinstance(cfg, Config):
@@ -413,6 +419,13 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     state = ShardState(cfg, topo)
     units = _unit_modules(model, unit_types)
     check_same_model(model, list(units.values()))  # one small all-gather; raises on all ranks
+    sync = None
+    if sync_module_states and topo.world_size > 1:
+        def sync(t: torch.Tensor) -> None:
+            dist.broadcast(t, src=0)
+        with torch.no_grad():
+            for b in model.buffers():
+                dist.broadcast(b.data, src=0)
     owned = _assign_params(model, units)
     group_of = {id(p): k for k, ps in enumerate(param_groups or []) for p in ps}
     for plist in owned.values():
@@ -428,7 +441,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
             groups.setdefault(key, []).append(entry)
         prefix = f"{name}." if name else ""
         flats = [FlatParam(plist, topo=topo, cfg=cfg, compute_dtype=dtype, trainable=trainable,
-                           name=f"{prefix}_zeropp_flat{k}", param_group=group)
+                           name=f"{prefix}_zeropp_flat{k}", param_group=group, sync=sync)
                  for k, ((trainable, dtype, group), plist) in enumerate(groups.items())]
         for k, f in enumerate(flats):
             mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)

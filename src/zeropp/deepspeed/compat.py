@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..deferred import is_deferred
 from ..flat_param import ZeroParamStatus
 from ..guards import one_line
 from ..shard import get_state, shard
@@ -110,11 +111,14 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         raise ValueError("zeropp.initialize: this model is already sharded (zeropp.shard); pass "
                          "the unsharded model: initialize shards it")
     groups = _param_groups(model, model_parameters, optimizer)
+    if device.type != "cpu" and any(map(is_deferred, model.parameters())):
+        raise one_line(ValueError(
+            "zeropp.initialize: a model built under zero.Init / zeropp.deferred_init is "
+            "materialized on the CPU; on CUDA, build it whole (or shard it on the CPU)"))
     model.to(device)
-    with torch.no_grad():  # as DeepSpeed: every rank starts from rank 0's weights
-        for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, src=0)
-    module = shard(model, ds.zero, param_groups=[g["params"] for g in groups])
+    # As DeepSpeed: every rank starts from rank 0's weights (one unit at a time).
+    module = shard(model, ds.zero, param_groups=[g["params"] for g in groups],
+                   sync_module_states=True)
     opt = _optimizer(module, groups, optimizer, ds)
     sched = _scheduler(opt, optimizer, lr_scheduler, ds)
     loader = _dataloader(training_data, ds, collate_fn)

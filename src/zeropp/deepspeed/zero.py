@@ -5,8 +5,8 @@ units holding `params`: inside, the module attributes are the full weights;
 with `modifier_rank=r`, rank r's edits are written into every shard on exit
 (DeepSpeed broadcasts rank r's full weights); without it, edits are discarded,
 as in DeepSpeed. Parameters that zeropp does not shard make it a no-op, as
-DeepSpeed does for non-ZeRO parameters. `Init()` is accepted and does nothing:
-zeropp shards the model in `initialize`, after it is built whole.
+DeepSpeed does for non-ZeRO parameters. `Init()` is `zeropp.deferred_init()`
+(a model built inside is materialized one unit at a time when it is sharded).
 `ZeroParamStatus`: DeepSpeed's enum of a ZeRO-3 parameter's state; zeropp's
 module attributes carry `ds_status` (AVAILABLE while their unit is gathered).
 """
@@ -14,11 +14,13 @@ module attributes carry `ds_status` (AVAILABLE while their unit is gathered).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 
+from ..deferred import deferred_init
 from ..flat_param import ZeroParamStatus  # noqa: F401 - deepspeed.zero.ZeroParamStatus
 from ..gathered import gathered
 
@@ -64,11 +66,33 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_mod
         yield
 
 
+def _caller_package() -> str:
+    """The top-level package of the code that entered the context (contextlib's
+    frames skipped)."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_globals.get("__name__", "")
+        if name != "contextlib" and not name.startswith("zeropp"):
+            return name.split(".")[0]
+        f = f.f_back
+    return ""
+
+
 @contextlib.contextmanager
-def Init(*args: Any, **kwargs: Any) -> Iterator[None]:
-    """Accepted for DeepSpeed scripts; zeropp builds the model whole and shards it in
-    `initialize` (models that only fit sharded need zeropp.shard per submodule)."""
-    yield
+def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
+    """DeepSpeed's context for building a model that does not fit whole: here
+    `zeropp.deferred_init()` (parameters recorded, not written; `initialize` or
+    `zeropp.shard` materializes one unit at a time, values exactly as the whole
+    build's under the same seed). DeepSpeed's other arguments (config, remote
+    device, dtype) are accepted and unused.
+    Under Hugging Face's from_config / from_pretrained, which initialize or load
+    the weights after construction through GatheredParameters, it does nothing:
+    the model is built whole, as before."""
+    if not enabled or _caller_package() == "transformers":
+        yield
+        return
+    with deferred_init():
+        yield
 
 
 def register_external_parameter(module: Any, parameter: Any) -> None:

@@ -1,0 +1,277 @@
+"""deferred_init(): build a model larger than one process can hold, exactly as it
+would be built whole, and let `shard` materialize one unit at a time.
+
+[Note: recorded initialization]
+Inside the context the model's constructors run on the CPU as usual, except that
+in-place writes to a registered parameter (what `torch.nn.init`,
+`reset_parameters` and Hugging Face's `_init_weights` do: normal_, uniform_,
+fill_, zero_, mul_, ...) are recorded instead of run. The parameter's storage is
+allocated but never written, so the kernel maps no pages for it: a model of any
+size costs its buffers and small tensors only.
+Exactness: an op that draws random numbers runs once, at record time, on a
+scratch tensor of the same geometry (freed at once), so the generator advances
+exactly as in the whole build and every later draw (other parameters, buffers,
+the user's own code after the context) sees the same stream; the generator's
+state before the op is kept with it. `materialize(p)` replays p's ops, from the
+last one that overwrote it whole, each from its saved state: bit-identical to the
+parameter of the model built without the context under the same seed, in any
+order and on any rank. A parameter replaced (`p.data = ...`, `model.to(...)`) or
+written in place after the context cannot be replayed: `materialize` says so.
+An op that reads a parameter inside the build (other than a view; e.g. an init
+that looks at values it drew) gets that parameter's values in its own storage
+first: exact, only that parameter's memory is spent early. torch.nn.init's
+functions are recorded whole (their result depends on the shape and the
+generator only), so trunc_normal_'s rejection sampling stays deferred.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .memory import release_freed_host_memory
+
+# Ops whose result does not depend on what the tensor held: a whole-tensor one
+# makes every earlier op on the parameter dead (its draws were already made).
+_OVERWRITES = {"normal_", "uniform_", "fill_", "zero_", "random_", "bernoulli_",
+               "exponential_", "geometric_", "log_normal_", "cauchy_", "copy_"}
+
+# torch.nn.init's functions: each overwrites the whole tensor from the generator alone.
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+                   "eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                   "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@dataclass
+class _Op:
+    func: Any                          # an aten OpOverload or a torch.nn.init function
+    geometry: tuple                    # (offset in the parameter, size, stride)
+    args: tuple
+    kwargs: dict
+    generator: Optional[torch.Generator] = None  # set for ops that draw
+    rng_state: Optional[torch.Tensor] = None     # its state before the draw
+    overwrites: bool = False           # whole parameter, independent of its contents
+
+
+@dataclass
+class _Record:
+    ptr: int                           # the storage the parameter was built on
+    offset: int                        # its storage offset
+    ops: list = field(default_factory=list)
+    version: int = -1                  # p._version when the context closed
+    name: str = ""                     # module class and attribute, for messages
+
+
+# id(parameter) -> (weak reference, its record); tensors compare elementwise, so no
+# WeakKeyDictionary.
+_DEFERRED: dict[int, tuple[weakref.ref, _Record]] = {}
+
+
+def _record(p: Any) -> Optional[_Record]:
+    entry = _DEFERRED.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else None
+
+
+def _add(p: nn.Parameter, rec: _Record) -> None:
+    key = id(p)
+    _DEFERRED[key] = (weakref.ref(p, lambda _r: _DEFERRED.pop(key, None)), rec)
+
+
+def is_deferred(p: torch.Tensor) -> bool:
+    """Whether `p` was built under deferred_init() and not materialized yet."""
+    return _record(p) is not None
+
+
+def _draws(func: Any) -> bool:
+    return any("Generator" in str(a.type) for a in func._schema.arguments)
+
+
+def _writes_first_arg(func: Any) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_ptr: dict[int, weakref.ref] = {}
+
+    def register(self, module: nn.Module, name: str, p: Optional[nn.Parameter]) -> None:
+        if p is None or p.device.type != "cpu" or p.numel() == 0 or is_deferred(p):
+            return
+        ptr = p.untyped_storage().data_ptr()
+        _add(p, _Record(ptr, p.storage_offset(), name=f"{type(module).__name__}.{name}"))
+        self.by_ptr[ptr] = weakref.ref(p)
+
+    def _param_of(self, t: Any) -> Optional[nn.Parameter]:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return None
+        ref = self.by_ptr.get(t.untyped_storage().data_ptr())
+        p = ref() if ref is not None else None
+        return p if is_deferred(p) else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        p = self._param_of(args[0]) if args and _writes_first_arg(func) else None
+        if not func.is_view:  # an op that reads a deferred parameter needs its values
+            for t in tree_flatten((args[1:] if p is not None else args, kwargs))[0]:
+                q = self._param_of(t)
+                if q is not None:
+                    self.realize(q)
+        if p is None:
+            return func(*args, **kwargs)
+        t = args[0]
+        # Tensor arguments are copied: the op must see them as they are now.
+        args, kwargs = tree_map(lambda a: a.detach().clone() if isinstance(a, torch.Tensor)
+                                else a, (args[1:], kwargs))
+        self.record(p, t, func, args, kwargs,
+                    func._schema.name.split("::")[-1] in _OVERWRITES, _draws(func))
+        return t
+
+    def record(self, p: nn.Parameter, t: torch.Tensor, func: Any, args: tuple, kwargs: dict,
+               overwrites: bool, draws: bool,
+               generator: Optional[torch.Generator] = None) -> None:
+        rec = _record(p)
+        geometry = (t.storage_offset() - rec.offset, tuple(t.size()), tuple(t.stride()))
+        op = _Op(func, geometry, args, kwargs)
+        op.overwrites = (overwrites and geometry[0] == 0 and t.numel() == p.numel()
+                         and t.is_contiguous())
+        if draws:
+            gen = generator or kwargs.get("generator") or torch.default_generator
+            op.generator, op.rng_state = gen, gen.get_state()
+            scratch = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+            func(scratch, *args, **kwargs)  # advance the generator as the real op does
+            del scratch
+        if op.overwrites:
+            rec.ops = [op]  # earlier ops are dead: their draws are made, their values lost
+        else:
+            rec.ops.append(op)
+
+    def realize(self, p: nn.Parameter) -> None:
+        """Something reads `p` inside the build (an init that looks at its values,
+        e.g. rejection sampling): give it its values in its own storage now. Exact;
+        only that parameter's memory is spent early."""
+        value = _replay(p, _record(p))
+        del self.by_ptr[_record(p).ptr]
+        _DEFERRED.pop(id(p))
+        with torch.no_grad():
+            p.detach().copy_(value)
+
+    def init_function(self, fn: Callable) -> Callable:
+        """A `torch.nn.init` function applied to a deferred parameter is recorded as
+        one op: its result depends only on the shape and the generator, even when
+        its body reads the tensor (trunc_normal_'s rejection sampling)."""
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def recorded(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            p = self._param_of(tensor)
+            if p is None:
+                return fn(tensor, *args, **kwargs)
+            gen = sig.bind(tensor, *args, **kwargs).arguments.get("generator")
+            self.record(p, tensor, fn, args, dict(kwargs), True, True, generator=gen)
+            return tensor
+
+        return recorded
+
+
+@contextlib.contextmanager
+def deferred_init() -> Iterator[None]:
+    """Build a model inside this context to shard it without ever holding it whole:
+
+        torch.manual_seed(0)
+        with zeropp.deferred_init():
+            model = Transformer(cfg)        # parameters allocated, not written
+        zeropp.shard(model, cfg)            # each rank materializes one unit at a time
+
+    The shards equal those of the same model built without the context under the
+    same seed, bit for bit (see the note at the top of deferred.py). Until it is
+    sharded (or passed to `materialize_module`), the model's parameters hold no
+    values: do not run it. Buffers and tensors that are not parameters are built
+    as usual."""
+    release_freed_host_memory()  # freed scratch chunks must not be reused as parameters
+    rec = _Recorder()
+    handle = register_module_parameter_registration_hook(rec.register)
+    originals = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name, fn in originals.items():
+            setattr(nn.init, name, rec.init_function(fn))
+        with rec:
+            yield
+    finally:
+        handle.remove()
+        for name, fn in originals.items():
+            setattr(nn.init, name, fn)
+        for ref in rec.by_ptr.values():
+            p = ref()
+            if is_deferred(p):
+                _record(p).version = p._version
+
+
+def materialize(p: nn.Parameter) -> torch.Tensor:
+    """The values of a parameter built under deferred_init(), in a new tensor (of
+    its shape and dtype); the parameter itself stays unwritten. Any parameter
+    that is not deferred is returned as it is."""
+    rec = _record(p)
+    if rec is None:
+        return p.detach()
+    if p.untyped_storage().data_ptr() != rec.ptr or p._version != rec.version:
+        raise RuntimeError(
+            f"zeropp.deferred_init: parameter {rec.name} {tuple(p.shape)} was replaced or "
+            "written after the model was built (e.g. model.to(), p.data = ..., an in-place "
+            "op); its values cannot be reproduced. Shard the model first, then change it")
+    return _replay(p, rec)
+
+
+def _replay(p: nn.Parameter, rec: _Record) -> torch.Tensor:
+    start = rec.ops[0] if rec.ops else None
+    if start is not None and start.overwrites:
+        out = torch.empty_like(p.detach(), memory_format=torch.contiguous_format)
+    else:  # built from real values (torch.ones, ...), then edited in place
+        out = p.detach().clone(memory_format=torch.contiguous_format)
+    if tuple(out.stride()) != tuple(p.stride()):
+        out = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype).copy_(out)
+    saved = {id(op.generator): (op.generator, op.generator.get_state())
+             for op in rec.ops if op.generator is not None}
+    try:
+        with torch.no_grad():
+            for op in rec.ops:
+                offset, size, stride = op.geometry
+                view = out.as_strided(size, stride, out.storage_offset() + offset)
+                if op.generator is not None:
+                    op.generator.set_state(op.rng_state)
+                op.func(view, *op.args, **op.kwargs)
+    finally:
+        for gen, state in saved.values():
+            gen.set_state(state)
+    return out
+
+
+def materialize_module(model: nn.Module) -> nn.Module:
+    """Give every deferred parameter of `model` its values in place (the whole
+    model, in this process): the unsharded model deferred_init() stood for."""
+    with torch.no_grad():
+        for p in {id(p): p for p in model.parameters()}.values():
+            if is_deferred(p):
+                value = materialize(p)
+                _DEFERRED.pop(id(p))
+                p.data = value
+    return model
+
+
+def release(p: nn.Parameter) -> None:
+    """Forget a deferred parameter once sharded: its unwritten storage goes back."""
+    if is_deferred(p):
+        _DEFERRED.pop(id(p))
+        p.data = torch.empty(0, dtype=p.dtype)
