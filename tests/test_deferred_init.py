@@ -106,22 +106,44 @@ def test_an_op_reading_a_deferred_parameter_in_the_build_gets_its_exact_values()
     assert torch.equal(materialize(lazy.out.weight), whole.out.weight)
 
 
+class _Layers(nn.Module):
+    """torch layers only, initialized by their reset_parameters in module order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 16, padding_idx=1)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))
+                                    for _ in range(3))
+        self.head = nn.Linear(16, 40)
+
+
 def _sharded_equals_worker(kind: str) -> bool:
     torch.manual_seed(0)
-    with zeropp.zero.Init():
-        lazy = BUILDERS[kind]()
+    if kind == "meta":
+        with torch.device("meta"):
+            lazy = _Layers()
+    else:
+        with zeropp.zero.Init():
+            lazy = BUILDERS[kind]()
     zeropp.shard(lazy, zeropp.Config.preset("zeropp", node_size=2))
     got = zeropp.full_state_dict(lazy)
     if dist.get_rank() != 0:
         return True
     torch.manual_seed(0)
-    ref = BUILDERS[kind]().state_dict()
+    ref = (_Layers() if kind == "meta" else BUILDERS[kind]()).state_dict()
     return [k for k in ref if not torch.equal(got[k], ref[k])] == []
 
 
-@pytest.mark.parametrize("kind", ["torch", "llama"])
-def test_sharded_deferred_model_equals_the_unsharded_init_at_2x2(kind):
+@pytest.mark.parametrize("kind", ["torch", "llama", "meta"])
+def test_sharded_deferred_or_meta_model_equals_the_unsharded_init_at_2x2(kind):
     assert spawn(_sharded_equals_worker, 4, node_size=2, args=(kind,), timeout=180)[0]
+
+
+def test_meta_parameter_without_reset_parameters_is_refused_by_name():
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(4, 4), _Custom())
+    with pytest.raises(ValueError, match=r"1\.scale, 1\.w \(_Custom\) is on the meta device"):
+        zeropp.shard(m)
 
 
 class _Deep(nn.Module):

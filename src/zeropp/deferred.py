@@ -200,9 +200,19 @@ def deferred_init() -> Iterator[None]:
     sharded (or passed to `materialize_module`), the model's parameters hold no
     values: do not run it. Buffers and tensors that are not parameters are built
     as usual."""
-    release_freed_host_memory()  # freed scratch chunks must not be reused as parameters
     rec = _Recorder()
     handle = register_module_parameter_registration_hook(rec.register)
+    try:
+        with _recording(rec):
+            yield
+    finally:
+        handle.remove()
+        _close(rec)
+
+
+@contextlib.contextmanager
+def _recording(rec: _Recorder) -> Iterator[None]:
+    release_freed_host_memory()  # freed scratch chunks must not be reused as parameters
     originals = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
     try:
         for name, fn in originals.items():
@@ -210,13 +220,16 @@ def deferred_init() -> Iterator[None]:
         with rec:
             yield
     finally:
-        handle.remove()
         for name, fn in originals.items():
             setattr(nn.init, name, fn)
-        for ref in rec.by_ptr.values():
-            p = ref()
-            if is_deferred(p):
-                _record(p).version = p._version
+
+
+def _close(rec: _Recorder) -> None:
+    """The build is over: from now on a parameter's version must not move."""
+    for ref in rec.by_ptr.values():
+        p = ref()
+        if is_deferred(p):
+            _record(p).version = p._version
 
 
 def materialize(p: nn.Parameter) -> torch.Tensor:
@@ -275,3 +288,40 @@ def release(p: nn.Parameter) -> None:
     if is_deferred(p):
         _DEFERRED.pop(id(p))
         p.data = torch.empty(0, dtype=p.dtype)
+
+
+def defer_meta(model: nn.Module) -> None:
+    """A model built on the `meta` device has shapes and no values: give each meta
+    parameter an unwritten CPU storage and record its module's `reset_parameters()`
+    (FSDP's rule for meta modules), module by module in registration order, so
+    `shard` materializes it one unit at a time like a deferred_init() model. The
+    values equal the whole build's under the same seed when the model's init is its
+    modules' reset_parameters in that order (torch's layers); a meta parameter or
+    buffer whose module has no reset_parameters is refused by name."""
+    rec = _Recorder()
+    replaced: dict[int, nn.Parameter] = {}
+    with _recording(rec):
+        for name, mod in model.named_modules():
+            metas = [(n, p) for n, p in mod._parameters.items() if p is not None and p.is_meta]
+            meta_bufs = [n for n, b in mod._buffers.items() if b is not None and b.is_meta]
+            if not metas and not meta_bufs:
+                continue
+            fresh = [n for n, p in metas if id(p) not in replaced]
+            if (fresh or meta_bufs) and not callable(getattr(mod, "reset_parameters", None)):
+                what = ", ".join(f"{name or '<root>'}.{n}" for n in [*fresh, *meta_bufs])
+                raise ValueError(
+                    f"zeropp.shard: {what} ({type(mod).__name__}) is on the meta device and "
+                    "its module has no reset_parameters() to initialize it; build the model "
+                    "under zeropp.deferred_init() instead (exact for any init)")
+            for n, p in metas:
+                if id(p) not in replaced:
+                    new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                       requires_grad=p.requires_grad)
+                    replaced[id(p)] = new
+                    rec.register(mod, n, new)
+                mod._parameters[n] = replaced[id(p)]
+            for n in meta_bufs:
+                mod._buffers[n] = torch.zeros(mod._buffers[n].shape, dtype=mod._buffers[n].dtype)
+            if fresh or meta_bufs:
+                mod.reset_parameters()
+    _close(rec)

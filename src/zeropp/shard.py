@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import Comm
 from .config import Config
+from .deferred import defer_meta
 from .flat_param import FlatParam
 from .guards import check_same_model, forget_parameters
 from .memory import GatherMeter, release_freed_host_memory
@@ -401,8 +402,9 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     (the index in this list; parameters in none: -1).
     `sync_module_states`: every rank starts from rank 0's weights and buffers
     (broadcast one unit at a time, as FSDP's flag of that name does).
-    A model built under `zeropp.deferred_init()` is materialized here, one unit
-    at a time: no rank ever holds more than one unit's full weights.
+    A model built under `zeropp.deferred_init()` (or on the meta device: see
+    deferred.defer_meta) is materialized here, one unit at a time: no rank ever
+    holds more than one unit's full weights.
     """
     cfg = cfg if cfg is not None else Config()
     if not isinstance(cfg, Config):
@@ -417,6 +419,8 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     if any(p.device.type == "cpu" for p in model.parameters()):
         release_freed_host_memory()  # freed unit-sized buffers go back to the OS (memory.py)
     state = ShardState(cfg, topo)
+    if any(p.is_meta for p in model.parameters()):
+        defer_meta(model)  # then materialized one unit at a time, as deferred_init's
     units = _unit_modules(model, unit_types)
     check_same_model(model, list(units.values()))  # one small all-gather; raises on all ranks
     sync = None
