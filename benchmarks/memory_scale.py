@@ -1,100 +1,113 @@
-"""Per-rank memory at real model sizes: zeropp's presets against PyTorch FSDP2, one
-fresh world of W=4 ranks (2 nodes x 2 on loopback) per configuration, HF GPT-2
-built from its config (no hub), AdamW, batch 1 x 128, a few steps (issue 21).
+"""Per-rank memory at real model sizes: zeropp's presets against PyTorch FSDP2 and
+DeepSpeed ZeRO-3 in one run, W=4 ranks (2 nodes x 2 on loopback), an HF model built
+from its config (no hub), AdamW, batch 1 x T, a few steps (issue 21).
 
-For each configuration, rank 0's resident memory (RSS) before the model is built,
-its high-water mark (VmHWM) over the run and its RSS after the last step, with
-`zeropp.memory_stats` for zeropp (tensor bytes by kind) and the ZeRO-3 formula
-16 bytes/param / W (fp32 master, gradient, two AdamW moments) beside them. Every
-rank first builds the whole model (4 bytes/param), which the peak includes.
+Each configuration is one `torchrun` of benchmarks/_memory_worker.py (DeepSpeed's
+under `--ds-python`, a Python with deepspeed installed); the peak is the largest
+rank's resident high-water mark (VmHWM) above its RSS before the model is built.
+Beside it: the ZeRO-3 formula, 16 bytes/param / W (fp32 master, gradient, two AdamW
+moments), plus the activations forward saves (measured once, unsharded, with
+saved-tensor hooks), and the ratio of the peak to that sum.
 
-zeropp pins glibc's mmap threshold on the CPU (src/zeropp/memory.py, [Note: host
-memory that freed buffers keep]); `fsdp2+malloc` runs FSDP2 with the same setting
-(zeropp.memory.release_freed_host_memory() in each rank), `fsdp2` as it comes.
+`+malloc` rows run FSDP2 / DeepSpeed with the glibc setting zeropp makes for a CPU
+model (MALLOC_MMAP_THRESHOLD_=1 MiB: freed buffers go back to the OS; see
+src/zeropp/memory.py), so the frameworks are compared with equal allocators too.
 
-    python benchmarks/memory_scale.py --model gpt2-124m --configs zero3,zeropp,zeropp-plus,fsdp2,fsdp2+malloc [--write]
+    python benchmarks/memory_scale.py --model gpt2-355m \\
+        --configs zero3,zeropp,zeropp-plus,fsdp2,fsdp2+malloc,deepspeed,deepspeed+malloc [--write]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
-import torch
 from _report import report
 
-import zeropp
-from zeropp.deepspeed.accelerator import _proc_status_kb
-from zeropp.launch import spawn
-from zeropp.memory import release_freed_host_memory
-
-MODELS = {"gpt2-124m": (12, 768), "gpt2-355m": (24, 1024)}
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "benchmarks" / "_memory_worker.py"
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
-def _rss_mb() -> tuple[float, float]:
-    return _proc_status_kb("VmRSS") / 1024, _proc_status_kb("VmHWM") / 1024
+def run_worker(python: str, nproc: int, args: list[str], env: dict, timeout: int = 3000) -> dict:
+    """One torchrun of the worker; its RESULT, or {"error": the output's tail}."""
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), str(WORKER), *args]
+    if "unsharded" in args:  # one process, no process group
+        cmd = [python, str(WORKER), *args]
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
+         "PYTHONPATH": str(ROOT / "src"), **env}
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e,
+                           cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
+    return {"error": " / ".join(tail)[-300:] or f"exit {r.returncode}"}
 
 
-def _run(config: str, model: str, steps: int) -> dict:
-    import transformers as tf
-    if config == "fsdp2+malloc":
-        release_freed_host_memory()  # zeropp's setting, for FSDP2 too
-    base = _rss_mb()[0]
-    layers, width = MODELS[model]
-    torch.manual_seed(0)
-    m = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64,
-                                         n_positions=128))
-    params = sum(p.numel() for p in m.parameters())
-    if config.startswith("fsdp2"):
-        from torch.distributed.fsdp import fully_shard
-        for block in m.transformer.h:
-            fully_shard(block)
-        fully_shard(m)
-    else:
-        zeropp.shard(m, zeropp.Config.preset(config, node_size=2))
-    gc.collect()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(0)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        x = torch.randint(0, 50257, (1, 128), generator=g)
-        m(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    seconds = (time.perf_counter() - t0) / steps
-    gc.collect()
-    rss, peak = _rss_mb()
-    stats = zeropp.memory_stats(m, opt) if not config.startswith("fsdp2") else None
-    return {"params": params, "base": base, "peak": peak, "after": rss, "stats": stats,
-            "s_per_step": seconds}
+def config_run(config: str, model: str, init: str, steps: int, tokens: int, ds_python: str,
+               nproc: int = 4) -> dict:
+    framework, _, variant = config.partition("+")
+    python = ds_python if framework == "deepspeed" else sys.executable
+    env = MALLOC if variant == "malloc" else {}
+    return run_worker(python, nproc, ["--model", model, "--framework", framework, "--init", init,
+                                      "--steps", str(steps), "--tokens", str(tokens)], env)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="gpt2-124m", choices=list(MODELS))
-    p.add_argument("--configs", default="zero3,zeropp,zeropp-plus,fsdp2,fsdp2+malloc")
+    p.add_argument("--model", default="gpt2-355m")
+    p.add_argument("--configs",
+                   default="zero3,zeropp,zeropp-plus,fsdp2,fsdp2+malloc,deepspeed,deepspeed+malloc")
+    p.add_argument("--init", default="sharded", choices=["sharded", "whole"])
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--ds-python", default="/tmp/dsvenv/bin/python")
     p.add_argument("--write", action="store_true")
     a = p.parse_args()
-    rows = ["| config | peak RSS MB | above baseline MB | RSS after steps MB | tensors held MB "
-            "(memory_stats) | s/step |", "|---|---|---|---|---|---|"]
-    params = None
-    for config in a.configs.split(","):
-        r = spawn(_run, 4, 2, args=(config, a.model, a.steps), timeout=1800)[0]
-        params = r["params"]
-        held = f"{r['stats']['total'] / 2**20:.0f}" if r["stats"] else "-"
-        rows.append(f"| {config} | {r['peak']:.0f} | {r['peak'] - r['base']:.0f} | "
-                    f"{r['after']:.0f} | {held} | {r['s_per_step']:.1f} |")
-        print(rows[-1], flush=True)
+    act = run_worker(sys.executable, 1, ["--model", a.model, "--framework", "unsharded",
+                                         "--tokens", str(a.tokens), "--activations"], {})
+    if "error" in act:
+        raise SystemExit(f"measuring activations failed: {act['error']}")
+    params, acts = act["params"], act["activations_mb"]
     formula = 16 * params / 4 / 2**20
-    head = (f"HF GPT-2 {a.model} ({params / 1e6:.1f}M params), W=4 as 2 nodes x 2 (loopback), "
-            f"AdamW, batch 1x128, {a.steps} steps, rank 0; ZeRO-3 formula 16 B/param / W = "
-            f"{formula:.0f} MB, the whole model built first on every rank = "
-            f"{4 * params / 2**20:.0f} MB")
+    rows = ["| config | peak MB (max rank) | / (formula + activations) | rank 0 peak in "
+            "forward / backward / step MB | peak building MB | after steps MB | tensors held "
+            "MB (rank 0) | gathered peak MB | losses | s/step |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for config in a.configs.split(","):
+        r = config_run(config, a.model, a.init, a.steps, a.tokens, a.ds_python)
+        if "error" in r:
+            rows.append(f"| {config} | failed: {r['error']} | | | | | | | | |")
+        else:
+            ranks = r["ranks"]
+            peak = max(x["peak"] for x in ranks)
+            st = ranks[0].get("stats")
+            held = f"{st['total']:.0f}" if st else "-"
+            gathered = f"{st['gathered_peak']:.0f}" if st else "-"
+            losses = " ".join(f"{v:.3f}" for v in ranks[0]["losses"])
+            ph = ranks[0]["phases"]
+            rows.append(f"| {config} | {peak:.0f} | {peak / (formula + acts):.2f} | "
+                        f"{ph['forward']:.0f} / {ph['backward']:.0f} / {ph['step']:.0f} | "
+                        f"{max(x['peak_built'] for x in ranks):.0f} | "
+                        f"{max(x['after'] for x in ranks):.0f} | {held} | {gathered} | "
+                        f"{losses} | {ranks[0]['s_per_step']:.1f} |")
+        print(rows[-1], flush=True)
+    head = (f"HF {a.model} ({params / 1e6:.1f}M params), W=4 as 2 nodes x 2 (loopback), fp32, "
+            f"AdamW, batch 1x{a.tokens}, {a.steps} steps, init `{a.init}`; ZeRO-3 formula "
+            f"16 B/param / W = {formula:.0f} MB; activations saved by forward (unsharded, "
+            f"measured) {acts:.0f} MB; formula + activations = {formula + acts:.0f} MB")
     cmd = "python benchmarks/memory_scale.py " + " ".join(sys.argv[1:])
-    report([f"### Memory at scale: {a.model} ({time.strftime('%Y-%m-%d')})", "",
+    report([f"### Memory at scale: {a.model}, init {a.init} ({time.strftime('%Y-%m-%d')})", "",
             f"Command: `{cmd}`  ", head + ".", "", *rows], a.write)
 
 

@@ -56,12 +56,13 @@ from .collectives import Comm
 
 
 class _Job:
-    __slots__ = ("label", "first", "second", "state", "grad", "ready", "done", "done_event",
-                 "error")
+    __slots__ = ("label", "first", "second", "state", "grad", "device", "ready", "done",
+                 "done_event", "error")
 
     def __init__(self, label: str, first: Callable[[Comm], Any],
                  second: Callable[[Comm, Any], None], grad: torch.Tensor) -> None:
         self.label, self.first, self.second, self.grad = label, first, second, grad
+        self.device = grad.device
         self.state: Any = None   # what stage 1 hands to stage 2
         self.ready = None        # CUDA: the compute stream's event at hand-over
         self.done_event = None   # CUDA: the side stream's event when reduced
@@ -121,7 +122,7 @@ class ReducePipeline:
     def _finish(self, job: _Job) -> None:
         job.done.wait()
         if job.done_event is not None:
-            torch.cuda.current_stream(job.grad.device).wait_event(job.done_event)
+            torch.cuda.current_stream(job.device).wait_event(job.done_event)
         self._raise(job)
 
     @staticmethod
@@ -157,6 +158,10 @@ class ReducePipeline:
             if job.ready is not None:
                 self._stream.wait_event(job.ready)
             job.state = job.first(self.comm)
+            # Stage 1 consumed the unit's full gradient: let it go now, not when the
+            # main thread next looks at the job (it held up to `depth` of them, and
+            # the largest unit's, through backward).
+            job.first = job.grad = None
         if self._stage(job, self.comm, first) and self.asynchronous:
             _worker(self.comm.groups, 2).put((self, job))
 

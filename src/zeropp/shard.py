@@ -305,9 +305,11 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 def _unit_modules(model: nn.Module, unit_types: Optional[tuple]) -> dict[nn.Module, str]:
     """Unit module -> name ("" for the root), in module order. Automatic units:
     a transformers model's decoder layers (the classes its `_no_split_modules`
-    names), else the entries of every nn.ModuleList."""
+    names) and its input and output embeddings when they are not tied, else the
+    entries of every nn.ModuleList."""
     units = {model: ""}
     if unit_types is None:
+        units.update(_untied_embeddings(model))
         names = {c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or ())}
         classes = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
         unit_types = classes or None
@@ -322,6 +324,26 @@ def _unit_modules(model: nn.Module, unit_types: Optional[tuple]) -> dict[nn.Modu
                 if child not in units and any(True for _ in child.parameters()):
                     units[child] = f"{name}.{i}"
     return units
+
+
+def _untied_embeddings(model: nn.Module) -> dict[nn.Module, str]:
+    """A transformers model's input and output embeddings as units of their own
+    when they share no weight: each is then gathered only around its own forward
+    and backward, not for the whole step as a part of the root (a 32k x 2048
+    vocabulary is 262 MB at fp32 per matrix)."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            m = getattr(model, getter)() if callable(getattr(model, getter, None)) else None
+        except (NotImplementedError, AttributeError):
+            m = None
+        if isinstance(m, nn.Module) and m is not model:
+            found.append(m)
+    shared = {id(p) for m in found for p in m.parameters()}
+    if len(found) == 2 and len(shared) < sum(1 for m in found for _ in m.parameters()):
+        return {}  # tied: the weight serves both ends, it stays in the root
+    names = {m: n for n, m in model.named_modules()}
+    return {m: names[m] for m in found if m in names}
 
 
 def _assign_params(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Module, list]:
