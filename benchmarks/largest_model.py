@@ -28,7 +28,7 @@ from _report import report
 from memory_scale import MALLOC, run_worker
 
 DEPTHS = [1, 2, 3, 4, 6, 8, 12, 16, 18, 20, 22, 24]
-START = {"unsharded": 4, "zero3": 16, "fsdp2": 16, "deepspeed": 16}
+START = {"unsharded": 3, "zero3": 16, "fsdp2": 16, "deepspeed": 8}
 
 
 def params_of(depth: int) -> int:
@@ -41,7 +41,8 @@ def trial(framework: str, depth: int, a) -> dict:
     nproc = 1 if framework == "unsharded" else 4
     env = MALLOC if framework in ("fsdp2", "deepspeed", "unsharded") else {}
     r = run_worker(python, nproc, ["--model", f"llama:{depth}", "--framework", framework,
-                                   "--steps", "3", "--tokens", "64", "--same-batch"], env)
+                                   "--steps", "3", "--tokens", "64", "--same-batch"], env,
+                   timeout=1500)
     out = {"framework": framework, "depth": depth, "params": params_of(depth)}
     if "error" in r:
         return {**out, "ok": False, "why": r["error"]}

@@ -79,6 +79,15 @@ def test_deferred_parameter_is_materialized_the_same_in_any_order():
     assert torch.equal(first, ref.emb.weight) and torch.equal(late_first, ref.conv.weight)
 
 
+def test_running_a_deferred_model_before_it_is_sharded_is_refused_by_name():
+    with deferred_init():
+        m = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(RuntimeError, match=r"Linear\.weight has no values yet"):
+        m(torch.ones(1, 8))
+    materialize_module(m)
+    assert m(torch.ones(1, 8)).shape == (1, 8)
+
+
 def test_deferred_parameter_changed_after_the_build_is_refused_by_name():
     with deferred_init():
         m = nn.Linear(8, 8)

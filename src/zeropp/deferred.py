@@ -36,7 +36,10 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_forward_pre_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -225,11 +228,33 @@ def _recording(rec: _Recorder) -> Iterator[None]:
 
 
 def _close(rec: _Recorder) -> None:
-    """The build is over: from now on a parameter's version must not move."""
+    """The build is over: from now on a parameter's version must not move, and a
+    module that runs with a parameter still unwritten is refused."""
+    global _guard
     for ref in rec.by_ptr.values():
         p = ref()
         if is_deferred(p):
             _record(p).version = p._version
+    if _DEFERRED and _guard is None:
+        _guard = register_module_forward_pre_hook(_refuse_unmaterialized)
+
+
+_guard: Any = None  # the global forward pre-hook, while deferred parameters exist
+
+
+def _refuse_unmaterialized(module: nn.Module, args: Any) -> None:
+    global _guard
+    if not _DEFERRED:  # everything was sharded or materialized: stop checking
+        if _guard is not None:
+            _guard.remove()
+            _guard = None
+        return
+    for name, p in module._parameters.items():
+        if p is not None and is_deferred(p):
+            raise RuntimeError(
+                f"zeropp.deferred_init: {type(module).__name__}.{name} has no values yet; "
+                "shard the model (zeropp.shard / zeropp.initialize) or call "
+                "zeropp.deferred.materialize_module(model) before running it")
 
 
 def materialize(p: nn.Parameter) -> torch.Tensor:
