@@ -41,6 +41,9 @@ from .stats import CommStats
 from .topology import Topology, get_topology, reduce_groups
 
 
+_WEIGHTLESS_BACKWARD = (nn.Embedding.forward, nn.EmbeddingBag.forward)
+
+
 class Unit:
     def __init__(self, name: str, module: nn.Module, flats: list[FlatParam],
                  state: ShardState) -> None:
@@ -48,6 +51,11 @@ class Unit:
         self.is_root = name == ""
         self.label = name or "<root>"
         self.backward_gathered = False
+        # An embedding lookup's backward scatters the output gradient into rows:
+        # it never reads the weights, so its unit is not gathered for backward
+        # (a 32k x 2048 fp32 vocabulary: 262 MB held at the end of backward, and
+        # its bytes on the wire). Only torch's own forward is known to be so.
+        self.backward_reads_weights = type(module).forward not in _WEIGHTLESS_BACKWARD
         self.pins = 0  # zeropp.gathered() contexts holding the full weights resident
         for f in flats:
             f.on_grad_ready = self._flat_grad_ready
@@ -128,6 +136,9 @@ class Unit:
                 "after use")
         st = self.state
         st.begin_backward()
+        if not self.backward_reads_weights:
+            self.backward_gathered = True
+            return
         # Gather even if this backward gathered the unit before: a unit used by
         # two graphs (or twice in one) may have been freed after its first use.
         # Issue, prefetch, then wait (as in pre_forward).
@@ -262,7 +273,8 @@ class ShardState:
         order = self.backward_order
         if not self.cfg.prefetch or unit not in order:
             return
-        ahead = [u for u in order[order.index(unit) + 1:] if not u.backward_gathered]
+        ahead = [u for u in order[order.index(unit) + 1:]
+                 if not u.backward_gathered and u.backward_reads_weights]
         for nxt in ahead[:self.cfg.prefetch_depth]:
             nxt.issue_gather(prefetch=True)
 
