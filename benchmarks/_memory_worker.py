@@ -143,7 +143,12 @@ def build(a, cfg):
                 m = tf.AutoModelForCausalLM.from_config(cfg)
         else:
             m = tf.AutoModelForCausalLM.from_config(cfg)
-        zeropp.shard(m, zeropp.Config.preset(fw, node_size=a.node_size))
+        cfg_z = zeropp.Config.preset(fw, node_size=a.node_size)
+        if a.zeropp_option:  # e.g. async_reduce=0, reduce_buckets=1
+            import dataclasses
+            k, v = a.zeropp_option.split("=")
+            cfg_z = dataclasses.replace(cfg_z, **{k: type(getattr(cfg_z, k))(int(v))})
+        zeropp.shard(m, cfg_z)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
 
     def step(x, phase):
@@ -168,6 +173,7 @@ def main() -> None:
     p.add_argument("--node-size", type=int, default=2)
     p.add_argument("--activations", action="store_true", help="measure them, no training")
     p.add_argument("--same-batch", action="store_true", help="one batch every step")
+    p.add_argument("--zeropp-option", default="", help="one Config field, e.g. async_reduce=0")
     a = p.parse_args()
     torch.set_num_threads(1)
     cfg = hf_config(a.model, a.tokens)

@@ -57,10 +57,12 @@ def run_worker(python: str, nproc: int, args: list[str], env: dict, timeout: int
 def config_run(config: str, model: str, init: str, steps: int, tokens: int, ds_python: str,
                nproc: int = 4) -> dict:
     framework, _, variant = config.partition("+")
+    framework, _, option = framework.partition("[")  # zero3[async_reduce=0]: one Config field
     python = ds_python if framework == "deepspeed" else sys.executable
     env = MALLOC if variant == "malloc" else {}
+    extra = ["--zeropp-option", option.rstrip("]")] if option else []
     return run_worker(python, nproc, ["--model", model, "--framework", framework, "--init", init,
-                                      "--steps", str(steps), "--tokens", str(tokens)], env)
+                                      "--steps", str(steps), "--tokens", str(tokens), *extra], env)
 
 
 def main() -> None:
