@@ -40,7 +40,6 @@ from .reduce import ReducePipeline
 from .stats import CommStats
 from .topology import Topology, get_topology, reduce_groups
 
-
 _WEIGHTLESS_BACKWARD = (nn.Embedding.forward, nn.EmbeddingBag.forward)
 
 
