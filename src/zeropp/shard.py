@@ -316,7 +316,7 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 def _unit_modules(model: nn.Module, unit_types: Optional[tuple]) -> dict[nn.Module, str]:
     """Unit module -> name ("" for the root), in module order. Automatic units:
     a transformers model's decoder layers (the classes its `_no_split_modules`
-    names) and its input and output embeddings when they are not tied, else the
+    names) and its input embedding when the head does not share it, else the
     entries of every nn.ModuleList."""
     units = {model: ""}
     if unit_types is None:
@@ -338,23 +338,25 @@ def _unit_modules(model: nn.Module, unit_types: Optional[tuple]) -> dict[nn.Modu
 
 
 def _untied_embeddings(model: nn.Module) -> dict[nn.Module, str]:
-    """A transformers model's input and output embeddings as units of their own
-    when they share no weight: each is then gathered only around its own forward
-    and backward, not for the whole step as a part of the root (a 32k x 2048
-    vocabulary is 262 MB at fp32 per matrix)."""
-    found = []
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        try:
-            m = getattr(model, getter)() if callable(getattr(model, getter, None)) else None
-        except (NotImplementedError, AttributeError):
-            m = None
-        if isinstance(m, nn.Module) and m is not model:
-            found.append(m)
-    shared = {id(p) for m in found for p in m.parameters()}
-    if len(found) == 2 and len(shared) < sum(1 for m in found for _ in m.parameters()):
+    """A transformers model's input embedding as a unit of its own when the output
+    head does not share its weight: it is then gathered only around the lookup
+    (and not for backward, see Unit), not for the whole step as a part of the root
+    (a 32k x 2048 vocabulary is 262 MB at fp32). The output head stays in the root:
+    fused losses (TRL's, Liger's) read `lm_head.weight` without calling lm_head."""
+    try:
+        inp = model.get_input_embeddings() if callable(
+            getattr(model, "get_input_embeddings", None)) else None
+        out = model.get_output_embeddings() if callable(
+            getattr(model, "get_output_embeddings", None)) else None
+    except (NotImplementedError, AttributeError):
+        return {}
+    if not isinstance(inp, nn.Module) or inp is model:
+        return {}
+    if isinstance(out, nn.Module) and {id(p) for p in inp.parameters()} & {
+            id(p) for p in out.parameters()}:
         return {}  # tied: the weight serves both ends, it stays in the root
-    names = {m: n for n, m in model.named_modules()}
-    return {m: names[m] for m in found if m in names}
+    name = next((n for n, m in model.named_modules() if m is inp), None)
+    return {inp: name} if name else {}
 
 
 def _assign_params(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Module, list]:
