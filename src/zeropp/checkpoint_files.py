@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from .quant import QTensor, dequantize
 
@@ -180,6 +179,77 @@ def verify(file: Path, info: dict) -> None:
                               "corrupted)")
 
 
+_ST_TORCH = {name: dtype for dtype, name in _ST_DTYPES.items()}
+
+
+class _RankFile:
+    """One verified safetensors file, read with plain reads straight into each
+    tensor's memory: safetensors' `safe_open` maps the whole file, and every page
+    it touches counts in the process's resident memory while the file is open
+    (a rank's whole file during a load). Same interface as safe_open's handle:
+    keys, metadata, get_tensor, get_slice(key)[a:b] on a flat tensor."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= min(size - 8, 256 << 20):
+                raise CheckpointError(f"{path}: not a valid safetensors file (header of {n} "
+                                      f"bytes in a file of {size})")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
+        self.base = 8 + n
+        meta = header.pop("__metadata__", None) or {}
+        self._meta = {str(k): str(v) for k, v in meta.items()}
+        self._index: dict[str, tuple] = {}
+        for name, e in header.items():
+            dtype = _ST_TORCH.get(e.get("dtype")) if isinstance(e, dict) else None
+            shape, offs = (e.get("shape"), e.get("data_offsets")) if dtype else (None, None)
+            ok = (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                  and isinstance(offs, list) and len(offs) == 2
+                  and all(isinstance(o, int) for o in offs)
+                  and 0 <= offs[0] <= offs[1] <= size - self.base)
+            numel = math.prod(shape) if ok else 0
+            if not ok or offs[1] - offs[0] != numel * dtype.itemsize:
+                raise CheckpointError(f"{path}: not a valid safetensors file (entry {name!r})")
+            self._index[name] = (dtype, tuple(shape), offs[0], numel)
+
+    def keys(self) -> list[str]:
+        return list(self._index)
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self._meta)
+
+    def read(self, name: str, start: int, count: int) -> torch.Tensor:
+        """Elements [start, start + count) of tensor `name`, flat."""
+        dtype, _, offset, numel = self._index[name]
+        start, count = max(0, start), max(0, min(count, numel - max(0, start)))
+        out = torch.empty(count, dtype=dtype)
+        nbytes = count * dtype.itemsize
+        if nbytes:
+            with open(self.path, "rb") as f:
+                f.seek(self.base + offset + start * dtype.itemsize)
+                if f.readinto(memoryview(out.view(torch.uint8).numpy())) != nbytes:
+                    raise CheckpointError(f"{self.path}: truncated inside {name!r}")
+        return out
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        _, shape, _, numel = self._index[name]
+        return self.read(name, 0, numel).reshape(shape)
+
+    def get_slice(self, name: str) -> Any:
+        rank_file = self
+        self._index[name]  # a missing name fails here, as safe_open's does
+
+        class _Slice:
+            def __getitem__(self, s: slice) -> torch.Tensor:
+                return rank_file.read(name, s.start or 0, (s.stop or 0) - (s.start or 0))
+        return _Slice()
+
+
 class Reader:
     """Verified, lazy reads of one checkpoint's rank files."""
 
@@ -194,10 +264,7 @@ class Reader:
             name = rank_file(rank)
             fp = self.path / name
             verify(fp, self.man["files"][name])
-            try:
-                self._files[rank] = safe_open(str(fp), framework="pt")
-            except SafetensorError as e:
-                raise CheckpointError(f"{fp}: not a valid safetensors file ({e})") from None
+            self._files[rank] = _RankFile(fp)
         return self._files[rank]
 
     def has(self, rank: int, key: str) -> bool:
@@ -206,7 +273,7 @@ class Reader:
     def get(self, rank: int, key: str) -> torch.Tensor:
         try:
             return self.file(rank).get_tensor(key)
-        except SafetensorError as e:
+        except KeyError as e:
             raise CheckpointError(f"{self.path / rank_file(rank)}: no tensor {key!r} ({e})"
                                   ) from None
 
@@ -220,7 +287,7 @@ class Reader:
             lo, hi = max(a, r * s) - r * s, min(b, (r + 1) * s) - r * s
             try:
                 parts.append(self.file(r).get_slice(key)[lo:hi])
-            except SafetensorError as e:
+            except KeyError as e:
                 raise CheckpointError(f"{self.path / rank_file(r)}: no tensor {key!r} ({e})"
                                       ) from None
         return torch.cat(parts)
