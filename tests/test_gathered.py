@@ -248,11 +248,13 @@ def _semantics() -> dict:
     opt.zero_grad()
     out["errors"] = errors
     out["state_after_errors"] = (st.gathered_depth, [u.pins for u in st.units])
-    # A gradient an aborted backward left on a leaf is dropped by the next
-    # iteration: injected on every flat, then two clean backwards agree.
+    # A gradient an aborted backward left behind (half a unit's flat gradient,
+    # one parameter's own) is dropped by the next iteration: injected on every
+    # flat, then two clean backwards agree.
     for f in st.flats:
         if f.trainable:
-            f.leaf.grad = torch.ones(f.padded_numel)
+            f.grad, f.arrived = torch.ones(f.padded_numel), {0}
+            f.params[-1].grad = torch.ones(f.params[-1].shape)
     grads = []
     for _ in range(2):
         x, y = task_batch(4, 4, rank)

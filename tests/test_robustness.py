@@ -206,3 +206,65 @@ def test_hpz_refreshes_after_a_fused_optimizer_step():
     hpz = spawn(_fused, 2, 2, args=({"hpz_partition_size": 2},), timeout=60)
     assert plain == hpz
     assert plain[0][0] != plain[0][-1]
+
+
+class HeadInRoot(nn.Module):
+    """Blocks, then a head the root holds alone (a Llama's lm_head and norm when
+    the input embedding is a unit of its own)."""
+
+    def __init__(self, n: int = 3, spare: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(n))
+        if spare:
+            for b in self.blocks:
+                b.spare = nn.Parameter(torch.randn(6))  # a parameter no forward reads
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+def _reduction_order(model) -> list[str]:
+    """Record the units in the order their gradients reach the reduce pipeline."""
+    st, order = model._zeropp_state, []
+    submit = st.reducer.submit
+    st.reducer.submit = lambda label, *a: (order.append(label), submit(label, *a))[1]
+    return order
+
+
+def test_root_holding_only_the_head_is_reduced_first_not_at_the_end_of_backward():
+    """Per-parameter gradient hooks run as soon as a gradient is complete: the
+    root's head, done first in backward, is reduced (and its weights freed)
+    before the blocks, not held to the end as a split made at the root's
+    forward start was (autograd ran it last)."""
+    ref = HeadInRoot()
+    model = zeropp.shard(copy.deepcopy(ref))
+    order = _reduction_order(model)
+    for m in (ref, model):
+        m(X).sum().backward()
+    assert order == ["<root>", "blocks.2", "blocks.1", "blocks.0"]
+    got = torch.cat([f.primary_shard.grad[:f.numel] for f in model._zeropp_state.flats])
+    want = torch.cat([p.grad.flatten() for m in (ref.head, *ref.blocks) for p in m.parameters()])
+    assert torch.equal(got, want)
+
+
+def test_a_parameter_backward_never_reaches_is_learnt_after_one_step():
+    """A unit with a parameter no forward reads: the first backward reduces it at
+    its end (zeros for that parameter, exact for the rest); from the second on
+    the unit is reduced as soon as the parameters backward does reach arrive."""
+    ref = HeadInRoot(spare=True)
+    model = zeropp.shard(copy.deepcopy(ref))
+    order = _reduction_order(model)
+    model(X).sum().backward()
+    assert order == ["<root>", "blocks.0", "blocks.1", "blocks.2"]  # end: unit order
+    ref(X).sum().backward()
+    flats = model._zeropp_state.flats
+    for b, f in zip(ref.blocks, flats[1:]):
+        assert torch.equal(f.primary_shard.grad[:f.numel],
+                           torch.cat([b.weight.grad.flatten(), b.bias.grad, torch.zeros(6)]))
+    order.clear()
+    model(X).sum().backward()
+    assert order == ["<root>", "blocks.2", "blocks.1", "blocks.0"]  # learnt: as they finish

@@ -9,15 +9,23 @@ gather and the matching free.
 [Note: how the full weights reach the module and come back in backward]
 `full` is one flat buffer whose storage is allocated for a gather and resized
 to zero bytes to free it; the same storage object lives on, so tensors that
-autograd saved in forward (views of it) see the weights again once backward
-re-gathers into it. `leaf = full.data`, made once, is a leaf tensor on that
-storage with a version counter of its own, so the collectives writing into
-`full` do not trip autograd's in-place check. Each forward points the
-module's parameters at fresh views `leaf.split(...)` (plain attributes);
-autograd sums every gradient reaching them, from every graph in the same
-backward call, into `leaf.grad` (one flat buffer, padding included as zeros)
-and fires our post-accumulate hook once: the moment to reduce-scatter the
-unit. A graph backwarded later fires it again and accumulates, as in PyTorch.
+autograd saved in forward see the weights again once backward re-gathers into
+it. The module attributes are `params`: one leaf tensor per original
+parameter, made once on `full`'s storage (`set_`, not a view: each has a
+version counter of its own, so the collectives writing into `full` do not trip
+autograd's in-place check). Autograd accumulates each one's gradient like a
+plain parameter's (AccumulateGrad, run as soon as the gradient is complete);
+its post-accumulate hook copies it into the unit's flat gradient `grad` and
+drops it, and when every parameter the unit's backward reaches has arrived the
+unit is handed to the reduce pipeline. Per-parameter leaves, not one flat leaf
+cut by `split`, because a split's backward node is made when the unit's
+forward begins: for the root that is the first node of the graph, which
+autograd's CPU engine runs last, so the head's gradient and the root's weights
+waited for the end of backward; and the split's `cat` held every gradient of
+the unit twice. A parameter that a step's backward does not reach (unused)
+is learnt: the unit is reduced at the end of that backward, and from then on
+when the parameters it did reach have arrived (one arriving later still gets
+reduced, at the end of backward). A graph backwarded later accumulates again.
 
 [Note: updates the engine cannot see]
 hpZ's secondary shard is dropped (qWD: refreshed by a delta) after every
@@ -125,20 +133,27 @@ class FlatParam:
             self.primary_shard = nn.Parameter(shard.clone(), requires_grad=trainable)
         del flat
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
-        # One leaf for the flat's lifetime, on `full`'s storage (see the note).
-        self.leaf = self.full.data
-        if trainable:
-            self.leaf.requires_grad_(True)
-            self.leaf.register_post_accumulate_grad_hook(self._grad_ready)
+        # The module attributes, for the flat's lifetime (see the note).
+        self.params = [self._param_on_full(info) for info in self.infos]
+        self.grad: Optional[torch.Tensor] = None  # the flat gradient being assembled
+        self.arrived: set[int] = set()    # params in `grad`
+        self.seen: set[int] = set()       # params reached by this backward
+        self.expected = set(range(len(self.infos)))  # params backward reaches (learnt)
+        for i, t in enumerate(self.params):
+            t.ds_shape, t.ds_numel, t.ds_id = self.infos[i].shape, self.infos[i].numel, \
+                self.infos[i].fqns[0]
+            if trainable:
+                t.requires_grad_(True)
+                t.register_post_accumulate_grad_hook(
+                    lambda t, i=i: self._param_grad_ready(i, t))
         self.pending: Optional[Pending] = None
         self.gathered = False
-        self._views: dict[int, weakref.ref] = {}  # every live view of `full` (ds_status)
-        self._install_views(self.full)  # placeholders, so modules keep their attributes
+        self._install_views()  # before any gather, so modules keep their attributes
         self.needs_reduce = False
         self.on_grad_ready: Optional[Callable[[FlatParam], None]] = None
         self._free_storage()
         self.weights = WeightPath(self, topo, cfg)   # gathers, hpZ secondary, qWD
-        for t in (self.primary_shard, self.leaf, self.full):  # full: the first placeholders
+        for t in (self.primary_shard, self.full, *self.params):
             _OWNERS[id(t)] = (weakref.ref(t), weakref.ref(self))
         self.grad_codec = inter_node_codec(cfg, self.block, topo, name) if trainable else None
 
@@ -194,48 +209,74 @@ class FlatParam:
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
 
     def _set_status(self, status: ZeroParamStatus) -> None:
-        """`ds_status` of every view of `full` still alive (module attributes, and
-        older views a caller or autograd still holds): they share its storage."""
-        for key, ref in list(self._views.items()):
-            v = ref()
-            if v is None:
-                del self._views[key]
-            else:
-                v.ds_status = status
+        for t in self.params:
+            t.ds_status = status
 
-    # ---- views ---------------------------------------------------------------
+    # ---- module attributes ---------------------------------------------------
+    def _param_on_full(self, info: ParamInfo) -> torch.Tensor:
+        """A tensor of `info.shape` on `full`'s storage at `info.offset`."""
+        like = self.full[info.offset:info.offset + info.numel].view(info.shape)
+        return torch.empty(0, dtype=self.full.dtype, device=self.full.device).set_(
+            self.full.untyped_storage(), info.offset, info.shape, like.stride())
+
     def use_views(self) -> None:
-        """Point the module attributes at views of the gathered weights (see the note)."""
+        """A forward is about to read the gathered weights: its gradient will
+        need reducing (if it is recorded)."""
         if self.trainable and torch.is_grad_enabled():
             self.needs_reduce = True
-        self._install_views(self.leaf)
+        self._install_views()
 
     def install_full_views(self) -> None:
-        """Module attributes read the gathered weights (zeropp.gathered), no
-        gradient bookkeeping."""
-        self._install_views(self.leaf)
+        """Module attributes read the gathered weights (zeropp.gathered)."""
+        self._install_views()
 
-    def _install_views(self, base: torch.Tensor) -> None:
-        for info, v in zip(self.infos, base.split(self.split_sizes)):
-            v = v.view(info.shape)
-            # DeepSpeed's ZeRO-3 attributes, for libraries that inspect parameters.
-            v.ds_status = ZeroParamStatus.AVAILABLE if self.gathered \
+    def _install_views(self) -> None:
+        for t, info in zip(self.params, self.infos):
+            t.ds_status = ZeroParamStatus.AVAILABLE if self.gathered \
                 else ZeroParamStatus.NOT_AVAILABLE
-            v.ds_shape, v.ds_numel, v.ds_id = info.shape, info.numel, info.fqns[0]
-            self._views[id(v)] = weakref.ref(v)
             for mod, attr in info.registrations:
-                mod.__dict__[attr] = v  # plain attribute: the Parameter was removed
-
-    def _grad_ready(self, leaf: torch.Tensor) -> None:
-        if self.on_grad_ready is not None:
-            self.on_grad_ready(self)
+                mod.__dict__[attr] = t  # plain attribute: the Parameter was removed
 
     # ---- gradients -----------------------------------------------------------
+    def _param_grad_ready(self, i: int, t: torch.Tensor) -> None:
+        """Parameter i's gradient is complete for this backward: into `grad`."""
+        g, t.grad = t.grad, None
+        info = self.infos[i]
+        if self.grad is None:  # zeroed where nothing arrives, in take_grad
+            self.grad = torch.empty(self.padded_numel, dtype=g.dtype, device=g.device)
+        dst = self.grad[info.offset:info.offset + info.numel].view(info.shape)
+        if i in self.arrived:
+            dst.add_(g)
+        else:
+            dst.copy_(g)
+        self.arrived.add(i)
+        self.seen.add(i)
+        if self.arrived >= self.expected and self.on_grad_ready is not None:
+            self.on_grad_ready(self)
+
+    def end_backward(self) -> bool:
+        """Learn which parameters backward reaches; True if a gradient is still
+        waiting (some expected parameter did not arrive): reduce it now."""
+        if self.seen:
+            self.expected, self.seen = self.seen, set()
+        return self.grad is not None
+
+    def drop_grad(self) -> None:
+        """Forget a gradient an interrupted backward left behind."""
+        self.grad, self.arrived, self.seen, self.needs_reduce = None, set(), set(), False
+        for t in self.params:
+            t.grad = None
+
     def take_grad(self) -> torch.Tensor:
-        """This iteration's full gradient, detached from the leaf (the next
-        backward starts a fresh one)."""
+        """This backward's full flat gradient (zeros where nothing arrived); the
+        next backward starts a fresh one."""
         self.needs_reduce = False
-        g, self.leaf.grad = self.leaf.grad, None
+        g, self.grad = self.grad, None
+        for i, info in enumerate(self.infos):
+            if i not in self.arrived:
+                g[info.offset:info.offset + info.numel].zero_()
+        g[self.numel:].zero_()
+        self.arrived = set()
         return g
 
     def reduce_first(self, comm: Comm, cfg: Config, g: torch.Tensor) -> Any:

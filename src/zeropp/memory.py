@@ -90,7 +90,7 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
         "optimizer_state": _optimizer_bytes(optimizer, flats),
         "secondary_shards": sum(_bytes(f.weights.secondary) for f in flats),
         "error_feedback": sum(_codec_bytes(f.grad_codec) for f in flats),
-        "unreduced_grads": sum(_bytes(f.leaf.grad) for f in flats if f.trainable),
+        "unreduced_grads": sum(_bytes(f.grad) for f in flats if f.trainable),
         "gathered_now": st.meter.bytes,
         "buffers": sum(_bytes(b) for b in model.buffers()),
     }

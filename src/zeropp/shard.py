@@ -8,7 +8,7 @@ root for the rest. Per unit and iteration:
   forward post-hook  free the full weights; hook the outputs for backward
   output grad hook   (backward reaches this unit) gather again, prefetch the
                      unit backward reaches next
-  leaf grad hook     its gradient is complete: hand it to the reduce pipeline
+  param grad hooks   its gradient is complete: hand it to the reduce pipeline
                      (reduce.py; reduced on two threads while backward goes on), free
   end of backward    wait for every reduction, free leftovers
 The model class is untouched and the training loop stays plain PyTorch.
@@ -230,10 +230,8 @@ class ShardState:
         self.backward_active = False
         for u in self.units:
             u.free()
-            for f in u.flats:  # a gradient an aborted backward left on the leaf
-                f.needs_reduce = False
-                if f.trainable:
-                    f.leaf.grad = None
+            for f in u.flats:  # a gradient an aborted backward left behind
+                f.drop_grad()
         self.reducer.drain()  # an interrupted backward's reductions (raises a failure once)
 
     def prefetch_forward(self) -> None:
@@ -282,6 +280,12 @@ class ShardState:
         # .grad None, as in plain PyTorch. Ranks must agree on which units
         # those are (as they must in FSDP): collectives follow backward order.
         try:
+            # A unit some of whose parameters backward did not reach (unused this
+            # step) is reduced now, in unit order on every rank (flat_param's note).
+            for u in self.units:
+                for f in u.flats:
+                    if f.trainable and f.end_backward():
+                        u.reduce(f)
             self.reducer.drain()  # gradients are complete when backward returns
         finally:
             for u in self.units:
