@@ -25,7 +25,7 @@ def _steady_bytes(d: int) -> dict:
     """Inter-node bytes of the third step (after the first, full refresh) per preset."""
     rank = dist.get_rank()
     out = {}
-    for name in ("zero3", "zeropp", "zeropp-plus", "zeropp~hier"):
+    for name in ("zero3", "zeropp", "zeropp-plus", "zeropp~hier", "zeropp-plus~copy8"):
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_embd=128, n_head=4))
         zeropp.shard(model, zeropp.Config.preset(name, node_size=d))
@@ -53,9 +53,10 @@ def _node_max(res: list, d: int, name: str, op: str | None = None) -> int:
 
 @pytest.mark.parametrize("w,d,limit", [(4, 2, 0.062), (6, 2, 0.075)], ids=["2x2", "3x2"])
 def test_zeropp_plus_steady_inter_node_bytes_at_most_0062_2x2_and_0075_3x2_of_zero3(w, d, limit):
+    """... and inside the node its qWD copies travel as INT8 (see the last block)."""
     res = spawn(_steady_bytes, w, d, args=(d,), timeout=300)
-    z3, plus = _node_max(res, d, "zero3"), _node_max(res, d, "zeropp-plus")
-    assert plus <= limit * z3, plus / z3
+    z3, plus_inter = _node_max(res, d, "zero3"), _node_max(res, d, "zeropp-plus")
+    assert plus_inter <= limit * z3, plus_inter / z3
     # Forward and backward gathers stay inside the node; only deltas and qgZ cross.
     crossing = {op for op, v in res[0]["zeropp-plus"]["by_op"].items() if v["inter_node_bytes"]}
     assert crossing == {"all_gather/forward/delta", "reduce_scatter/qgz/inter"}
@@ -64,6 +65,26 @@ def test_zeropp_plus_steady_inter_node_bytes_at_most_0062_2x2_and_0075_3x2_of_ze
     flat = _node_max(res, d, "zeropp", "all_gather/forward")
     hier = _node_max(res, d, "zeropp~hier", "all_gather/forward/inter")
     assert hier / flat == pytest.approx(((n - 1) / n) / ((w - 1) / w), rel=1e-3)
+    # qWD's copies inside the node: forward and backward gathers each move exactly
+    # what ZeRO++'s INT8 backward gather moves, (1 + 4/block)/4 of the same gathers
+    # with the copies at fp32 (~copy8); the payload never crosses (inter unchanged).
+    paper = _intra(res, d, "zeropp", "all_gather/backward/hpz")
+    for phase in ("forward", "backward"):
+        plus = _intra(res, d, "zeropp-plus", f"all_gather/{phase}/hpz")
+        fp32 = _intra(res, d, "zeropp-plus~copy8", f"all_gather/{phase}/hpz")
+        assert plus == paper > 0, (phase, plus, paper)
+        assert plus / fp32 == pytest.approx((1 + 4 / 2048) / 4, rel=1e-3)
+    assert plus_inter == _node_max(res, d, "zeropp-plus~copy8")
+
+
+def _intra(res: list, d: int, name: str, op: str) -> int:
+    return max(sum(res[r][name]["by_op"].get(op, {}).get("intra_node_bytes", 0)
+                   for r in range(m * d, (m + 1) * d)) for m in range(len(res) // d))
+
+
+def _intra(res: list, d: int, name: str, op: str) -> int:
+    return max(sum(res[r][name]["by_op"].get(op, {}).get("intra_node_bytes", 0)
+                   for r in range(m * d, (m + 1) * d)) for m in range(len(res) // d))
 
 
 # ---- hierarchical gather: bitwise equal to the flat one ------------------------------------

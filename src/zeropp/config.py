@@ -59,6 +59,9 @@ class Config:
     refreshed after each optimizer step by a quantized difference from each shard's owner."""
     weight_delta_bits: int = 4
     """Bits per value of the qWD weight differences."""
+    weight_copy_bits: Optional[int] = 8
+    """qWD: the copies travel inside the node as INT8 blocks, quantized once per step
+    (the bytes of ZeRO++'s INT8 secondary); None gathers them at the compute dtype."""
     weight_delta_stochastic_rounding: bool = False
     """qWD: round the differences stochastically (unbiased) instead of to nearest; with
     nearest, updates under half a step wait in the carried error (the copy lags)."""
@@ -102,11 +105,12 @@ class Config:
                    "None, torch.float32, torch.bfloat16 or torch.float16")
         _check("reduce_dtype", self.reduce_dtype, self.reduce_dtype in _FLOAT_DTYPES,
                "torch.float32, torch.bfloat16 or torch.float16")
-        for name in ("weight_bits", "grad_bits", "intra_node_grad_bits", "weight_delta_bits"):
+        optional = ("intra_node_grad_bits", "weight_copy_bits")
+        for name in ("weight_bits", "grad_bits", *optional, "weight_delta_bits"):
             v = getattr(self, name)
-            if v is not None or name != "intra_node_grad_bits":
-                _check(name, v, _is_int(v) and v in _BITS, "4 or 8" if name !=
-                       "intra_node_grad_bits" else "None, 4 or 8")
+            if v is not None or name not in optional:
+                _check(name, v, _is_int(v) and v in _BITS,
+                       "None, 4 or 8" if name in optional else "4 or 8")
         _check("block_size", self.block_size,
                _is_int(self.block_size) and 8 <= self.block_size <= 1 << 20
                and self.block_size % 8 == 0,
@@ -225,16 +229,17 @@ NAMED = {
     # Beyond the paper; each switch's default chosen by the 3-seed measurement in
     # benchmarks/RESULTS.md ("zeropp-plus ablations"), not by belief.
     "zeropp-plus": {**_ZEROPP, "intra_node_grad_bits": 8, "hierarchical_gather": True,
-                    "weight_delta": True, "gradient_rotation": False,
+                    "weight_delta": True, "weight_copy_bits": 8, "gradient_rotation": False,
                     "gradient_stochastic_rounding": False, "gradient_error_feedback": True,
                     "weight_delta_stochastic_rounding": False},
 }
 # Short names of the switches "NAME~SWITCH" flips (ablations): booleans are
-# negated, intra8 toggles the intra-node gradient hop between 8 and 4 bits.
+# negated, intra8 toggles the intra-node gradient hop between 8 and 4 bits, copy8
+# the qWD copies' intra-node payload between INT8 and the compute dtype.
 SWITCHES = {"hier": "hierarchical_gather", "qwd": "weight_delta", "rotation": "gradient_rotation",
             "sr": "gradient_stochastic_rounding", "ef": "gradient_error_feedback",
             "intra8": "intra_node_grad_bits", "qwz": "quantized_weights",
-            "dsr": "weight_delta_stochastic_rounding",
+            "dsr": "weight_delta_stochastic_rounding", "copy8": "weight_copy_bits",
             "qgz": "quantized_gradients", "async": "async_reduce", "deep": "prefetch_depth"}
 
 
@@ -257,6 +262,8 @@ def named(name: str, node_size: int, **fields) -> Config:
         now = switches.get(field, getattr(Config, field))
         if field == "intra_node_grad_bits":
             switches[field] = 4 if now == 8 else 8
+        elif field == "weight_copy_bits":
+            switches[field] = None if now == 8 else 8
         elif field == "prefetch_depth":
             switches[field] = 2 if now == 1 else 1
         else:

@@ -29,6 +29,16 @@ places piece (i, k) at slot k*P + i: the same bytes a world gather puts there.
             too) adds dequant(q(d)) to its copy; then stage 2. Copies stay bitwise
             identical everywhere and the rounding error stays in master - copy,
             sent with the next delta instead of lost.
+
+[Note: qWD's intra-node payload]
+The copies are exact (fp32 at fp32 compute) so that deltas stay small, but the
+node does not need them exact: with `weight_copy_bits=8` each holder quantizes
+its copies once per version (INT8 blockwise, one wire piece per shard) and the
+forward and backward gathers inside the node move those bytes, as ZeRO++'s INT8
+secondary does (fp32: 4x fewer). Every holder of a copy holds the same bits, so
+every rank dequantizes the same payload into bitwise-identical weights; the
+rounding is not fed back into the copies (the next delta is still exact against
+them). The payload lives from the first gather after a step to the next step.
 The route depends only on state every rank shares (version counters, steps),
 so every rank issues the same collectives in the same order on each group.
 
@@ -82,6 +92,8 @@ class WeightPath:
         self.secondary: Optional[torch.Tensor] = None  # W/P pieces: wire bytes or compute dtype
         self.current_for: Optional[tuple] = None  # master version the secondary stands for
         self.stepped_at: Optional[tuple] = None   # master version right after the last step
+        self.copy_bits = cfg.weight_copy_bits if self.delta else None
+        self.payload: Optional[torch.Tensor] = None  # qWD copies as intra-node wire bytes
         self.deltas = 0                           # deltas since the last full refresh
 
     # ---- state -----------------------------------------------------------------------
@@ -90,12 +102,13 @@ class WeightPath:
         delta at the next gather; plain hpZ drops it (its next gather is a full one)."""
         if self.delta and self.secondary is not None:
             self.stepped_at, self.current_for = self.flat.version, None
+            self.payload = None
         else:
             self.invalidate()
 
     def invalidate(self) -> None:
         """Forget the secondary: the next gather is a full one."""
-        self.secondary = self.current_for = self.stepped_at = None
+        self.secondary = self.current_for = self.stepped_at = self.payload = None
 
     def route(self) -> str:
         v = self.flat.version
@@ -112,7 +125,11 @@ class WeightPath:
         completes the remaining stages when waited on."""
         route, op = self.route(), f"all_gather/{phase}"
         if route == "secondary":
-            return self._inner(comm, self.secondary, f"{op}/hpz", "hpz", self._is_wire)
+            if self.copy_bits is not None:
+                return self._inner(comm, self._copy_payload(), f"{op}/hpz", "hpz",
+                                   self.copy_bits)
+            return self._inner(comm, self.secondary, f"{op}/hpz", "hpz",
+                               self.flat.weight_bits if self._is_wire else None)
         if route == "delta":
             return self._issue_delta(comm, op)
         if route == "hier":
@@ -176,9 +193,20 @@ class WeightPath:
         self._set_secondary(gathered.view(-1, self.p, gathered.numel() // self.flat.world_size)
                             [:, self.index].clone().view(-1))
 
-    def _set_secondary(self, secondary: torch.Tensor) -> None:
+    def _set_secondary(self, secondary: torch.Tensor,
+                       payload: Optional[torch.Tensor] = None) -> None:
         self.secondary, self.current_for, self.stepped_at = secondary, self.flat.version, None
-        self.deltas = 0
+        self.deltas, self.payload = 0, payload
+
+    def _copy_payload(self) -> torch.Tensor:
+        """The copies as INT8 wire pieces, one per shard, made once per version
+        (see the note on qWD's intra-node payload)."""
+        if self.payload is None:
+            f = self.flat
+            pieces = self.secondary.view(-1, f.shard_numel)
+            self.payload = torch.cat([quantize(c, self.copy_bits, f.block).to_bytes()
+                                      for c in pieces])
+        return self.payload
 
     def _issue_outer(self, comm: Comm, op: str) -> Pending:
         """Hierarchical stage 1: the N primary shards of this rank's local index,
@@ -190,9 +218,17 @@ class WeightPath:
             mine, wire = out, self.flat.quantized_gather
             if self.p > 1:
                 if self.delta and wire:  # qWD copies are weights at compute precision
-                    mine, wire = self._dequantized(out, n), False
-                self._set_secondary(mine)
-            self._inner(comm, mine, f"{op}/intra", "intra_node", wire).wait()
+                    copies = self._dequantized(out, n)
+                    # qwZ's INT8 pieces are the payload (what they dequantize to is the copy)
+                    same = self.copy_bits == self.flat.weight_bits
+                    self._set_secondary(copies, out if same else None)
+                    mine, wire = copies, False
+                else:
+                    self._set_secondary(mine)
+            bits = self.flat.weight_bits if wire else None
+            if self.copy_bits is not None:
+                mine, bits = self._copy_payload(), self.copy_bits
+            self._inner(comm, mine, f"{op}/intra", "intra_node", bits).wait()
         return comm.all_gather(out, self._send(), op=f"{op}/inter", group="inter_node",
                                scale_bytes=scales, then=then)
 
@@ -203,22 +239,23 @@ class WeightPath:
         return out
 
     def _inner(self, comm: Comm, mine: torch.Tensor, op: str, group: str,
-               wire: bool) -> Pending:
+               bits: Optional[int]) -> Pending:
         """Stage 2: all-gather every group member's pieces inside the group (hpZ
-        group or node, G ranks) and place member i's piece k at slot k*G + i."""
+        group or node, G ranks) and place member i's piece k at slot k*G + i.
+        `bits`: the pieces are wire bytes of that many bits (None: weights)."""
         f = self.flat
         g = len(comm.ranks[group])
         k = f.world_size // g
         out = torch.empty(g * mine.numel(), dtype=mine.dtype, device=mine.device)
-        if wire:
-            wb = self._wire_bytes
+        if bits is not None:
+            wb = QTensor.wire_bytes(f.shard_numel, bits, f.block)
 
             def then() -> None:
                 pieces = out.view(g, k, wb)
                 for i in range(g):
                     for j in range(k):
                         q = QTensor.from_bytes(pieces[i, j], (f.shard_numel,), f.compute_dtype,
-                                               f.weight_bits, f.block)
+                                               bits, f.block)
                         s = (j * g + i) * f.shard_numel
                         dequantize(q, out=f.full[s:s + f.shard_numel])
             return comm.all_gather(out, mine, op=op, group=group,
@@ -256,7 +293,11 @@ class WeightPath:
                 copies[k].add_(dequantize(q, out=part))  # the same op on every holder
             self.current_for, self.stepped_at = version, None
             self.deltas += 1
-            self._inner(comm, self.secondary, f"{op}/hpz", "hpz", False).wait()
+            if self.copy_bits is not None:
+                self._inner(comm, self._copy_payload(), f"{op}/hpz", "hpz",
+                            self.copy_bits).wait()
+            else:
+                self._inner(comm, self.secondary, f"{op}/hpz", "hpz", None).wait()
         return comm.all_gather(out, send, op=f"{op}/delta", group="inter_node",
                                scale_bytes=n * (numel // f.block) * 4, then=then)
 
