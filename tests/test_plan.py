@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeropp.bench.plan import Cluster, plan, predict
+from zeropp.bench.plan import Cluster, plan, predict, winner
 from zeropp.cli import main
 
 BIG = Cluster(params=7e9, nodes=256, gpus_per_node=8, inter_gbps=100, intra_gbps=2400,
@@ -25,11 +25,16 @@ def test_zero3_moves_3m_and_zeropp_075m_across_nodes_per_step():
 
 def test_zeropp_plus_moves_half_of_zeropp_across_nodes_and_keeps_full_width_copies():
     """qWD's INT4 deltas (0.25M in bf16) replace qwZ's INT8 gather (0.5M); qgZ stays
-    0.25M: 0.5M per node per step. Its copies cost M/D per GPU (bf16: 1.75 GB, 7B, D=8)."""
-    plus = predict(BIG, "zeropp-plus")
+    0.25M: 0.5M per node per step. Its copies cost M/D per GPU (bf16: 1.75 GB, 7B, D=8)
+    plus their INT8 payload (0.875 GB); inside the node both gathers move INT8, as
+    ZeRO++'s backward gather does, and the gradient hop 8 bits."""
+    plus, zpp = predict(BIG, "zeropp-plus"), predict(BIG, "zeropp")
     assert plus["cross"] / M == pytest.approx(0.5, rel=0.01)
     assert plus["fwd"] / M == pytest.approx(0.25, rel=0.01) and plus["bwd"] == 0
-    assert plus["secondary"] == pytest.approx(1.75e9, rel=0.001)
+    assert plus["secondary"] == pytest.approx(1.75e9 + 0.875e9, rel=0.001)
+    gather8 = 7 / 8 * 7e9 * (1 + 4 / 2048)  # one INT8 gather inside a node of 8
+    assert plus["intra"] == pytest.approx(3 * gather8, rel=1e-6)
+    assert zpp["intra"] == pytest.approx(gather8 * 1.5, rel=1e-3)
 
 
 def test_hpz_secondary_memory_for_7b_on_8_gpus_is_175gb_or_half_with_qwz():
@@ -88,3 +93,11 @@ def test_activation_checkpointing_charges_8_instead_of_6_flops_per_param_per_tok
     ckpt = predict(dataclasses.replace(BIG, recompute=True), "zero3")
     assert ckpt["compute_s"] == pytest.approx(plain["compute_s"] * 8 / 6)
     assert ckpt["comm_s"] == plain["comm_s"]  # the bytes do not change
+
+
+def test_winner_names_the_fastest_configuration_and_its_margin_over_the_next():
+    line = winner({"zeropp": 1.2, "fsdp2": 12.0, "zeropp-plus": 0.8}, "measured")
+    assert line == ("Fastest (measured): Config.preset('zeropp-plus') at 0.8 s/step, "
+                    "1.50x faster than zeropp (1.2 s).")
+    assert winner({"fsdp2": 1.0, "zeropp": 2.0}, "measured").startswith(
+        "Fastest (measured): fsdp2 at 1 s/step, 2.00x faster than zeropp")

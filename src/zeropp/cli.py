@@ -235,6 +235,7 @@ def _version(pkg: str) -> str:
 
 
 def run_bench_cmd(ns: argparse.Namespace, argv: Optional[list[str]]) -> int:
+    from .bench.plan import winner
     from .bench.run import chart, run_bench, table
     if ns.model not in PRESETS:
         raise UsageError(f"unknown model preset {ns.model!r}; choose one of {', '.join(PRESETS)}")
@@ -246,6 +247,9 @@ def run_bench_cmd(ns: argparse.Namespace, argv: Optional[list[str]]) -> int:
         print(f"zeropp bench failed: {e}", file=sys.stderr)
         return 1
     text = table(results)
+    if len(results) > 1:
+        text += "\n\n" + winner({r["config"]: r["median_step_s"] for r in results},
+                                  f"measured, {results[0]['link']}")
     r0 = results[0]
     head = (f"{r0['params'] / 1e6:.1f}M-parameter GPT ({ns.model}, {ns.dtype}), {ns.nodes} "
             f"nodes x {ns.node_size} ranks, inter-node link {r0['link']}, micro-batch "

@@ -7,8 +7,8 @@ over bandwidth. Bytes come from the same rules the accounting uses
 so a node's link carries (W-1)/W of each world-group buffer; hpZ's gathers stay
 inside the node; qgZ's second hop sends (N-1)/N of the values at 4 bits.
 zeropp-plus: the forward and backward gathers run inside the node from qWD's
-compute-precision copies; across nodes go the INT4 weight deltas ((N-1)/N of
-the values) and qgZ's INT4 hop; its intra-node gradient hop is 8-bit.
+copies, as INT8 (`weight_copy_bits`); across nodes go the INT4 weight deltas
+((N-1)/N of the values) and qgZ's INT4 hop; its intra-node gradient hop is 8-bit.
 Compute is 6 * params * tokens FLOPs (forward + backward) at the given
 TFLOP/s, 8 * params * tokens with activation checkpointing (`recompute`: the
 forward runs again in backward; the ZeRO++ runs and their TFLOP/s figures count
@@ -20,6 +20,8 @@ DeepSpeed overlaps; high on GPUs with NCCL streams).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..config import is_named
 
 CONFIGS = {  # (qwZ, hpZ, qgZ, zeropp-plus's qWD + 8-bit intra-node gradients)
     "zero3": (False, False, False, False),
@@ -87,10 +89,10 @@ def volumes(c: Cluster, qwz: bool, hpz: bool, qgz: bool,
     if qgz and d > 1:  # first hop: INT4 all-to-all inside the node
         intra += (d - 1) / d * p * (0.5 + scales8)
     secondary = (p / d) * (1 + scales8) if (hpz and qwz) else (m / d if hpz else 0.0)
-    if plus:  # qWD: INT4 deltas across, both gathers inside from full-width copies
+    if plus:  # qWD: INT4 deltas across; both gathers inside, from the copies' INT8 payload
         fwd = (n - 1) / n * p * (0.5 + scales8) if cross else 0.0
-        intra = 2 * (d - 1) / d * m + ((d - 1) / d * p * (1 + scales8) if d > 1 else 0.0)
-        secondary = m / d
+        intra = 3 * (d - 1) / d * p * (1 + scales8)  # + the 8-bit gradient hop
+        secondary = m / d + p / d * (1 + scales8)     # full-width copies + their payload
     return {"fwd": fwd, "bwd": bwd, "grad": grad, "cross": fwd + bwd + grad,
             "intra": intra, "secondary": secondary}
 
@@ -129,11 +131,23 @@ def recommend(rows: list[dict]) -> str:
                 "(no switch saves 5% alone).")
     names = {"qwz": "quantized_weights=True", "hpz": "hpz_partition_size=<GPUs per node>",
              "qgz": "quantized_gradients=True"}
-    best = "zeropp-plus" if by["zeropp-plus"]["step_s"] < by["zeropp"]["step_s"] else "zeropp"
     return ("Turn on " + ", ".join(names[k] for k in on)
             + f"; all three predict {by['zeropp']['speedup']:.2f}x over ZeRO-3, "
-            f"zeropp-plus {by['zeropp-plus']['speedup']:.2f}x: use "
-            f"Config.preset({best!r}).")
+            f"zeropp-plus {by['zeropp-plus']['speedup']:.2f}x. " + winner(
+                {k: by[k]["step_s"] for k in ("zeropp", "zeropp-plus")}, "predicted"))
+
+
+def winner(step_s: dict[str, float], how: str) -> str:
+    """One line: which configuration has the shortest step, and by how much over
+    the next; a zeropp preset is named as the Config call that selects it."""
+    ranked = sorted(step_s, key=step_s.get)
+    best = ranked[0]
+    use = f"Config.preset({best!r})" if is_named(best) else best
+    line = f"Fastest ({how}): {use} at {step_s[best]:.3g} s/step"
+    if len(ranked) > 1:
+        nxt = ranked[1]
+        line += f", {step_s[nxt] / step_s[best]:.2f}x faster than {nxt} ({step_s[nxt]:.3g} s)"
+    return line + "."
 
 
 def format_table(c: Cluster, rows: list[dict]) -> str:
