@@ -29,6 +29,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .quant import scratch_bytes
+
 
 def _bytes(t: Optional[torch.Tensor]) -> int:
     if t is None:
@@ -77,6 +79,7 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
       unreduced_grads     full gradients a backward left that are not reduced yet
       gathered_now        full weights of units gathered right now
       buffers             the model's buffers
+      scratch             reused temporaries of error feedback and qWD's deltas (quant.py)
       total               the sum of the above
       gathered_peak, gathered_units_peak
                           the most full-weight bytes / units alive at once since the
@@ -95,6 +98,7 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
         "unreduced_grads": sum(_bytes(f.grad) for f in flats if f.trainable),
         "gathered_now": st.meter.bytes,
         "buffers": sum(_bytes(b) for b in model.buffers()),
+        "scratch": scratch_bytes(),
     }
     out["total"] = sum(out.values())
     out["gathered_peak"], out["gathered_units_peak"] = st.meter.peak_bytes, st.meter.peak_units

@@ -27,12 +27,13 @@ import torch
 
 from .collectives import Comm
 from .config import Config
-from .quant import QTensor, dequantize, quantize, rotate, unrotate
+from .quant import QTensor, dequantize, quantize, rotate, scratch_buffer, unrotate
 from .topology import Topology
 
 ROTATION_SEED = 0x5EED   # the Hadamard signs every rank shares
 ERROR_BETA = 0.8         # LoCo's err_beta: weight of the older residual
 ERROR_RESET = 1024       # LoCo's reset period, in sends
+
 
 
 class HopCodec:
@@ -65,11 +66,11 @@ class HopCodec:
                 continue
             x = rotate(rows[r], ROTATION_SEED, self.block) if self.rotation else rows[r]
             if self.error_feedback:
-                x = x + self.residual[peer]
+                x = torch.add(x, self.residual[peer], out=scratch_buffer("ef_x", numel, x.device))
             q = quantize(x, self.bits, self.block, stochastic=self.stochastic,
                          generator=self.generator, out=send[r * wb:(r + 1) * wb])
             if self.error_feedback:
-                lost = x - dequantize(q, torch.float32)
+                lost = x.sub_(dequantize(q, out=scratch_buffer("ef_dq", numel, x.device)))
                 self.residual[peer].mul_(ERROR_BETA).add_(lost, alpha=1 - ERROR_BETA)
             peer += 1
 
@@ -77,13 +78,20 @@ class HopCodec:
                    wb: int) -> torch.Tensor:
         """fp32 sum of the pieces received (all rows but `own`) and `own_row`."""
         k, numel = recv.numel() // wb, own_row.numel()
-        total = torch.zeros(numel, dtype=torch.float32, device=own_row.device)
-        part = torch.empty_like(total)
+        # The first piece is dequantized straight into the sum (no zero fill; one
+        # piece is all that arrives at two ranks per group), the rest through `part`.
+        total, part = None, None
         for r in range(k):
             if r != own:
                 q = QTensor.from_bytes(recv[r * wb:(r + 1) * wb], (numel,), torch.float32,
                                        self.bits, self.block)
-                total += dequantize(q, out=part)
+                if total is None:
+                    total = dequantize(q, torch.float32)
+                else:
+                    part = torch.empty_like(total) if part is None else part
+                    total += dequantize(q, out=part)
+        if total is None:
+            total = torch.zeros(numel, dtype=torch.float32, device=own_row.device)
         if self.rotation:
             total = unrotate(total, ROTATION_SEED, self.block)
         return total.add_(own_row)

@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .collectives import Comm, Pending, dequantize_gathered
-from .quant import QTensor, dequantize, quantize
+from .quant import QTensor, dequantize, quantize, scratch_buffer
 
 if TYPE_CHECKING:
     from .config import Config
@@ -278,7 +278,8 @@ class WeightPath:
         f = self.flat
         n, numel = self.secondary.numel() // f.shard_numel, f.shard_numel
         copies = self.secondary.view(n, numel)
-        diff = f.primary_shard.detach().float() - copies[self.outer_index].float()
+        diff = torch.sub(f.primary_shard.detach().float(), copies[self.outer_index].float(),
+                         out=scratch_buffer("delta", numel, copies.device))
         if self.stochastic and self.generator is None:
             self.generator = torch.Generator(device=diff.device).manual_seed(self.seed)
         send = quantize(diff, self.delta_bits, f.block, stochastic=self.stochastic,
@@ -287,7 +288,7 @@ class WeightPath:
         version = self.stepped_at
 
         def then() -> None:
-            part = torch.empty(numel, dtype=torch.float32, device=out.device)
+            part = scratch_buffer("delta_part", numel, out.device)
             for k, piece in enumerate(out.view(n, -1)):
                 q = QTensor.from_bytes(piece, (numel,), torch.float32, self.delta_bits, f.block)
                 copies[k].add_(dequantize(q, out=part))  # the same op on every holder
