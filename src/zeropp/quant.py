@@ -128,7 +128,8 @@ def _chunks(nblocks: int, block_size: int):
 
 
 # Reused fp32 scratch buffers, per (thread, slot, device): the reduce pipeline's two
-# stages run at once on their own threads. memory_stats counts them ("scratch").
+# stages run at once on their own threads. memory_stats counts them ("scratch");
+# shard.py releases them at the end of every forward and backward.
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
@@ -147,6 +148,13 @@ def scratch_buffer(slot: str, numel: int, device: torch.device) -> torch.Tensor:
 
 def scratch_bytes() -> int:
     return sum(t.numel() * 4 for t in list(_SCRATCH.values()))
+
+
+def release_scratch() -> None:
+    """Drop the scratch buffers (at the end of each forward and backward), so they
+    live only while a phase uses them, as the temporaries they replace did; a
+    buffer in use stays alive through its user's reference."""
+    _SCRATCH.clear()
 
 
 def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,

@@ -36,6 +36,7 @@ from .deferred import defer_meta
 from .flat_param import FlatParam
 from .guards import check_same_model, forget_parameters
 from .memory import GatherMeter, release_freed_host_memory
+from .quant import release_scratch
 from .reduce import ReducePipeline
 from .stats import CommStats
 from .topology import Topology, get_topology, reduce_groups
@@ -251,6 +252,7 @@ class ShardState:
         # first: reverse the order in which forwards finished.
         self.backward_order = list(reversed(self.finished_order))
         self.last_forward_order = self.forward_order
+        release_scratch()  # qWD's delta temporaries: reused within the forward only
 
     # ---- backward ----------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -287,6 +289,7 @@ class ShardState:
                     if f.trainable and f.end_backward():
                         u.reduce(f)
             self.reducer.drain()  # gradients are complete when backward returns
+            release_scratch()  # qgZ's temporaries: reused within the backward only
         finally:
             for u in self.units:
                 for f in u.flats:
