@@ -139,9 +139,9 @@ class FlatParam:
         self.arrived: set[int] = set()    # params in `grad`
         self.seen: set[int] = set()       # params reached by this backward
         self.expected = set(range(len(self.infos)))  # params backward reaches (learnt)
-        for i, t in enumerate(self.params):
-            t.ds_shape, t.ds_numel, t.ds_id = self.infos[i].shape, self.infos[i].numel, \
-                self.infos[i].fqns[0]
+        for i, (t, info) in enumerate(zip(self.params, self.infos)):
+            # DeepSpeed's ZeRO-3 attributes, for libraries that inspect parameters.
+            t.ds_shape, t.ds_numel, t.ds_id = info.shape, info.numel, info.fqns[0]
             if trainable:
                 t.requires_grad_(True)
                 t.register_post_accumulate_grad_hook(
@@ -215,9 +215,8 @@ class FlatParam:
     # ---- module attributes ---------------------------------------------------
     def _param_on_full(self, info: ParamInfo) -> torch.Tensor:
         """A tensor of `info.shape` on `full`'s storage at `info.offset`."""
-        like = self.full[info.offset:info.offset + info.numel].view(info.shape)
         return torch.empty(0, dtype=self.full.dtype, device=self.full.device).set_(
-            self.full.untyped_storage(), info.offset, info.shape, like.stride())
+            self.full.untyped_storage(), info.offset, info.shape)
 
     def use_views(self) -> None:
         """A forward is about to read the gathered weights: its gradient will
@@ -231,9 +230,9 @@ class FlatParam:
         self._install_views()
 
     def _install_views(self) -> None:
+        self._set_status(ZeroParamStatus.AVAILABLE if self.gathered
+                         else ZeroParamStatus.NOT_AVAILABLE)
         for t, info in zip(self.params, self.infos):
-            t.ds_status = ZeroParamStatus.AVAILABLE if self.gathered \
-                else ZeroParamStatus.NOT_AVAILABLE
             for mod, attr in info.registrations:
                 mod.__dict__[attr] = t  # plain attribute: the Parameter was removed
 

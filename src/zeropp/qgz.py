@@ -35,7 +35,6 @@ ERROR_BETA = 0.8         # LoCo's err_beta: weight of the older residual
 ERROR_RESET = 1024       # LoCo's reset period, in sends
 
 
-
 class HopCodec:
     """Quantizes the rows of one hop's all-to-all and sums what arrives.
     Plain (round to nearest) unless the switches say otherwise."""

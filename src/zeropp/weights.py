@@ -204,8 +204,10 @@ class WeightPath:
         if self.payload is None:
             f = self.flat
             pieces = self.secondary.view(-1, f.shard_numel)
-            self.payload = torch.cat([quantize(c, self.copy_bits, f.block).to_bytes()
-                                      for c in pieces])
+            wb = QTensor.wire_bytes(f.shard_numel, self.copy_bits, f.block)
+            self.payload = torch.empty(len(pieces) * wb, dtype=torch.uint8, device=pieces.device)
+            for k, c in enumerate(pieces):
+                quantize(c, self.copy_bits, f.block, out=self.payload[k * wb:(k + 1) * wb])
         return self.payload
 
     def _issue_outer(self, comm: Comm, op: str) -> Pending:
