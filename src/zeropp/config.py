@@ -78,9 +78,10 @@ class Config:
     async_reduce: bool = True
     """Reduce gradients on two communication threads while backward goes on (reduce.py);
     False runs each unit's reduction inside its gradient hook (bitwise the same)."""
-    reduce_buckets: int = 2
-    """Unit gradients handed to the reduce pipeline and not yet reduced, at most: the
-    hook waits for the oldest beyond this (bounds the memory of full gradients)."""
+    reduce_buckets: int = 1
+    """Unit gradients handed to the reduce pipeline and not yet through its first
+    stage, at most: the hook waits beyond this (bounds the memory of full gradients;
+    with 1 a rank holds the unit being reduced and the one backward is filling)."""
     collective_timeout: Optional[float] = None
     """Seconds any one collective may take before it fails with an error naming
     the operation and the unit (a rank died or runs different code); None =
@@ -235,12 +236,14 @@ NAMED = {
 }
 # Short names of the switches "NAME~SWITCH" flips (ablations): booleans are
 # negated, intra8 toggles the intra-node gradient hop between 8 and 4 bits, copy8
-# the qWD copies' intra-node payload between INT8 and the compute dtype.
+# the qWD copies' intra-node payload between INT8 and the compute dtype, deep and
+# buckets the prefetch depth and the reduce pipeline's full gradients between 1 and 2.
 SWITCHES = {"hier": "hierarchical_gather", "qwd": "weight_delta", "rotation": "gradient_rotation",
             "sr": "gradient_stochastic_rounding", "ef": "gradient_error_feedback",
             "intra8": "intra_node_grad_bits", "qwz": "quantized_weights",
             "dsr": "weight_delta_stochastic_rounding", "copy8": "weight_copy_bits",
-            "qgz": "quantized_gradients", "async": "async_reduce", "deep": "prefetch_depth"}
+            "qgz": "quantized_gradients", "async": "async_reduce", "deep": "prefetch_depth",
+            "buckets": "reduce_buckets"}
 
 
 def is_named(name: str) -> bool:
@@ -264,7 +267,7 @@ def named(name: str, node_size: int, **fields) -> Config:
             switches[field] = 4 if now == 8 else 8
         elif field == "weight_copy_bits":
             switches[field] = None if now == 8 else 8
-        elif field == "prefetch_depth":
+        elif field in ("prefetch_depth", "reduce_buckets"):
             switches[field] = 2 if now == 1 else 1
         else:
             switches[field] = not now

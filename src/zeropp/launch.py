@@ -99,7 +99,9 @@ def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
                 restart: int) -> list[Any]:
     ctx = mp.get_context("forkserver")
     # Workers fork from a server that imported torch once: fast, fork-safe starts.
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    # torch._dynamo too: every optimizer's constructor imports it (2 s of CPU per
+    # process, most of a small test world's start-up), and zeropp itself.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zeropp"])
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="zeropp-") as tmp:
         init_file = os.path.join(tmp, "store")

@@ -57,7 +57,7 @@ from .collectives import Comm
 
 class _Job:
     __slots__ = ("label", "first", "second", "state", "grad", "device", "ready", "done",
-                 "done_event", "error")
+                 "done_event", "error", "consumed")
 
     def __init__(self, label: str, first: Callable[[Comm], Any],
                  second: Callable[[Comm, Any], None], grad: torch.Tensor) -> None:
@@ -67,12 +67,13 @@ class _Job:
         self.ready = None        # CUDA: the compute stream's event at hand-over
         self.done_event = None   # CUDA: the side stream's event when reduced
         self.done = threading.Event()
+        self.consumed = threading.Event()  # stage 1 has run: the full gradient is let go
         self.error: Optional[BaseException] = None
 
 
 class ReducePipeline:
-    """Runs unit reductions in hand-over order, at most `depth` in flight
-    (each holds its unit's full gradient), in two stages on two threads
+    """Runs unit reductions in hand-over order, at most `depth` of them holding
+    their unit's full gradient (not yet through stage 1), in two stages on two threads
     (stage 1 on the world and intra-node groups, stage 2 on the inter-node
     group), unless `asynchronous` is False (then inline, in the hook: the
     synchronous path)."""
@@ -95,8 +96,13 @@ class ReducePipeline:
             self._run_second(job)
             self._raise(job)
             return
-        while len(self.inflight) >= self.depth:  # bounded memory: wait for the oldest
-            self._finish(self.inflight.popleft())
+        # Bounded memory: at most `depth` full gradients wait for stage 1. A job past
+        # stage 1 holds only its inter-node piece (qgZ: 1/node_size of the unit, INT4),
+        # so the slow link's stage 2 may queue behind without holding backward up.
+        while self.inflight and self.inflight[0].done.is_set():
+            self._finish(self.inflight.popleft())  # raise a failure as early as seen
+        while sum(not j.consumed.is_set() for j in self.inflight) >= self.depth:
+            next(j for j in self.inflight if not j.consumed.is_set()).consumed.wait()
         if grad.is_cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=grad.device)
@@ -162,7 +168,9 @@ class ReducePipeline:
             # main thread next looks at the job (it held up to `depth` of them, and
             # the largest unit's, through backward).
             job.first = job.grad = None
-        if self._stage(job, self.comm, first) and self.asynchronous:
+        ok = self._stage(job, self.comm, first)
+        job.consumed.set()
+        if ok and self.asynchronous:
             _worker(self.comm.groups, 2).put((self, job))
 
     def _run_second(self, job: _Job) -> None:
