@@ -176,7 +176,9 @@ class Comm:
                   self.unit)
             return out
         # Ring: at step s rank i passes on the partial sum of chunk (i-1-s) and
-        # receives that of chunk (i-2-s); after G-1 steps it holds chunk i.
+        # receives that of chunk (i-2-s); after G-1 steps it holds chunk i. Two
+        # chunk buffers swap roles, no new one per step (each would be a fresh
+        # mmap of a unit-sized fraction: see quant.scratch_buffer).
         right, left = (i + 1) % g, (i - 1) % g
         acc, recv = chunks[(i - 1) % g].clone(), torch.empty_like(chunks[0])
         for s in range(g - 1):
@@ -185,7 +187,8 @@ class Comm:
                 dist.P2POp(dist.irecv, recv, left, group)])
             for w in works:
                 _wait(w, self, op, self.unit)
-            acc = recv + chunks[(i - 2 - s) % g]
+            acc, recv = recv, acc
+            acc.add_(chunks[(i - 2 - s) % g])  # received partial + own chunk, as before
         return acc
 
     def all_reduce(self, t: torch.Tensor, *, op: str,
