@@ -101,8 +101,11 @@ class ReducePipeline:
         # so the slow link's stage 2 may queue behind without holding backward up.
         while self.inflight and self.inflight[0].done.is_set():
             self._finish(self.inflight.popleft())  # raise a failure as early as seen
-        while sum(not j.consumed.is_set() for j in self.inflight) >= self.depth:
-            next(j for j in self.inflight if not j.consumed.is_set()).consumed.wait()
+        while True:  # one snapshot per check: stage 1 may finish a job meanwhile
+            waiting = [j for j in self.inflight if not j.consumed.is_set()]
+            if len(waiting) < self.depth:
+                break
+            waiting[0].consumed.wait()
         if grad.is_cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=grad.device)

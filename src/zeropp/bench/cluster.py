@@ -45,7 +45,7 @@ def available() -> tuple[bool, str]:
         return False, "network namespaces need root"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return False, "iproute2 (ip, tc) is not installed"
-    probe = "zppprobe"
+    probe = f"zppprobe{os.getpid()}"  # concurrent callers must not collide
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if r.returncode != 0:
         return False, f"`ip netns add` failed: {r.stderr.strip()}"
