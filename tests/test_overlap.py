@@ -124,3 +124,47 @@ def test_bad_overlap_settings_are_refused_by_name():
     for field, bad in (("prefetch_depth", 0), ("reduce_buckets", 0), ("async_reduce", "yes")):
         with pytest.raises(ValueError, match=field):
             zeropp.Config(**{field: bad})
+
+
+def test_the_pipeline_bounds_full_gradients_not_reductions_in_flight():
+    """reduce_buckets=1: a hand-over waits while the previous unit's full gradient
+    has not been through stage 1, and does not wait for its stage 2 (qgZ's
+    inter-node hop on the slow link, which holds only a small piece)."""
+    from zeropp.collectives import Comm
+    from zeropp.reduce import ReducePipeline
+    from zeropp.stats import CommStats
+    from zeropp.topology import Topology
+    topo = Topology(world_size=1, rank=0, node_size=1)
+    comm = Comm(topo, CommStats(), groups={"world": None, "intra_node": None, "inter_node": None})
+    pipe = ReducePipeline(comm, depth=1, asynchronous=True)
+    gate1, gate2, log = threading.Event(), threading.Event(), []
+
+    def first(tag, gate=None):
+        def run(c):
+            if gate is not None:
+                gate.wait(30)
+            log.append(("first", tag))
+            return tag
+        return run
+
+    def second(c, tag):
+        gate2.wait(30)
+        log.append(("second", tag))
+
+    def submit(tag, gate=None):
+        pipe.submit(tag, torch.zeros(4), first(tag, gate), second)
+
+    submit("a", gate1)                      # a's stage 1 is held
+    b = threading.Thread(target=submit, args=("b",))
+    b.start()
+    b.join(0.5)
+    assert b.is_alive()                     # a's full gradient is still waiting: b waits
+    gate1.set()                             # a through stage 1; its stage 2 is held
+    b.join(10)
+    assert not b.is_alive()                 # b handed over while a's stage 2 still runs
+    submit("c")                             # and c, once b's stage 1 is done
+    assert ("second", "a") not in log
+    gate2.set()
+    pipe.drain()
+    for stage in ("first", "second"):       # each stage in hand-over order
+        assert [t for s, t in log if s == stage] == ["a", "b", "c"], log
