@@ -20,13 +20,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VPY) -m zeropp train
 
-# Two pytest workers, one test file each at a time (module fixtures stay shared):
-# measured 9:20 against 11:08 serial on 2 cores (benchmarks/RESULTS.md, "The suite's
-# own speed"); a file's tests still run in order, so its spawned worlds never overlap.
-TEST_WORKERS ?= 2
-
 test: $(STAMP)
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(VPY) -m pytest -q
 
 bench: $(STAMP)
 	$(VPY) benchmarks/loopback.py --configs zero3,qwz,hpz,qgz,zeropp,zeropp-plus,fsdp2
