@@ -18,6 +18,7 @@ every rank's peak.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -60,6 +61,25 @@ def n_params(cfg) -> int:
     with torch.device("meta"):
         m = tf.AutoModelForCausalLM.from_config(cfg)
     return sum(p.numel() for p in m.parameters())
+
+
+def blocks_of(model) -> list:
+    """The repeated transformer blocks (each one unit under every framework here)."""
+    base = model.base_model
+    return list(base.layers if hasattr(base, "layers") else base.h)
+
+
+def largest_unit_mb(cfg) -> float:
+    """The full weights of the largest unit: one block, or the root (everything
+    outside the blocks: embeddings, final norm, an untied head), which ZeRO-3 holds
+    gathered at one time besides its shards."""
+    import transformers as tf
+    with torch.device("meta"):
+        m = tf.AutoModelForCausalLM.from_config(cfg)
+    in_blocks = {id(p) for b in blocks_of(m) for p in b.parameters()}
+    root = sum(p.numel() for p in m.parameters() if id(p) not in in_blocks)
+    block = max(sum(p.numel() for p in b.parameters()) for b in blocks_of(m))
+    return 4 * max(root, block) / 2**20
 
 
 def activations_mb(cfg, tokens: int) -> float:
@@ -127,7 +147,7 @@ def build(a, cfg):
                 m = tf.AutoModelForCausalLM.from_config(cfg)
         else:
             m = tf.AutoModelForCausalLM.from_config(cfg)
-        for block in m.base_model.layers if hasattr(m.base_model, "layers") else m.base_model.h:
+        for block in blocks_of(m):
             fully_shard(block)
         fully_shard(m)
         if a.init == "sharded":
@@ -179,7 +199,8 @@ def main() -> None:
     cfg = hf_config(a.model, a.tokens)
     if a.activations:
         print("RESULT " + json.dumps({"activations_mb": activations_mb(cfg, a.tokens),
-                                      "params": n_params(cfg)}), flush=True)
+                                      "params": n_params(cfg),
+                                      "unit_mb": largest_unit_mb(cfg)}), flush=True)
         return
     if a.framework != "unsharded":
         dist.init_process_group("gloo")
@@ -212,6 +233,10 @@ def main() -> None:
            "phases": phases,
            "peak_built": peak_built, "after": status_mb("VmRSS") - base, "losses": losses,
            "built_s": built_s, "s_per_step": s_per_step}
+    # What the allocator keeps of freed memory: RSS once glibc hands back every free
+    # page it can (the peaks above are already taken).
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    out["after_trim"] = status_mb("VmRSS") - base
     if a.framework not in ("fsdp2", "deepspeed", "unsharded"):
         import zeropp
         out["stats"] = {k: v / 2**20 for k, v in zeropp.memory_stats(model, opt).items()}

@@ -25,7 +25,9 @@ import sys
 import time
 
 from _report import report
-from memory_scale import MALLOC, run_worker
+from memory_scale import run_worker
+
+from zeropp.memory import mmap_threshold_for
 
 DEPTHS = [1, 2, 3, 4, 6, 8, 12, 16, 18, 20, 22, 24]
 START = {"unsharded": 3, "zero3": 16, "fsdp2": 16, "deepspeed": 8}
@@ -39,7 +41,8 @@ def params_of(depth: int) -> int:
 def trial(framework: str, depth: int, a) -> dict:
     python = a.ds_python if framework == "deepspeed" else sys.executable
     nproc = 1 if framework == "unsharded" else 4
-    env = MALLOC if framework in ("fsdp2", "deepspeed", "unsharded") else {}
+    env = ({"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold_for(params_of(depth)))}
+           if framework in ("fsdp2", "deepspeed", "unsharded") else {})  # zeropp's setting
     r = run_worker(python, nproc, ["--model", f"llama:{depth}", "--framework", framework,
                                    "--steps", "3", "--tokens", "64", "--same-batch"], env,
                    timeout=1500)

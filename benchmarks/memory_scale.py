@@ -7,11 +7,16 @@ under `--ds-python`, a Python with deepspeed installed); the peak is the largest
 rank's resident high-water mark (VmHWM) above its RSS before the model is built.
 Beside it: the ZeRO-3 formula, 16 bytes/param / W (fp32 master, gradient, two AdamW
 moments), plus the activations forward saves (measured once, unsharded, with
-saved-tensor hooks), and the ratio of the peak to that sum.
+saved-tensor hooks), and the ratio of the peak to that sum; and the ratio to the
+sum with the largest unit's full weights added (ZeRO-3's "one unit gathered": at
+GPT-2 that is the root, whose tied embedding is 15% of the model). "after trim" is
+the RSS after the steps once glibc hands back every free page it can: the gap to
+"after steps" is freed memory the allocator kept.
 
 `+malloc` rows run FSDP2 / DeepSpeed with the glibc setting zeropp makes for a CPU
-model (MALLOC_MMAP_THRESHOLD_=1 MiB: freed buffers go back to the OS; see
-src/zeropp/memory.py), so the frameworks are compared with equal allocators too.
+model of this size (MALLOC_MMAP_THRESHOLD_ = zeropp.memory.mmap_threshold_for: 1 MiB,
+or 128 KiB from 100M parameters; freed buffers go back to the OS), so the frameworks
+are compared with equal allocators too.
 
     python benchmarks/memory_scale.py --model gpt2-355m \\
         --configs zero3,zeropp,zeropp-plus,fsdp2,fsdp2+malloc,deepspeed,deepspeed+malloc [--write]
@@ -29,9 +34,10 @@ from pathlib import Path
 
 from _report import report
 
+from zeropp.memory import mmap_threshold_for
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "_memory_worker.py"
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
 def run_worker(python: str, nproc: int, args: list[str], env: dict, timeout: int = 3000) -> dict:
@@ -55,11 +61,11 @@ def run_worker(python: str, nproc: int, args: list[str], env: dict, timeout: int
 
 
 def config_run(config: str, model: str, init: str, steps: int, tokens: int, ds_python: str,
-               nproc: int = 4) -> dict:
+               params: int, nproc: int = 4) -> dict:
     framework, _, variant = config.partition("+")
     framework, _, option = framework.partition("[")  # zero3[async_reduce=0]: one Config field
     python = ds_python if framework == "deepspeed" else sys.executable
-    env = MALLOC if variant == "malloc" else {}
+    env = {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold_for(params))} if variant == "malloc" else {}
     extra = ["--zeropp-option", option.rstrip("]")] if option else []
     return run_worker(python, nproc, ["--model", model, "--framework", framework, "--init", init,
                                       "--steps", str(steps), "--tokens", str(tokens), *extra], env)
@@ -80,16 +86,17 @@ def main() -> None:
                                          "--tokens", str(a.tokens), "--activations"], {})
     if "error" in act:
         raise SystemExit(f"measuring activations failed: {act['error']}")
-    params, acts = act["params"], act["activations_mb"]
+    params, acts, unit = act["params"], act["activations_mb"], act["unit_mb"]
     formula = 16 * params / 4 / 2**20
-    rows = ["| config | peak MB (max rank) | / (formula + activations) | rank 0 peak in "
-            "forward / backward / step MB | peak building MB | after steps MB | tensors held "
-            "MB (rank 0) | gathered peak MB | losses | s/step |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| config | peak MB (max rank) | / (formula + activations) | / (formula + unit + "
+            "activations) | rank 0 peak in forward / backward / step MB | peak building MB | "
+            "after steps MB | after trim MB | tensors held MB (rank 0) | gathered peak MB | "
+            "losses | s/step |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for config in a.configs.split(","):
-        r = config_run(config, a.model, a.init, a.steps, a.tokens, a.ds_python)
+        r = config_run(config, a.model, a.init, a.steps, a.tokens, a.ds_python, params)
         if "error" in r:
-            rows.append(f"| {config} | failed: {r['error']} | | | | | | | | |")
+            rows.append(f"| {config} | failed: {r['error']} | | | | | | | | | | |")
         else:
             ranks = r["ranks"]
             peak = max(x["peak"] for x in ranks)
@@ -99,15 +106,19 @@ def main() -> None:
             losses = " ".join(f"{v:.3f}" for v in ranks[0]["losses"])
             ph = ranks[0]["phases"]
             rows.append(f"| {config} | {peak:.0f} | {peak / (formula + acts):.2f} | "
+                        f"{peak / (formula + unit + acts):.2f} | "
                         f"{ph['forward']:.0f} / {ph['backward']:.0f} / {ph['step']:.0f} | "
                         f"{max(x['peak_built'] for x in ranks):.0f} | "
-                        f"{max(x['after'] for x in ranks):.0f} | {held} | {gathered} | "
+                        f"{max(x['after'] for x in ranks):.0f} | "
+                        f"{max(x['after_trim'] for x in ranks):.0f} | {held} | {gathered} | "
                         f"{losses} | {ranks[0]['s_per_step']:.1f} |")
         print(rows[-1], flush=True)
     head = (f"HF {a.model} ({params / 1e6:.1f}M params), W=4 as 2 nodes x 2 (loopback), fp32, "
             f"AdamW, batch 1x{a.tokens}, {a.steps} steps, init `{a.init}`; ZeRO-3 formula "
             f"16 B/param / W = {formula:.0f} MB; activations saved by forward (unsharded, "
-            f"measured) {acts:.0f} MB; formula + activations = {formula + acts:.0f} MB")
+            f"measured) {acts:.0f} MB; formula + activations = {formula + acts:.0f} MB; the "
+            f"largest unit's full weights (ZeRO-3 holds one gathered) {unit:.0f} MB; formula + "
+            f"unit + activations = {formula + unit + acts:.0f} MB")
     cmd = "python benchmarks/memory_scale.py " + " ".join(sys.argv[1:])
     report([f"### Memory at scale: {a.model}, init {a.init} ({time.strftime('%Y-%m-%d')})", "",
             f"Command: `{cmd}`  ", head + ".", "", *rows], a.write)

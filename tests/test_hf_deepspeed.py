@@ -37,11 +37,14 @@ def _torchrun(script: str, world: int, out: Path, *args: str) -> str:
 def _zeropp_launch(script: str, world: int, out: Path, *args: str) -> str:
     """The same job under `zeropp launch`, with torchrun's environment (every rank on
     one machine: LOCAL_WORLD_SIZE = world). Its workers fork from a server that has
-    torch imported, which makes a launch about a third cheaper than torchrun's here;
-    the resumed runs use it, so each test also checks that the two launchers give
-    the same bits."""
+    torch imported, and the heavy libraries the examples import that are not
+    transformers / accelerate / TRL (those must come after install_as_deepspeed),
+    which makes a launch cheaper than torchrun's here; the resumed runs use it, so
+    each test also checks that the two launchers give the same bits."""
     return _run([sys.executable, "-m", "zeropp", "launch", "--nproc", str(world),
-                 "--node-size", str(world), "--timeout", "400"], script, out, args)
+                 "--node-size", str(world), "--timeout", "400",
+                 "--preload", "torch.distributed.tensor,pandas,datasets,psutil"],
+                script, out, args)
 
 
 def _run(launcher: list[str], script: str, out: Path, args: tuple) -> str:

@@ -51,3 +51,22 @@ def test_hung_world_is_killed_at_the_timeout():
 def test_node_size_must_divide_world_size():
     with pytest.raises(ValueError, match="node_size=3"):
         spawn(_hang, 4, 3)
+
+
+def test_launch_preload_imports_modules_before_the_ranks_fork_and_names_a_missing_one(tmp_path):
+    """`zeropp launch --preload M`: every rank starts with M imported (it forked from the
+    server that imported it); a module that does not exist is named, exit status 2."""
+    import subprocess
+    import sys
+    script = tmp_path / "probe.py"
+    script.write_text("import os, sys\n"  # one write(2) per rank: lines do not interleave
+                      "os.write(1, f\"rank {os.environ['RANK']} "
+                      "{'xml.dom.minidom' in sys.modules}\\n\".encode())\n")
+    run = [sys.executable, "-m", "zeropp", "launch", "--nproc", "2", "--timeout", "120"]
+    r = subprocess.run([*run, "--preload", "xml.dom.minidom", str(script)], capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(r.stdout.split("\n")[:2]) == ["rank 0 True", "rank 1 True"], r.stdout
+    bad = subprocess.run([*run, "--preload", "json,no_such_module_zpp", str(script)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no module named 'no_such_module_zpp'" in bad.stderr, bad.stderr

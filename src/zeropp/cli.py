@@ -310,12 +310,21 @@ def run_launch(ns: argparse.Namespace) -> int:
         raise UsageError(f"no such script: {ns.script}")
     if ns.nproc < 1 or ns.node_size < 1 or ns.nproc % ns.node_size:
         raise UsageError(f"--node-size {ns.node_size} must divide --nproc {ns.nproc} (both >= 1)")
+    import importlib.util
+    preload = [m for m in ns.preload.split(",") if m]
+    for m in preload:  # multiprocessing skips a preload it cannot import, silently
+        try:
+            found = importlib.util.find_spec(m) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"--preload: no module named {m!r}")
     import socket
     with socket.socket() as s:  # a free port for the script's process group (+ restart count)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     spawn(run_script, ns.nproc, ns.node_size, args=(ns.script, ns.args, port),
-          timeout=ns.timeout, max_restarts=ns.max_restarts)
+          timeout=ns.timeout, max_restarts=ns.max_restarts, preload=preload)
     return 0
 
 
@@ -377,6 +386,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     la.add_argument("--max-restarts", type=int, default=0,
                     help="restart the whole world this many times after a failure")
     la.add_argument("--timeout", type=float, default=None, help="seconds (default: none)")
+    la.add_argument("--preload", default="", metavar="MODULES",
+                    help="comma-separated modules the script imports (e.g. transformers,trl), "
+                         "imported once before the ranks fork instead of once per rank")
     la.add_argument("script")
     la.add_argument("args", nargs=argparse.REMAINDER)
     ns = p.parse_args(argv)

@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
 def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
           args: Sequence = (), timeout: Optional[float] = 180.0, threads: int = 1,
           backend: str = "gloo", pg_timeout: Optional[float] = None,
-          max_restarts: int = 0) -> list[Any]:
+          max_restarts: int = 0, preload: Sequence[str] = ()) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes; return results by rank.
 
     `fn` must be importable by name (a module-level function). Raises
@@ -74,6 +74,8 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
     (after `max_restarts` restarts of the whole world, each announced on
     stderr). `timeout`: seconds per attempt (None: no limit); `pg_timeout`: the
     process group's collective timeout (default: `timeout`, or 30 minutes).
+    `preload`: more modules for the fork server to import once, before any worker
+    forks (each worker then starts with them imported).
     """
     node_size = world_size if node_size is None else node_size
     if node_size < 1 or world_size % node_size:
@@ -83,7 +85,7 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
     for attempt in range(max_restarts + 1):
         try:
             return _spawn_once(fn, world_size, node_size, args, timeout, threads, backend,
-                               pg_timeout or timeout or 1800.0, attempt)
+                               pg_timeout or timeout or 1800.0, attempt, tuple(preload))
         except WorkerError as e:
             if attempt == max_restarts:
                 raise
@@ -96,12 +98,13 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
 
 def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
                 timeout: Optional[float], threads: int, backend: str, pg_timeout: float,
-                restart: int) -> list[Any]:
+                restart: int, preload: tuple = ()) -> list[Any]:
     ctx = mp.get_context("forkserver")
     # Workers fork from a server that imported torch once: fast, fork-safe starts.
     # torch._dynamo too: every optimizer's constructor imports it (2 s of CPU per
     # process, most of a small test world's start-up), and zeropp itself.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zeropp"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zeropp",
+                                *preload])
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="zeropp-") as tmp:
         init_file = os.path.join(tmp, "store")

@@ -14,10 +14,21 @@ allocation by mmap and returns it on free, but after the first such free it
 raises its mmap threshold to that size, so later unit-sized buffers come from
 heap arenas (one per thread) that fragment and rarely shrink: the process keeps
 the peak of every thread's arena. `release_freed_host_memory` pins the threshold
-at 1 MiB (unless MALLOC_MMAP_THRESHOLD_ is set, or ZEROPP_KEEP_MALLOC=1), as
-`zeropp.shard` does for a CPU model. Measured, HF GPT-2 124M, W=4 as 2x2, zero3,
-AdamW, batch 1x128, two steps: peak RSS 2702 -> 1573 MB per rank, RSS after the
-steps 2113 -> 848 MB (tensors held: 371 MB), step time 10.1 -> 9.2 s.
+(unless MALLOC_MMAP_THRESHOLD_ is set, or ZEROPP_KEEP_MALLOC=1), as `zeropp.shard`
+does for a CPU model, at `mmap_threshold_for(parameters)`:
+- 1 MiB below 100M parameters. Measured, HF GPT-2 124M, W=4 as 2x2, zero3, AdamW,
+  batch 1x128, two steps: peak RSS 2702 -> 1573 MB per rank, RSS after the steps
+  2113 -> 848 MB (tensors held: 371 MB), step time 10.1 -> 9.2 s. Lower costs small
+  models time: at gpt-6x384 (10.8M) qgZ's per-unit INT4 payloads are 870 KB, and
+  with the threshold at 512 KiB each was mmap'd and faulted in afresh (192 per 3
+  steps on rank 0, strace): zeropp's step 0.81-0.87 -> 1.06-1.11 s at 1 Gbit/s.
+- 128 KiB (glibc's own starting value) from 100M. There every buffer of zeropp's
+  is over 1 MiB anyway and what sits between is the model's activations and their
+  gradients (GPT-2 355M at 1x128 tokens: 512 KB each), which fragmented the heap in
+  backward: at 1 MiB the 355M rank peaked at 2529-2568 MB and kept 320 MB of freed
+  memory after the steps (malloc_trim returned it); at 512 or 128 KiB it peaks at
+  2210-2259 MB and keeps none, at the same step time (26-29 s vs 30-32 s, one run
+  each, benchmarks/_memory_worker.py with MALLOC_MMAP_THRESHOLD_ set).
 """
 
 from __future__ import annotations
@@ -127,20 +138,27 @@ def _codec_bytes(codec: Any) -> int:
     return 0 if codec is None else _bytes(getattr(codec, "residual", None))
 
 
-_released = False
+LARGE_MODEL_PARAMS = 100_000_000
+_pinned: Optional[int] = None  # the threshold this process pinned, once it has
 
 
-def release_freed_host_memory() -> bool:
-    """Pin glibc's mmap threshold at 1 MiB (see the note); once per process. Returns
-    whether it is in effect."""
-    global _released
-    if _released:
+def mmap_threshold_for(parameters: int) -> int:
+    """The mmap threshold zeropp pins for a CPU model of `parameters` (see the note)."""
+    return 128 << 10 if parameters >= LARGE_MODEL_PARAMS else 1 << 20
+
+
+def release_freed_host_memory(threshold: int = 1 << 20) -> bool:
+    """Pin glibc's mmap threshold at `threshold` bytes (see the note); a later call
+    may lower it, never raise it. Returns whether a pinned threshold is in effect."""
+    global _pinned
+    if _pinned is not None and _pinned <= threshold:
         return True
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("ZEROPP_KEEP_MALLOC") == "1":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        _released = bool(libc.mallopt(-3, 1 << 20))  # -3: M_MMAP_THRESHOLD
+        if libc.mallopt(-3, threshold):  # -3: M_MMAP_THRESHOLD
+            _pinned = threshold
     except (OSError, AttributeError):  # not glibc
         return False
-    return _released
+    return _pinned is not None

@@ -35,7 +35,7 @@ from .config import Config
 from .deferred import defer_meta
 from .flat_param import FlatParam
 from .guards import check_same_model, forget_parameters
-from .memory import GatherMeter, release_freed_host_memory
+from .memory import GatherMeter, mmap_threshold_for, release_freed_host_memory
 from .quant import release_scratch
 from .reduce import ReducePipeline
 from .stats import CommStats
@@ -458,8 +458,9 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     if unit_types is not None:
         unit_types = tuple(unit_types) if isinstance(unit_types, (list, tuple)) else (unit_types,)
     topo = get_topology(cfg.node_size)
-    if any(p.device.type == "cpu" for p in model.parameters()):
-        release_freed_host_memory()  # freed unit-sized buffers go back to the OS (memory.py)
+    if any(p.device.type in ("cpu", "meta") for p in model.parameters()):  # (meta: built on CPU)
+        n = sum(p.numel() for p in model.parameters())
+        release_freed_host_memory(mmap_threshold_for(n))  # freed buffers go back (memory.py)
     state = ShardState(cfg, topo)
     if any(p.is_meta for p in model.parameters()):
         defer_meta(model)  # then materialized one unit at a time, as deferred_init's
