@@ -70,3 +70,39 @@ def test_launch_preload_imports_modules_before_the_ranks_fork_and_names_a_missin
     bad = subprocess.run([*run, "--preload", "json,no_such_module_zpp", str(script)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no module named 'no_such_module_zpp'" in bad.stderr, bad.stderr
+
+
+_RENDEZVOUS = """
+import os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+if attempt == "0" and sys.argv[1] == "fail-once" and dist.get_rank() == 1:
+    sys.exit(3)
+os.write(1, f"rank {dist.get_rank()} attempt {attempt} sum {int(t.item())}\\n".encode())
+"""
+
+
+def test_launch_restarts_meet_in_a_fresh_store_and_concurrent_launches_do_not_collide(tmp_path):
+    """`zeropp launch` hosts each attempt's rendezvous store itself (torchrun's agent
+    store): a world restarted after rank 1 exits with status 3 meets again and
+    all-reduces (sum 2 on both ranks, attempt 1), and two launches started at the same
+    moment each complete."""
+    import subprocess
+    import sys
+    script = tmp_path / "rdzv.py"
+    script.write_text(_RENDEZVOUS)
+    run = [sys.executable, "-m", "zeropp", "launch", "--nproc", "2", "--timeout", "120"]
+    r = subprocess.run([*run, "--max-restarts", "1", str(script), "fail-once"],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "restarting all 2 workers (restart 1 of 1)" in r.stderr, r.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"rank {rank} attempt 1 sum 2" in r.stdout, r.stdout
+    both = [subprocess.Popen([*run, str(script), "plain"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in both:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-2000:]
+        assert sorted(out.splitlines()) == ["rank 0 attempt 0 sum 2", "rank 1 attempt 0 sum 2"]

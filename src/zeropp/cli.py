@@ -319,11 +319,16 @@ def run_launch(ns: argparse.Namespace) -> int:
             found = False
         if not found:
             raise UsageError(f"--preload: no module named {m!r}")
-    import socket
-    with socket.socket() as s:  # a free port for the script's process group (+ restart count)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn(run_script, ns.nproc, ns.node_size, args=(ns.script, ns.args, port),
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    # This process hosts each attempt's rendezvous store, as torchrun's agent does: the
+    # port is held from the moment the OS picks it (concurrent launches cannot race for
+    # it) and a restarted world meets in a fresh store.
+    stores = [TCPStore("127.0.0.1", 0, None, True, timedelta(minutes=30), wait_for_workers=False)
+              for _ in range(ns.max_restarts + 1)]
+    spawn(run_script, ns.nproc, ns.node_size,
+          args=(ns.script, ns.args, [s.port for s in stores]),
           timeout=ns.timeout, max_restarts=ns.max_restarts, preload=preload)
     return 0
 
