@@ -92,11 +92,12 @@ if threshold:
     release_freed_host_memory(threshold)
     release_freed_host_memory(1 << 20)  # a later, higher pin does not raise it
 base = rss()
-# Activation-sized (512 KB) tensors freed while a later one stays alive
-# above them (as a backward leaves them): in the heap, that one pins its top,
+# Activation-sized (512 KB) tensors freed while later ones stay alive
+# above them (as a backward leaves them): in the heap, those pin its top,
 # so the freed chunks stay resident.
 big = [torch.ones(128 * 1024) for _ in range(200)]
-alive = torch.ones(150 * 1024)  # 600 KB, still alive
+alive = [torch.ones(150 * 1024) for _ in range(4)]  # 600 KB each, still alive (the
+# first may fill holes lower in the heap; the last lands on top of the 512 KB ones)
 del big
 print((rss() - base) / 1024)
 """
