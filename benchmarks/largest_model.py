@@ -25,9 +25,7 @@ import sys
 import time
 
 from _report import report
-from memory_scale import run_worker
-
-from zeropp.memory import mmap_threshold_for
+from memory_scale import malloc_env, run_worker
 
 DEPTHS = [1, 2, 3, 4, 6, 8, 12, 16, 18, 20, 22, 24]
 START = {"unsharded": 3, "zero3": 16, "fsdp2": 16, "deepspeed": 8}
@@ -41,8 +39,7 @@ def params_of(depth: int) -> int:
 def trial(framework: str, depth: int, a) -> dict:
     python = a.ds_python if framework == "deepspeed" else sys.executable
     nproc = 1 if framework == "unsharded" else 4
-    env = ({"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold_for(params_of(depth)))}
-           if framework in ("fsdp2", "deepspeed", "unsharded") else {})  # zeropp's setting
+    env = malloc_env(params_of(depth)) if framework in ("fsdp2", "deepspeed", "unsharded") else {}
     r = run_worker(python, nproc, ["--model", f"llama:{depth}", "--framework", framework,
                                    "--steps", "3", "--tokens", "64", "--same-batch"], env,
                    timeout=1500)

@@ -40,6 +40,12 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "_memory_worker.py"
 
 
+def malloc_env(params: int) -> dict:
+    """The environment giving another framework the glibc setting zeropp makes for a
+    CPU model of `params` parameters (zeropp.memory.mmap_threshold_for)."""
+    return {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold_for(params))}
+
+
 def run_worker(python: str, nproc: int, args: list[str], env: dict, timeout: int = 3000) -> dict:
     """One torchrun of the worker; its RESULT, or {"error": the output's tail}."""
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -65,7 +71,7 @@ def config_run(config: str, model: str, init: str, steps: int, tokens: int, ds_p
     framework, _, variant = config.partition("+")
     framework, _, option = framework.partition("[")  # zero3[async_reduce=0]: one Config field
     python = ds_python if framework == "deepspeed" else sys.executable
-    env = {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold_for(params))} if variant == "malloc" else {}
+    env = malloc_env(params) if variant == "malloc" else {}
     extra = ["--zeropp-option", option.rstrip("]")] if option else []
     return run_worker(python, nproc, ["--model", model, "--framework", framework, "--init", init,
                                       "--steps", str(steps), "--tokens", str(tokens), *extra], env)

@@ -7,6 +7,9 @@ at any model depth (plus the root unit around them)."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -109,10 +112,8 @@ def test_freed_activation_sized_buffers_go_back_to_the_os_under_the_large_model_
     """memory.py's note: at the 1 MiB threshold 100 MB of freed 512 KB tensors stay
     resident (>= 90 MB measured above the start); at the 128 KiB one zeropp pins from
     100M parameters, less than 10 MB does."""
-    import subprocess
-    import sys
     assert mmap_threshold_for(99_999_999) == 1 << 20 and mmap_threshold_for(10**8) == 128 << 10
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     r = subprocess.run([sys.executable, "-c", _FRAGMENT, str(threshold)], capture_output=True,
                        text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
