@@ -37,13 +37,15 @@ def _torchrun(script: str, world: int, out: Path, *args: str) -> str:
 def _zeropp_launch(script: str, world: int, out: Path, *args: str) -> str:
     """The same job under `zeropp launch`, with torchrun's environment (every rank on
     one machine: LOCAL_WORLD_SIZE = world). Its workers fork from a server that has
-    torch imported, and the heavy libraries the examples import that are not
-    transformers / accelerate / TRL (those must come after install_as_deepspeed),
-    which makes a launch cheaper than torchrun's here; the resumed runs use it, so
-    each test also checks that the two launchers give the same bits."""
+    imported torch and, after `--as-deepspeed`'s install, the libraries the examples
+    import (transformers, accelerate and TRL see zeropp as DeepSpeed when they decide;
+    the examples' own install line is then a no-op), which makes a launch cheaper than
+    torchrun's here; the resumed runs use it, so each test also checks that the two
+    launchers give the same bits."""
     return _run([sys.executable, "-m", "zeropp", "launch", "--nproc", str(world),
                  "--node-size", str(world), "--timeout", "400",
-                 "--preload", "torch.distributed.tensor,pandas,datasets,psutil"],
+                 "--as-deepspeed", "--preload", "torch.distributed.tensor,pandas,datasets,"
+                 "psutil,transformers,accelerate,trl"],
                 script, out, args)
 
 

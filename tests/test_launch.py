@@ -53,20 +53,33 @@ def test_node_size_must_divide_world_size():
         spawn(_hang, 4, 3)
 
 
-def test_launch_preload_imports_modules_before_the_ranks_fork_and_names_a_missing_one(tmp_path):
-    """`zeropp launch --preload M`: every rank starts with M imported (it forked from the
-    server that imported it); a module that does not exist is named, exit status 2."""
+_PROBE = """
+import os, sys
+preloaded = "xml.dom.minidom" in sys.modules and "transformers" in sys.modules
+import deepspeed  # no install_as_deepspeed() line: the launcher's flag made it answer
+from transformers.integrations import is_deepspeed_available
+os.write(1, f"rank {os.environ['RANK']} {preloaded} {deepspeed.initialize.__module__} "
+            f"{is_deepspeed_available()}\\n".encode())  # one write(2): lines do not interleave
+"""
+
+
+def test_launch_preload_and_as_deepspeed_run_an_unmodified_deepspeed_script(tmp_path):
+    """`zeropp launch --as-deepspeed --preload xml.dom.minidom,transformers`: every rank
+    starts with both imported (it forked from the server that imported them), a script
+    that imports deepspeed without the install line gets zeropp's, and transformers,
+    imported in the server after the install, reports DeepSpeed available. A module
+    that does not exist is named, exit status 2."""
     import subprocess
     import sys
-    script = tmp_path / "probe.py"
-    script.write_text("import os, sys\n"  # one write(2) per rank: lines do not interleave
-                      "os.write(1, f\"rank {os.environ['RANK']} "
-                      "{'xml.dom.minidom' in sys.modules}\\n\".encode())\n")
+    pytest.importorskip("transformers")
+    script = tmp_path / "ds_script.py"
+    script.write_text(_PROBE)
     run = [sys.executable, "-m", "zeropp", "launch", "--nproc", "2", "--timeout", "120"]
-    r = subprocess.run([*run, "--preload", "xml.dom.minidom", str(script)], capture_output=True,
-                       text=True, timeout=180)
+    r = subprocess.run([*run, "--as-deepspeed", "--preload", "xml.dom.minidom,transformers",
+                        str(script)], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert sorted(r.stdout.split("\n")[:2]) == ["rank 0 True", "rank 1 True"], r.stdout
+    assert sorted(r.stdout.split("\n")[:2]) == [
+        f"rank {i} True zeropp.deepspeed.compat True" for i in (0, 1)], r.stdout
     bad = subprocess.run([*run, "--preload", "json,no_such_module_zpp", str(script)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no module named 'no_such_module_zpp'" in bad.stderr, bad.stderr

@@ -60,13 +60,17 @@ def test_async_reduction_and_deep_prefetch_are_bitwise_the_synchronous_path_over
             assert got[3:] == sync[3:], other  # inter- and intra-node bytes
 
 
-def _rank1_stalls_in_backward(timeout: float) -> str:
+def _rank1_stalls_in_backward(timeout: float, tmp: str) -> str:
     model = zeropp.shard(build("gpt"), named("zeropp", 2, collective_timeout=timeout))
+    caught = [Path(tmp, f"caught{r}") for r in (0, 2, 3)]
     if dist.get_rank() == 1:  # stops inside its first gradient hook, mid-backward
         real = FlatParam.take_grad
 
         def stall(self):
-            time.sleep(timeout + 4)
+            # until every other rank has failed (a file each), or timeout + 4 s at most
+            end = time.monotonic() + timeout + 4
+            while not all(p.exists() for p in caught) and time.monotonic() < end:
+                time.sleep(0.05)
             return real(self)
         FlatParam.take_grad = stall
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -74,12 +78,15 @@ def _rank1_stalls_in_backward(timeout: float) -> str:
     try:
         loss_of("gpt", model, x, x).backward()
     except CollectiveError as e:
-        return f"{time.monotonic() - t0:.1f}|{e}"
+        elapsed = time.monotonic() - t0
+        if dist.get_rank() != 1:
+            caught[[0, 2, 3].index(dist.get_rank())].touch()
+        return f"{elapsed:.1f}|{e}"
     return "no error"
 
 
-def test_a_rank_stalled_mid_backward_fails_the_others_within_the_timeout_naming_the_op():
-    res = spawn(_rank1_stalls_in_backward, 4, 2, args=(2.0,), timeout=90)
+def test_a_rank_stalled_mid_backward_fails_the_others_within_the_timeout_naming_the_op(tmp_path):
+    res = spawn(_rank1_stalls_in_backward, 4, 2, args=(2.0, str(tmp_path)), timeout=90)
     for rank in (0, 2, 3):
         assert "|" in res[rank], res[rank]
         elapsed, msg = res[rank].split("|", 1)

@@ -310,6 +310,17 @@ def run_launch(ns: argparse.Namespace) -> int:
         raise UsageError(f"no such script: {ns.script}")
     if ns.nproc < 1 or ns.node_size < 1 or ns.nproc % ns.node_size:
         raise UsageError(f"--node-size {ns.node_size} must divide --nproc {ns.nproc} (both >= 1)")
+    if ns.as_deepspeed:
+        # Here, and before the checks below (find_spec imports a dotted name's parents,
+        # which would make transformers decide first): a refusal (the real DeepSpeed
+        # installed) is one line from the launcher, not a fork server that fails to
+        # start. The server then imports deepspeed/installed.py before its preloads, so
+        # they and every rank see zeropp as DeepSpeed.
+        from .deepspeed.alias import install_as_deepspeed
+        try:
+            install_as_deepspeed()
+        except RuntimeError as e:
+            raise UsageError(f"--as-deepspeed: {e}") from None
     import importlib.util
     preload = [m for m in ns.preload.split(",") if m]
     for m in preload:  # multiprocessing skips a preload it cannot import, silently
@@ -319,6 +330,8 @@ def run_launch(ns: argparse.Namespace) -> int:
             found = False
         if not found:
             raise UsageError(f"--preload: no module named {m!r}")
+    if ns.as_deepspeed:
+        preload.insert(0, "zeropp.deepspeed.installed")
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -328,7 +341,7 @@ def run_launch(ns: argparse.Namespace) -> int:
     stores = [TCPStore("127.0.0.1", 0, None, True, timedelta(minutes=30), wait_for_workers=False)
               for _ in range(ns.max_restarts + 1)]
     spawn(run_script, ns.nproc, ns.node_size,
-          args=(ns.script, ns.args, [s.port for s in stores]),
+          args=(ns.script, ns.args, [s.port for s in stores], ns.as_deepspeed),
           timeout=ns.timeout, max_restarts=ns.max_restarts, preload=preload)
     return 0
 
@@ -394,6 +407,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     la.add_argument("--preload", default="", metavar="MODULES",
                     help="comma-separated modules the script imports (e.g. transformers,trl), "
                          "imported once before the ranks fork instead of once per rank")
+    la.add_argument("--as-deepspeed", action="store_true",
+                    help="`import deepspeed` answers with zeropp in every rank (and in the "
+                         "preloads: --preload transformers,accelerate,trl works), as if the "
+                         "script began with zeropp.install_as_deepspeed()")
     la.add_argument("script")
     la.add_argument("args", nargs=argparse.REMAINDER)
     ns = p.parse_args(argv)
