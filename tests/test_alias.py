@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,6 @@ import pytest
 
 
 def _python(code: str, tmp_path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=240, cwd=tmp_path, env={**os.environ, **(env or {})})
 
@@ -74,6 +74,16 @@ def test_real_deepspeed_installed_is_refused_unless_zeropp_takes_precedence(tmp_
                 "import deepspeed\nassert not hasattr(deepspeed, 'REAL')\n"
                 "assert deepspeed.initialize is zeropp.initialize\nprint('zeropp')", tmp_path, env)
     assert r.returncode == 0 and r.stdout.strip() == "zeropp", r.stderr[-2000:]
+    # `zeropp launch --as-deepspeed` refuses in the launcher, in one line, before any rank
+    script = tmp_path / "s.py"
+    script.write_text("import deepspeed\n")
+    r = subprocess.run([sys.executable, "-m", "zeropp", "launch", "--nproc", "2",
+                        "--as-deepspeed", str(script)], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path, env={**os.environ, **env})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "zeropp launch: --as-deepspeed: zeropp.install_as_deepspeed: the real DeepSpeed "
+        f"0.19.8 is installed ({site / 'deepspeed' / '__init__.py'}); uninstall it, or pass "
+        "take_precedence=True to answer `import deepspeed` with zeropp in this process"], r.stderr
 
 
 def test_a_deepspeed_folder_of_configs_is_not_the_real_deepspeed(tmp_path):

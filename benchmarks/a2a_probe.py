@@ -1,0 +1,78 @@
+"""Does merging the inter-node all-to-alls of several units pay? On the emulated
+2 x 2 cluster (one torchrun per node namespace, as `zeropp bench`), rank 0's
+timings of an all-to-all in the inter-node groups ({0, 2}, {1, 3}) carrying one
+unit's qgZ payload of gpt-6x384 (220 kB per rank), four of them back to back (the
+drain at the end of backward: the last units' stage 2), and one of four times
+the size (the four merged). Five repetitions after two warm-ups.
+
+    python benchmarks/a2a_probe.py 100mbit
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PER_RANK = 220_000  # bytes each rank's buffer holds per unit (half goes to the peer)
+
+
+def _rank_worker(out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[rank % 2]
+
+    def a2a(units: int) -> None:
+        send = torch.zeros(units * PER_RANK, dtype=torch.uint8)
+        dist.all_to_all_single(torch.empty_like(send), send, group=group)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        timed(lambda: a2a(1))
+    rows = [(timed(lambda: a2a(1)), timed(lambda: [a2a(1) for _ in range(4)]),
+             timed(lambda: a2a(4))) for _ in range(5)]
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--rank-worker":
+        _rank_worker(sys.argv[2])
+        return
+    rate = sys.argv[1] if len(sys.argv) > 1 else "100mbit"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from zeropp.bench.cluster import Cluster
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    with tempfile.TemporaryDirectory() as tmp, Cluster(2, rate, prefix="zppq") as c:
+        out = os.path.join(tmp, "rows.json")
+        procs = [c.popen(i, [torchrun, "--nnodes", "2", "--node-rank", str(i),
+                             "--nproc-per-node", "2", "--master-addr", c.addr(0),
+                             "--master-port", "29971", __file__, "--rank-worker", out],
+                         stderr=open(os.devnull, "w"))
+                 for i in range(2)]
+        for p in procs:
+            p.wait(timeout=300)
+        rows = json.loads(Path(out).read_text())
+    print(f"all-to-all in the inter-node group at {rate}, rank 0, seconds")
+    print("| one unit | four units, one after another | the four merged into one |")
+    print("|---|---|---|")
+    for one, four, merged in rows:
+        print(f"| {one:.3f} | {four:.3f} | {merged:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
