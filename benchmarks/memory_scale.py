@@ -14,8 +14,8 @@ the RSS after the steps once glibc hands back every free page it can: the gap to
 "after steps" is freed memory the allocator kept.
 
 `+malloc` rows run FSDP2 / DeepSpeed with the glibc setting zeropp makes for a CPU
-model of this size (MALLOC_MMAP_THRESHOLD_ = zeropp.memory.mmap_threshold_for: 1 MiB,
-or 128 KiB from 100M parameters; freed buffers go back to the OS), so the frameworks
+model of this size (MALLOC_MMAP_THRESHOLD_ = zeropp.memory.mmap_threshold_for: none below
+32M parameters, 1 MiB from 32M, 128 KiB from 100M; freed buffers go back to the OS), so the frameworks
 are compared with equal allocators too.
 
     python benchmarks/memory_scale.py --model gpt2-355m \\
@@ -43,7 +43,8 @@ WORKER = ROOT / "benchmarks" / "_memory_worker.py"
 def malloc_env(params: int) -> dict:
     """The environment giving another framework the glibc setting zeropp makes for a
     CPU model of `params` parameters (zeropp.memory.mmap_threshold_for)."""
-    return {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold_for(params))}
+    threshold = mmap_threshold_for(params)
+    return {} if threshold is None else {"MALLOC_MMAP_THRESHOLD_": str(threshold)}
 
 
 def run_worker(python: str, nproc: int, args: list[str], env: dict, timeout: int = 3000) -> dict:

@@ -16,7 +16,14 @@ heap arenas (one per thread) that fragment and rarely shrink: the process keeps
 the peak of every thread's arena. `release_freed_host_memory` pins the threshold
 (unless MALLOC_MMAP_THRESHOLD_ is set, or ZEROPP_KEEP_MALLOC=1), as `zeropp.shard`
 does for a CPU model, at `mmap_threshold_for(parameters)`:
-- 1 MiB below 100M parameters. Measured, HF GPT-2 124M, W=4 as 2x2, zero3, AdamW,
+- none below 32M parameters: there the memory kept is tens of MB and the page faults
+  of buffers mmap'd afresh cost more than it. Measured at gpt-6x384 (10.8M, W=4 as
+  2x2, one bench run each way, `ZEROPP_KEEP_MALLOC=1` for unpinned): the unshaped step
+  0.85 -> 0.63 s (zeropp) and 0.92 -> 0.67 s (zeropp-plus) without the pin, peak RSS
+  451 -> 529 and 488 -> 560 MB per rank; rank 0's `copy_` (gradients into the flat
+  buffer: fresh pages every step) 0.18 -> 0.05 s per step. The 32M boundary between
+  this and the 124M measurement below is a judgement, not measured.
+- 1 MiB from 32M to 100M parameters. Measured, HF GPT-2 124M, W=4 as 2x2, zero3, AdamW,
   batch 1x128, two steps: peak RSS 2702 -> 1573 MB per rank, RSS after the steps
   2113 -> 848 MB (tensors held: 371 MB), step time 10.1 -> 9.2 s. Lower costs small
   models time: at gpt-6x384 (10.8M) qgZ's per-unit INT4 payloads are 870 KB, and
@@ -138,12 +145,16 @@ def _codec_bytes(codec: Any) -> int:
     return 0 if codec is None else _bytes(getattr(codec, "residual", None))
 
 
+SMALL_MODEL_PARAMS = 32_000_000
 LARGE_MODEL_PARAMS = 100_000_000
 _pinned: Optional[int] = None  # the threshold this process pinned, once it has
 
 
-def mmap_threshold_for(parameters: int) -> int:
-    """The mmap threshold zeropp pins for a CPU model of `parameters` (see the note)."""
+def mmap_threshold_for(parameters: int) -> Optional[int]:
+    """The mmap threshold zeropp pins for a CPU model of `parameters`, None for none
+    (see the note)."""
+    if parameters < SMALL_MODEL_PARAMS:
+        return None
     return 128 << 10 if parameters >= LARGE_MODEL_PARAMS else 1 << 20
 
 

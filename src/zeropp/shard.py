@@ -459,8 +459,9 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
         unit_types = tuple(unit_types) if isinstance(unit_types, (list, tuple)) else (unit_types,)
     topo = get_topology(cfg.node_size)
     if any(p.device.type in ("cpu", "meta") for p in model.parameters()):  # (meta: built on CPU)
-        n = sum(p.numel() for p in model.parameters())
-        release_freed_host_memory(mmap_threshold_for(n))  # freed buffers go back (memory.py)
+        threshold = mmap_threshold_for(sum(p.numel() for p in model.parameters()))
+        if threshold is not None:  # freed buffers go back to the OS (memory.py)
+            release_freed_host_memory(threshold)
     state = ShardState(cfg, topo)
     if any(p.is_meta for p in model.parameters()):
         defer_meta(model)  # then materialized one unit at a time, as deferred_init's
