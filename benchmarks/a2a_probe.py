@@ -11,11 +11,11 @@ the size (the four merged). Five repetitions after two warm-ups.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from _emulated import run_2x2
 
 PER_RANK = 220_000  # bytes each rank's buffer holds per unit (half goes to the peer)
 
@@ -54,19 +54,7 @@ def main() -> None:
         _rank_worker(sys.argv[2])
         return
     rate = sys.argv[1] if len(sys.argv) > 1 else "100mbit"
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from zeropp.bench.cluster import Cluster
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    with tempfile.TemporaryDirectory() as tmp, Cluster(2, rate, prefix="zppq") as c:
-        out = os.path.join(tmp, "rows.json")
-        procs = [c.popen(i, [torchrun, "--nnodes", "2", "--node-rank", str(i),
-                             "--nproc-per-node", "2", "--master-addr", c.addr(0),
-                             "--master-port", "29971", __file__, "--rank-worker", out],
-                         stderr=open(os.devnull, "w"))
-                 for i in range(2)]
-        for p in procs:
-            p.wait(timeout=300)
-        rows = json.loads(Path(out).read_text())
+    rows = run_2x2(__file__, rate, "zppq", 29971, [], quiet=True)
     print(f"all-to-all in the inter-node group at {rate}, rank 0, seconds")
     print("| one unit | four units, one after another | the four merged into one |")
     print("|---|---|---|")

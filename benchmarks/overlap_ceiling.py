@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from _emulated import run_2x2
 from _report import report
 
 
@@ -61,19 +60,7 @@ def _rank(out: str, mb: float, matmuls: int, reps: int) -> None:
 
 
 def _measure(rate: str, mb: float, matmuls: int, reps: int) -> list:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from zeropp.bench.cluster import Cluster
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    with tempfile.TemporaryDirectory() as tmp, Cluster(2, rate, prefix="zppo") as c:
-        out = os.path.join(tmp, "rows.json")
-        procs = [c.popen(i, [torchrun, "--nnodes", "2", "--node-rank", str(i),
-                             "--nproc-per-node", "2", "--master-addr", c.addr(0),
-                             "--master-port", "29970", __file__, "--rank-worker", out,
-                             str(mb), str(matmuls), str(reps)])
-                 for i in range(2)]
-        for p in procs:
-            p.wait(timeout=900)
-        return json.loads(Path(out).read_text())
+    return run_2x2(__file__, rate, "zppo", 29970, [str(mb), str(matmuls), str(reps)])
 
 
 def main() -> None:
