@@ -27,3 +27,16 @@ def run_2x2(script: str, rate: str, prefix: str, port: int, args: list[str],
         for p in procs:
             p.wait(timeout=900)
         return json.loads(Path(out).read_text())
+
+
+def timed(fn) -> float:
+    """Seconds `fn()` takes on this rank, between two barriers (every rank starts
+    together and the slowest one ends the interval)."""
+    import time
+
+    import torch.distributed as dist
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0

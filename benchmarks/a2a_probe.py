@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
-from _emulated import run_2x2
+from _emulated import run_2x2, timed
 
 PER_RANK = 220_000  # bytes each rank's buffer holds per unit (half goes to the peer)
 
@@ -32,13 +31,6 @@ def _rank_worker(out: str) -> None:
     def a2a(units: int) -> None:
         send = torch.zeros(units * PER_RANK, dtype=torch.uint8)
         dist.all_to_all_single(torch.empty_like(send), send, group=group)
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
 
     for _ in range(2):
         timed(lambda: a2a(1))

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from _emulated import run_2x2
+from _emulated import run_2x2, timed
 from _report import report
 
 
@@ -38,13 +38,6 @@ def _rank(out: str, mb: float, matmuls: int, reps: int) -> None:
         x = a
         for _ in range(matmuls):
             x = torch.tanh(b @ x)[:384]
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
 
     def both() -> None:
         work = dist.all_gather_into_tensor(full, shard, async_op=True)
