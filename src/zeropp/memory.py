@@ -23,12 +23,13 @@ does for a CPU model, at `mmap_threshold_for(parameters)`:
   451 -> 529 and 488 -> 560 MB per rank; rank 0's `copy_` (gradients into the flat
   buffer: fresh pages every step) 0.18 -> 0.05 s per step. The 32M boundary between
   this and the 124M measurement below is a judgement, not measured.
-- 1 MiB from 32M to 100M parameters. Measured, HF GPT-2 124M, W=4 as 2x2, zero3, AdamW,
-  batch 1x128, two steps: peak RSS 2702 -> 1573 MB per rank, RSS after the steps
-  2113 -> 848 MB (tensors held: 371 MB), step time 10.1 -> 9.2 s. Lower costs small
-  models time: at gpt-6x384 (10.8M) qgZ's per-unit INT4 payloads are 870 KB, and
-  with the threshold at 512 KiB each was mmap'd and faulted in afresh (192 per 3
-  steps on rank 0, strace): zeropp's step 0.81-0.87 -> 1.06-1.11 s at 1 Gbit/s.
+- 1 MiB from 32M to 100M parameters. Measured, HF GPT-2 124M (at the time 1 MiB
+  applied there), W=4 as 2x2, zero3, AdamW, batch 1x128, two steps: peak RSS 2702 ->
+  1573 MB per rank, RSS after the steps 2113 -> 848 MB (tensors held: 371 MB), step
+  time 10.1 -> 9.2 s. A lower threshold costs time where buffers sit just above it:
+  at gpt-6x384 (10.8M, pinned then) qgZ's per-unit INT4 payloads are 870 KB, and at
+  512 KiB each was mmap'd and faulted in afresh (192 per 3 steps on rank 0, strace):
+  zeropp's step 0.81-0.87 -> 1.06-1.11 s at 1 Gbit/s.
 - 128 KiB (glibc's own starting value) from 100M. There every buffer of zeropp's
   is over 1 MiB anyway and what sits between is the model's activations and their
   gradients (GPT-2 355M at 1x128 tokens: 512 KB each), which fragmented the heap in
