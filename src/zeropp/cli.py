@@ -310,19 +310,20 @@ def run_launch(ns: argparse.Namespace) -> int:
         raise UsageError(f"no such script: {ns.script}")
     if ns.nproc < 1 or ns.node_size < 1 or ns.nproc % ns.node_size:
         raise UsageError(f"--node-size {ns.node_size} must divide --nproc {ns.nproc} (both >= 1)")
+    preload = [m for m in ns.preload.split(",") if m]
     if ns.as_deepspeed:
         # Here, and before the checks below (find_spec imports a dotted name's parents,
         # which would make transformers decide first): a refusal (the real DeepSpeed
         # installed) is one line from the launcher, not a fork server that fails to
         # start. The server then imports deepspeed/installed.py before its preloads, so
-        # they and every rank see zeropp as DeepSpeed.
+        # they and every rank forked from it see zeropp as DeepSpeed.
         from .deepspeed.alias import install_as_deepspeed
         try:
             install_as_deepspeed()
         except RuntimeError as e:
             raise UsageError(f"--as-deepspeed: {e}") from None
+        preload.insert(0, "zeropp.deepspeed.installed")
     import importlib.util
-    preload = [m for m in ns.preload.split(",") if m]
     for m in preload:  # multiprocessing skips a preload it cannot import, silently
         try:
             found = importlib.util.find_spec(m) is not None
@@ -330,8 +331,6 @@ def run_launch(ns: argparse.Namespace) -> int:
             found = False
         if not found:
             raise UsageError(f"--preload: no module named {m!r}")
-    if ns.as_deepspeed:
-        preload.insert(0, "zeropp.deepspeed.installed")
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -341,7 +340,7 @@ def run_launch(ns: argparse.Namespace) -> int:
     stores = [TCPStore("127.0.0.1", 0, None, True, timedelta(minutes=30), wait_for_workers=False)
               for _ in range(ns.max_restarts + 1)]
     spawn(run_script, ns.nproc, ns.node_size,
-          args=(ns.script, ns.args, [s.port for s in stores], ns.as_deepspeed),
+          args=(ns.script, ns.args, [s.port for s in stores]),
           timeout=ns.timeout, max_restarts=ns.max_restarts, preload=preload)
     return 0
 

@@ -174,21 +174,16 @@ def _stop(procs: list, grace: float) -> None:
             p.join(timeout=5)
 
 
-def run_script(path: str, argv: Sequence[str], ports: Sequence[int],
-               as_deepspeed: bool = False) -> None:
+def run_script(path: str, argv: Sequence[str], ports: Sequence[int]) -> None:
     """A worker of `zeropp launch`: run the script as `__main__` with `argv` in the
     environment torchrun gives it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT; no process group yet: the script makes it, with
     `init_process_group()` or `zeropp.init_distributed()`). The store at MASTER_PORT
     is the launcher's, one per attempt (`ports[restart]`); TORCHELASTIC_USE_AGENT_STORE
     tells torch's env:// rendezvous that every rank is its client, as under torchrun.
-    `sys.exit(0)` is success. `as_deepspeed`: `import deepspeed` answers with zeropp
-    (already so in a worker forked from a server that preloaded it)."""
+    `sys.exit(0)` is success. Under `--as-deepspeed` the worker forked from a server
+    that imported zeropp.deepspeed.installed: `import deepspeed` already answers."""
     import runpy
-
-    if as_deepspeed:
-        from .deepspeed.alias import install_as_deepspeed
-        install_as_deepspeed()
 
     import torch.distributed as dist
     if dist.is_initialized():  # spawn's own group: the script initializes as under torchrun
