@@ -71,10 +71,20 @@ def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     (["--nodes", "2", "--node-size", "3", "--nproc", "4"], "--node-size 3 does not divide"),
     (["--configs", "zero3,deepspeed"], "unknown configuration 'deepspeed'"),
 ], ids=["rate", "nodes", "layout", "config"])
-def test_bench_bad_input_is_one_line(args, message):
-    r = _bench(*args)
+def test_bench_bad_input_is_one_line(args, message, capsys):
+    from zeropp.cli import main
+    rc = main(["bench", *args])  # in this process; the process boundary is checked below
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and message in lines[0], err
+    assert lines[0].startswith("zeropp bench: ") and "Traceback" not in err + out
+
+
+def test_bench_bad_input_from_the_command_line_is_one_line():
+    r = _bench("--inter-node", "fast")
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
+    assert r.returncode == 2 and len(lines) == 1 and "unparsable link rate 'fast'" in lines[0], \
+        r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -43,12 +43,24 @@ def files(tmp_path_factory):
     (["--deepspeed-config", "{d}/stage2.json"], "zero_optimization.stage=2"),
     (["--compare", "zero3,zero9"], "unknown configuration 'zero9'"),
 ], ids=["missing", "empty", "short", "nproc", "preset", "ds-json", "ds-stage", "compare"])
-def test_bad_input_is_one_line_and_exit_2_without_traceback(files, args, message):
-    r = _cli(*[a.format(d=files) for a in args])
+def test_bad_input_is_one_line_and_exit_2_without_traceback(files, args, message, capsys):
+    # In this process: the CLI's own code, without a torch import per case (the
+    # process boundary is checked once, below).
+    rc = main(["train", *[a.format(d=files) for a in args]])
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2, err
+    assert len(lines) == 1 and lines[0].startswith("zeropp train: "), err
+    assert message in lines[0]
+    assert "Traceback" not in err + out
+
+
+def test_bad_input_from_the_command_line_is_one_line_and_exit_2():
+    r = _cli("--nproc", "3", "--node-size", "2")
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2, r.stderr
     assert len(lines) == 1 and lines[0].startswith("zeropp train: "), r.stderr
-    assert message in lines[0]
+    assert "--nproc 3 must be a positive multiple of" in lines[0]
     assert "Traceback" not in r.stderr + r.stdout
 
 

@@ -1,0 +1,69 @@
+"""Presets side by side in one world, their steps alternating, so the machine's
+drift (±20% by the hour here) hits both alike: gpt-6x384 (fp32, AdamW, batch
+2 x 64) at W=4 as 2 x 2 on loopback, unshaped. Per preset: median / min / max
+s/step, the paired ratio to the first preset, CPU seconds per step summed over the
+four ranks (every thread) and minor page faults per step (all ranks).
+
+    python benchmarks/paired_step.py zeropp,zeropp-plus [steps]
+
+Used for RESULTS.md's "zeropp-plus's compute" readings; environment variables
+(e.g. ZEROPP_KEEP_MALLOC=1) apply to every preset of the run.
+"""
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import zeropp
+from zeropp.launch import spawn
+from zeropp.train.model import GPT, GPTConfig
+
+
+def _usage() -> tuple[float, int]:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this rank
+    return r.ru_utime + r.ru_stime, r.ru_minflt
+
+
+def work(presets: list[str], steps: int) -> list[list[tuple[float, float, int]]]:
+    torch.set_num_threads(1)
+    runs = []
+    for p in presets:
+        torch.manual_seed(0)
+        m = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_embd=384, n_head=6))
+        zeropp.shard(m, zeropp.Config.preset(p, node_size=2))
+        runs.append((m, torch.optim.AdamW(m.parameters(), lr=1e-3)))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    out: list[list[tuple[float, float, int]]] = [[] for _ in presets]
+    for i in range(steps + 2):  # two warm-up steps each
+        for k, (m, opt) in enumerate(runs):
+            x = torch.randint(0, 256, (2, 64), generator=g)
+            dist.barrier()
+            cpu0, flt0 = _usage()
+            t = time.perf_counter()
+            m(x, x)[1].backward()
+            zeropp.clip_grad_norm_(m, 1.0)
+            opt.step()
+            opt.zero_grad()
+            dist.barrier()
+            cpu1, flt1 = _usage()
+            if i >= 2:
+                out[k].append((time.perf_counter() - t, cpu1 - cpu0, flt1 - flt0))
+    return out
+
+
+if __name__ == "__main__":
+    presets = sys.argv[1].split(",")
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+    res = spawn(work, 4, 2, args=(presets, steps), timeout=1200)
+    base = [t for t, _, _ in res[0][0]]
+    for k, p in enumerate(presets):
+        ts = [t for t, _, _ in res[0][k]]
+        cpu = sum(c for r in res for _, c, _ in r[k]) / steps
+        faults = sum(f for r in res for _, _, f in r[k]) / steps
+        ratio = statistics.median(b / a for a, b in zip(base, ts))
+        print(f"{p:28s} s/step median {statistics.median(ts):.3f} (min {min(ts):.3f} max "
+              f"{max(ts):.3f})  paired vs {presets[0]} {ratio:.3f}  CPU s/step {cpu:.3f}  "
+              f"faults/step {faults:.0f}")
