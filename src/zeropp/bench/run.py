@@ -1,8 +1,9 @@
 """`zeropp bench`: configurations side by side on the emulated cluster.
 
-Each configuration runs as one torchrun per node, inside that node's
-namespace, on the same model, data and units; the busiest node's interface
-counters give the wire bytes, zeropp's accounting its own figure. Without
+Each configuration runs as one process per rank, inside its node's namespace,
+with the environment torchrun would give it, on the same model, data and units;
+the busiest node's interface counters give the wire bytes, zeropp's accounting
+its own figure. Without
 root or `ip netns` it says so in one line and runs on plain loopback instead
 (no link limit, no counters).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -49,20 +51,26 @@ def _worker_cmd(cfg: str, ns, out: Path) -> list[str]:
 
 
 def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
     port = str(29600 + k)  # a fresh port per configuration: no TIME_WAIT clash
     out.unlink(missing_ok=True)  # a stale result must not pass for this run's
-    if cluster is None:
-        procs = [subprocess.Popen([torchrun, "--standalone", "--nproc-per-node",
-                                   str(ns.nodes * ns.node_size), *_worker_cmd(cfg, ns, out)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-    else:
-        procs = [cluster.popen(i, [torchrun, "--nnodes", str(ns.nodes), "--node-rank", str(i),
-                                   "--nproc-per-node", str(ns.node_size), "--master-addr",
-                                   cluster.addr(0), "--master-port", port,
-                                   *_worker_cmd(cfg, ns, out)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in range(ns.nodes)]
+    # Every rank is started directly with the environment torchrun would give it: a
+    # torchrun agent per node would import torch once more per node and run, and
+    # could then sit minutes in its exit barrier.
+    world = ns.nodes * ns.node_size
+    cmd = [sys.executable, *_worker_cmd(cfg, ns, out)]
+    procs = []
+    for rank in range(world):
+        node = rank // ns.node_size
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_RANK": str(rank % ns.node_size), "LOCAL_WORLD_SIZE": str(ns.node_size),
+               "GROUP_RANK": str(node), "MASTER_PORT": port,
+               "MASTER_ADDR": "127.0.0.1" if cluster is None else cluster.addr(0)}
+        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if cluster is None:  # plain loopback: one "node" holds every rank
+            env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"] = str(rank), str(world), "0"
+            procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, **kw))
+        else:
+            procs.append(cluster.popen(node, cmd, env=env, **kw))
     logs = [[] for _ in procs]
     readers = [threading.Thread(target=lambda p=p, buf=buf: buf.extend(p.stdout), daemon=True)
                for p, buf in zip(procs, logs)]
@@ -74,8 +82,7 @@ def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"configuration {cfg} did not finish in {ns.timeout:.0f}s")
             if out.exists():
-                # The result is written; a torchrun agent can then sit up to 5
-                # minutes in its exit barrier. Give the agents 20 s, then stop them.
+                # The result is written: give the ranks 20 s to leave, then stop them.
                 done_at = done_at or time.monotonic()
                 if time.monotonic() - done_at > 20:
                     break
