@@ -1,5 +1,5 @@
 """Shared by the probe benchmarks: run a script's rank worker as 2 nodes x 2 ranks
-on the emulated cluster (one torchrun per node namespace, as `zeropp bench`) and
+on the emulated cluster (one torchrun per node namespace) and
 return the JSON rank 0 wrote."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Does merging the inter-node all-to-alls of several units pay? On the emulated
-2 x 2 cluster (one torchrun per node namespace, as `zeropp bench`), rank 0's
+2 x 2 cluster (one torchrun per node namespace), rank 0's
 timings of an all-to-all in the inter-node groups ({0, 2}, {1, 3}) carrying one
 unit's qgZ payload of gpt-6x384 (220 kB per rank), four of them back to back (the
 drain at the end of backward: the last units' stage 2), and one of four times

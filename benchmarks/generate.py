@@ -9,7 +9,7 @@ counterpart of summon_full_params: `unshard()` every FSDP module with
 optimizer step, as in RLHF, so hpZ secondaries and caches are stale each time.
 
 4 ranks as 2 nodes x 2: on the emulated cluster (one torchrun per node
-namespace, as `zeropp bench`) or on loopback (one torchrun).
+namespace) or on loopback (one torchrun).
 
     python benchmarks/generate.py --links loopback,100mbit [--write]
 """

@@ -1,7 +1,7 @@
 """How much overlap this machine allows: a gloo all-gather across the emulated
 nodes and a matmul loop, alone and at once, at each link rate.
 
-4 ranks as 2 nodes x 2 (one torchrun per node namespace, as `zeropp bench`),
+4 ranks as 2 nodes x 2 (one torchrun per node namespace),
 one thread per rank on 2 cores. If communication were free for the CPU,
 "both" would take max(compute, gather); on this machine the kernel's network
 path (veth, bridge, tbf) runs on the same two cores as the compute, so at high

@@ -95,7 +95,7 @@ def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
         for t in readers:
             t.join(timeout=5)
     # Rank 0 writes the result only after every rank finished the measurement;
-    # a torchrun agent failing its exit barrier afterwards changes nothing.
+    # a rank stopped after that changes nothing.
     if not out.exists():
         logs = ["".join(buf) for buf in logs]
         tail = "\n".join(logs)[-2500:]
