@@ -259,7 +259,7 @@ def run_bench_cmd(ns: argparse.Namespace, argv: Optional[list[str]]) -> int:
                  "zero_hpz_partition_size = node size, overlap_comm on, its own prefetch "
                  "buckets); DeepSpeed's qwZ and qgZ need CUDA kernels and do not run on CPU")
     if any("compute_s" in r for r in results):
-        head += ("; compute s: the same configuration on unshaped links in this invocation; "
+        head += ("; compute s: the same configuration on unshaped links right after it; "
                  "link s: max(tx, rx) wire bytes of the busiest node / link rate")
     print("\n" + head + "\n\n" + text)
     png = bench_dir / "bench.png"
@@ -383,8 +383,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     b.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="compute dtype for every configuration (bf16 is ~150x slower here)")
     b.add_argument("--compute-baseline", action="store_true",
-                   help="also run every configuration on unshaped links (its compute time) "
-                        "and report step / max(compute, link)")
+                   help="also run every configuration on unshaped links (its compute time), "
+                        "each right after its shaped run, and report step / max(compute, link)")
     b.add_argument("--timeout", type=float, default=1800)
     b.add_argument("--out", default=None)
     b.add_argument("--write", default=None, metavar="RESULTS_MD",

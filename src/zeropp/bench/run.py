@@ -125,14 +125,14 @@ def run_bench(ns) -> tuple[list[dict], Path]:
     if not ok:
         print(f"zeropp bench: no emulated cluster ({why}); running on plain loopback instead",
               flush=True)
-    results = _run_all(ns, configs, rate if ok else False, out_dir, "")
+    baseline = getattr(ns, "compute_baseline", False) and ok
+    if baseline:
+        results, base = _run_paired(ns, configs, rate, out_dir)
+    else:
+        results = _run_all(ns, configs, rate if ok else False, out_dir, "")
     for r in results:
         r["link"] = rate if ok else "loopback"
-    if getattr(ns, "compute_baseline", False) and ok:
-        # The same runs on unshaped links: each configuration's compute time
-        # (plus what its bytes cost at veth speed), in this invocation.
-        print("compute baseline (unshaped links):", flush=True)
-        base = _run_all(ns, configs, None, out_dir, "-compute")
+    if baseline:
         for r, b in zip(results, base):
             r["compute_s"] = b["median_step_s"]
             rx = r["wire_rx_tx_bytes_per_node_step"] - r["wire_tx_bytes_per_node_step"]
@@ -157,8 +157,25 @@ def _run_all(ns, configs: list[str], rate, out_dir: Path, tag: str) -> list[dict
     return results
 
 
-def _progress(k: int, cfg: str, configs: list[str], fn) -> dict:
-    print(f"[{k + 1}/{len(configs)}] {cfg} ...", end=" ", flush=True)
+def _run_paired(ns, configs: list[str], rate: str, out_dir: Path) -> tuple[list, list]:
+    """Every configuration at `rate` and right after on unshaped links (its compute
+    time, plus what its bytes cost at veth speed), on two clusters built side by
+    side: each pair runs minutes apart at most, so the machine's drift (its speed
+    moves by 20% within an hour here) touches the step and its baseline alike."""
+    shaped, unshaped = [], []
+    with Cluster(ns.nodes, rate, prefix="zppb") as c, \
+            Cluster(ns.nodes, None, prefix="zppu") as u:
+        for k, cfg in enumerate(configs):
+            shaped.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
+                c, k, cfg, ns, out_dir / f"{cfg}.json")))
+            unshaped.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
+                u, k, cfg, ns, out_dir / f"{cfg}-compute.json"), "unshaped"))
+    return shaped, unshaped
+
+
+def _progress(k: int, cfg: str, configs: list[str], fn, link: str = "") -> dict:
+    print(f"[{k + 1}/{len(configs)}] {cfg}{f' ({link})' if link else ''} ...", end=" ",
+          flush=True)
     t0 = time.perf_counter()
     r = fn()
     print(f"{r['median_step_s']:.2f} s/step, {r['wire_rx_tx_bytes_per_node_step'] / 1e6:.1f} MB "
