@@ -6,8 +6,11 @@ four ranks (every thread) and minor page faults per step (all ranks).
 
     python benchmarks/paired_step.py zeropp,zeropp-plus [steps]
 
-Used for RESULTS.md's "zeropp-plus's compute" readings; environment variables
-(e.g. ZEROPP_KEEP_MALLOC=1) apply to every preset of the run.
+Each step clips gradients (`zeropp.clip_grad_norm_`, as `zeropp train` does; the
+bench worker does not), and each preset's model sees its own batches: the times
+are comparable between presets of one run, not with bench rows. Used for
+RESULTS.md's "zeropp-plus's compute" readings; environment variables (e.g.
+ZEROPP_KEEP_MALLOC=1) apply to every preset of the run.
 """
 import resource
 import statistics

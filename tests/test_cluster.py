@@ -71,9 +71,19 @@ def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     (["--nodes", "2", "--node-size", "3", "--nproc", "4"], "--node-size 3 does not divide"),
     (["--configs", "zero3,deepspeed"], "unknown configuration 'deepspeed'"),
 ], ids=["rate", "nodes", "layout", "config"])
-def test_bench_bad_input_is_one_line(args, message, capsys):
+def test_bench_bad_input_is_one_line(args, message, capsys, monkeypatch):
+    import warnings
+
+    import zeropp.bench.run as run
     from zeropp.cli import main
-    rc = main(["bench", *args])  # in this process; the process boundary is checked below
+
+    def no_runs(*a, **k):
+        raise AssertionError("bad input was accepted: configurations were started")
+    monkeypatch.setattr(run, "_run_one", no_runs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = main(["bench", *args])  # in this process; the process boundary is checked below
+    assert not caught, [str(w.message) for w in caught]  # stderr would show them
     out, err = capsys.readouterr()
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1 and message in lines[0], err
@@ -108,6 +118,19 @@ def test_bench_smoke_2_nodes_x_1_rank_bytes_cross_and_nothing_is_left(tmp_path):
     assert "| step / max(compute, link) |" in r.stdout
     assert (tmp_path / "bench.png").exists()
     assert leftovers("zppb") == [] and leftovers("zppu") == []  # shaped and unshaped clusters
+
+
+def test_each_rank_gets_torchruns_environment():
+    """`zeropp bench` starts ranks itself (bench/run.py): at 2 x 2 rank 3 is node 1's
+    second rank; on plain loopback all four ranks are one node's."""
+    from zeropp.bench.run import rank_env
+    e = rank_env(3, 2, 2, "10.77.0.1", 29601)
+    assert {k: e[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                              "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")} == {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1", "MASTER_ADDR": "10.77.0.1", "MASTER_PORT": "29601"}
+    e = rank_env(3, 1, 4, "127.0.0.1", 5000)
+    assert (e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"]) == ("3", "4", "0")
 
 
 def test_bench_without_namespaces_says_so_and_runs_on_loopback(tmp_path, monkeypatch, capsys):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -50,34 +51,48 @@ def _worker_cmd(cfg: str, ns, out: Path) -> list[str]:
             ns.dtype, "--node-size", str(ns.node_size), "--out", str(out)]
 
 
+def rank_env(rank: int, nodes: int, node_size: int, master: str, port: int) -> dict:
+    """The environment torchrun gives rank `rank` of `nodes` x `node_size` ranks."""
+    world = nodes * node_size
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % node_size),
+            "LOCAL_WORLD_SIZE": str(node_size), "GROUP_RANK": str(rank // node_size),
+            "MASTER_ADDR": master, "MASTER_PORT": str(port),
+            # torchrun's default with several ranks per machine; the user's value wins
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
-    port = str(29600 + k)  # a fresh port per configuration: no TIME_WAIT clash
     out.unlink(missing_ok=True)  # a stale result must not pass for this run's
     # Every rank is started directly with the environment torchrun would give it: a
     # torchrun agent per node would import torch once more per node and run, and
     # could then sit minutes in its exit barrier.
-    world = ns.nodes * ns.node_size
     cmd = [sys.executable, *_worker_cmd(cfg, ns, out)]
-    procs = []
-    for rank in range(world):
-        node = rank // ns.node_size
-        env = {"RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_RANK": str(rank % ns.node_size), "LOCAL_WORLD_SIZE": str(ns.node_size),
-               "GROUP_RANK": str(node), "MASTER_PORT": port,
-               "MASTER_ADDR": "127.0.0.1" if cluster is None else cluster.addr(0)}
-        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if cluster is None:  # plain loopback: one "node" holds every rank
-            env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"] = str(rank), str(world), "0"
-            procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, **kw))
-        else:
-            procs.append(cluster.popen(node, cmd, env=env, **kw))
-    logs = [[] for _ in procs]
-    readers = [threading.Thread(target=lambda p=p, buf=buf: buf.extend(p.stdout), daemon=True)
-               for p, buf in zip(procs, logs)]
-    for t in readers:
-        t.start()
+    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs: list[subprocess.Popen] = []
+    logs: list[list[str]] = []
+    readers: list[threading.Thread] = []
     deadline, done_at = time.monotonic() + ns.timeout, None
     try:
+        if cluster is None:  # plain loopback: one "node" holds every rank
+            world, port = ns.nodes * ns.node_size, _free_port()
+            for r in range(world):
+                e = rank_env(r, 1, world, "127.0.0.1", port)
+                procs.append(subprocess.Popen(cmd, env={**os.environ, **e}, **kw))
+        else:  # a fresh port per configuration inside the namespaces: no TIME_WAIT clash
+            for r in range(ns.nodes * ns.node_size):
+                e = rank_env(r, ns.nodes, ns.node_size, cluster.addr(0), 29600 + k)
+                procs.append(cluster.popen(r // ns.node_size, cmd, env=e, **kw))
+        for p in procs:
+            logs.append([])
+            readers.append(threading.Thread(target=lambda p=p, buf=logs[-1]: buf.extend(p.stdout),
+                                            daemon=True))
+            readers[-1].start()
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"configuration {cfg} did not finish in {ns.timeout:.0f}s")
@@ -86,6 +101,8 @@ def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
                 done_at = done_at or time.monotonic()
                 if time.monotonic() - done_at > 20:
                     break
+            elif any(p.poll() not in (None, 0) for p in procs):
+                break  # a rank failed before the result: the others would wait for it
             time.sleep(0.2)
     finally:
         for p in procs:
