@@ -4,7 +4,7 @@ drift (±20% by the hour here) hits both alike: gpt-6x384 (fp32, AdamW, batch
 s/step, the paired ratio to the first preset, CPU seconds per step summed over the
 four ranks (every thread) and minor page faults per step (all ranks).
 
-    python benchmarks/paired_step.py zeropp,zeropp-plus [steps]
+    python benchmarks/paired_step.py zeropp,zeropp-plus [steps] [LAYERSxWIDTH, default 6x384]
 
 Each step clips gradients (`zeropp.clip_grad_norm_`, as `zeropp train` does; the
 bench worker does not), and each preset's model sees its own batches: the times
@@ -30,12 +30,14 @@ def _usage() -> tuple[float, int]:
     return r.ru_utime + r.ru_stime, r.ru_minflt
 
 
-def work(presets: list[str], steps: int) -> list[list[tuple[float, float, int]]]:
+def work(presets: list[str], steps: int, layers: int = 6,
+         width: int = 384) -> list[list[tuple[float, float, int]]]:
     torch.set_num_threads(1)
     runs = []
     for p in presets:
         torch.manual_seed(0)
-        m = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_embd=384, n_head=6))
+        m = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_embd=width,
+                          n_head=width // 64))
         zeropp.shard(m, zeropp.Config.preset(p, node_size=2))
         runs.append((m, torch.optim.AdamW(m.parameters(), lr=1e-3)))
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -60,7 +62,8 @@ def work(presets: list[str], steps: int) -> list[list[tuple[float, float, int]]]
 if __name__ == "__main__":
     presets = sys.argv[1].split(",")
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
-    res = spawn(work, 4, 2, args=(presets, steps), timeout=1200)
+    layers, width = (int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "6x384").split("x"))
+    res = spawn(work, 4, 2, args=(presets, steps, layers, width), timeout=3000)
     base = [t for t, _, _ in res[0][0]]
     for k, p in enumerate(presets):
         ts = [t for t, _, _ in res[0][k]]
