@@ -15,7 +15,7 @@ the RSS after the steps once glibc hands back every free page it can: the gap to
 
 `+malloc` rows run FSDP2 / DeepSpeed with the glibc setting zeropp makes for a CPU
 model of this size (MALLOC_MMAP_THRESHOLD_ = zeropp.memory.mmap_threshold_for: none below
-32M parameters, 1 MiB from 32M, 128 KiB from 100M; freed buffers go back to the OS), so the frameworks
+100M parameters, 128 KiB from 100M; freed buffers go back to the OS), so the frameworks
 are compared with equal allocators too.
 
     python benchmarks/memory_scale.py --model gpt2-355m \\

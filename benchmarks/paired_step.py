@@ -2,7 +2,7 @@
 drift (±20% by the hour here) hits both alike: gpt-6x384 (fp32, AdamW, batch
 2 x 64) at W=4 as 2 x 2 on loopback, unshaped. Per preset: median / min / max
 s/step, the paired ratio to the first preset, CPU seconds per step summed over the
-four ranks (every thread) and minor page faults per step (all ranks).
+four ranks (every thread) and minor page faults per step (all ranks), and the ranks' peak RSS.
 
     python benchmarks/paired_step.py zeropp,zeropp-plus [steps] [LAYERSxWIDTH, default 6x384]
 
@@ -30,8 +30,7 @@ def _usage() -> tuple[float, int]:
     return r.ru_utime + r.ru_stime, r.ru_minflt
 
 
-def work(presets: list[str], steps: int, layers: int = 6,
-         width: int = 384) -> list[list[tuple[float, float, int]]]:
+def work(presets: list[str], steps: int, layers: int = 6, width: int = 384) -> tuple:
     torch.set_num_threads(1)
     runs = []
     for p in presets:
@@ -56,14 +55,16 @@ def work(presets: list[str], steps: int, layers: int = 6,
             cpu1, flt1 = _usage()
             if i >= 2:
                 out[k].append((time.perf_counter() - t, cpu1 - cpu0, flt1 - flt0))
-    return out
+    return out, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 if __name__ == "__main__":
     presets = sys.argv[1].split(",")
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
     layers, width = (int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "6x384").split("x"))
-    res = spawn(work, 4, 2, args=(presets, steps, layers, width), timeout=3000)
+    got = spawn(work, 4, 2, args=(presets, steps, layers, width), timeout=3000)
+    res = [r for r, _ in got]
+    print(f"peak RSS per rank (all presets of the run): {max(m for _, m in got):.0f} MB")
     base = [t for t, _, _ in res[0][0]]
     for k, p in enumerate(presets):
         ts = [t for t, _, _ in res[0][k]]

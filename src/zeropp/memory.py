@@ -16,20 +16,25 @@ heap arenas (one per thread) that fragment and rarely shrink: the process keeps
 the peak of every thread's arena. `release_freed_host_memory` pins the threshold
 (unless MALLOC_MMAP_THRESHOLD_ is set, or ZEROPP_KEEP_MALLOC=1), as `zeropp.shard`
 does for a CPU model, at `mmap_threshold_for(parameters)`:
-- none below 32M parameters: there the memory kept is tens of MB and the page faults
-  of buffers mmap'd afresh cost more than it. Measured at gpt-6x384 (10.8M, W=4 as
+- none below 100M parameters: there the page faults of buffers mmap'd afresh every
+  step cost more than the memory the heap keeps. Measured at gpt-6x384 (10.8M, W=4 as
   2x2, one bench run each way, `ZEROPP_KEEP_MALLOC=1` for unpinned): the unshaped step
   0.85 -> 0.63 s (zeropp) and 0.92 -> 0.67 s (zeropp-plus) without the pin, peak RSS
   451 -> 529 and 488 -> 560 MB per rank; rank 0's `copy_` (gradients into the flat
-  buffer: fresh pages every step) 0.18 -> 0.05 s per step. The 32M boundary between
-  this and the 124M measurement below is a judgement, not measured.
-- 1 MiB from 32M to 100M parameters. Measured, HF GPT-2 124M (at the time 1 MiB
-  applied there), W=4 as 2x2, zero3, AdamW, batch 1x128, two steps: peak RSS 2702 ->
-  1573 MB per rank, RSS after the steps 2113 -> 848 MB (tensors held: 371 MB), step
-  time 10.1 -> 9.2 s. A lower threshold costs time where buffers sit just above it:
-  at gpt-6x384 (10.8M, pinned then) qgZ's per-unit INT4 payloads are 870 KB, and at
-  512 KiB each was mmap'd and faulted in afresh (192 per 3 steps on rank 0, strace):
-  zeropp's step 0.81-0.87 -> 1.06-1.11 s at 1 Gbit/s.
+  buffer: fresh pages every step) 0.18 -> 0.05 s per step. At a 50M GPT (7 x 768, W=4
+  as 2x2, batch 2 x 64, `python benchmarks/paired_step.py zeropp 4 7x768`, one run each):
+  pinned at 1 MiB 5.65 s/step, 879 MB peak RSS per rank, 1.73M page faults per step (all
+  ranks); at 8 MiB 4.23 s, 997 MB; at 32 MiB 3.44 s, 1234 MB; unpinned 2.67 s, 1180 MB
+  (0.14M faults). Two runs each with zeropp-plus beside it: 4.69 / 5.23 s pinned, 2.81 /
+  2.88 unpinned. So 1 MiB, the setting from 32M to 100M until then, cost 2.1x in step
+  time for 25% less memory; the boundary moved to 100M. Between 50M and the 124M
+  measurement below (where pinning saved memory and time) it is a judgement.
+- (history) 1 MiB was measured at HF GPT-2 124M, W=4 as 2x2, zero3, AdamW, batch 1x128,
+  two steps: peak RSS 2702 -> 1573 MB per rank, RSS after the steps 2113 -> 848 MB
+  (tensors held: 371 MB), step time 10.1 -> 9.2 s. A lower threshold costs time where
+  buffers sit just above it: at gpt-6x384 (10.8M, pinned then) qgZ's per-unit INT4
+  payloads are 870 KB, and at 512 KiB each was mmap'd and faulted in afresh (192 per 3
+  steps on rank 0, strace): zeropp's step 0.81-0.87 -> 1.06-1.11 s at 1 Gbit/s.
 - 128 KiB (glibc's own starting value) from 100M. There every buffer of zeropp's
   is over 1 MiB anyway and what sits between is the model's activations and their
   gradients (GPT-2 355M at 1x128 tokens: 512 KB each), which fragmented the heap in
@@ -146,17 +151,14 @@ def _codec_bytes(codec: Any) -> int:
     return 0 if codec is None else _bytes(getattr(codec, "residual", None))
 
 
-SMALL_MODEL_PARAMS = 32_000_000
-LARGE_MODEL_PARAMS = 100_000_000
+LARGE_MODEL_PARAMS = 100_000_000  # no pin below (see the note)
 _pinned: Optional[int] = None  # the threshold this process pinned, once it has
 
 
 def mmap_threshold_for(parameters: int) -> Optional[int]:
     """The mmap threshold zeropp pins for a CPU model of `parameters`, None for none
     (see the note)."""
-    if parameters < SMALL_MODEL_PARAMS:
-        return None
-    return 128 << 10 if parameters >= LARGE_MODEL_PARAMS else 1 << 20
+    return 128 << 10 if parameters >= LARGE_MODEL_PARAMS else None
 
 
 def release_freed_host_memory(threshold: int = 1 << 20) -> bool:
