@@ -3,13 +3,13 @@
 Each configuration runs as one process per rank, inside its node's namespace,
 with the environment torchrun would give it, on the same model, data and units;
 the busiest node's interface counters give the wire bytes, zeropp's accounting
-its own figure. Without
-root or `ip netns` it says so in one line and runs on plain loopback instead
-(no link limit, no counters).
+its own figure. Without root or `ip netns` it says so in one line and runs on
+plain loopback instead (no link limit, no counters).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -79,16 +79,16 @@ def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
     readers: list[threading.Thread] = []
     deadline, done_at = time.monotonic() + ns.timeout, None
     try:
+        world = ns.nodes * ns.node_size
         if cluster is None:  # plain loopback: one "node" holds every rank
-            world, port = ns.nodes * ns.node_size, _free_port()
-            for r in range(world):
-                e = rank_env(r, 1, world, "127.0.0.1", port)
-                procs.append(subprocess.Popen(cmd, env={**os.environ, **e}, **kw))
+            nodes, size, master, port = 1, world, "127.0.0.1", _free_port()
         else:  # a fresh port per configuration inside the namespaces: no TIME_WAIT clash
-            for r in range(ns.nodes * ns.node_size):
-                e = rank_env(r, ns.nodes, ns.node_size, cluster.addr(0), 29600 + k)
-                procs.append(cluster.popen(r // ns.node_size, cmd, env=e, **kw))
-        for p in procs:
+            nodes, size, master, port = ns.nodes, ns.node_size, cluster.addr(0), 29600 + k
+        for r in range(world):
+            e = rank_env(r, nodes, size, master, port)
+            p = (subprocess.Popen(cmd, env={**os.environ, **e}, **kw) if cluster is None
+                 else cluster.popen(r // size, cmd, env=e, **kw))
+            procs.append(p)
             logs.append([])
             readers.append(threading.Thread(target=lambda p=p, buf=logs[-1]: buf.extend(p.stdout),
                                             daemon=True))
@@ -143,10 +143,7 @@ def run_bench(ns) -> tuple[list[dict], Path]:
         print(f"zeropp bench: no emulated cluster ({why}); running on plain loopback instead",
               flush=True)
     baseline = getattr(ns, "compute_baseline", False) and ok
-    if baseline:
-        results, base = _run_paired(ns, configs, rate, out_dir)
-    else:
-        results = _run_all(ns, configs, rate if ok else False, out_dir, "")
+    results, base = _run_all(ns, configs, rate if ok else False, out_dir, baseline)
     for r in results:
         r["link"] = rate if ok else "loopback"
     if baseline:
@@ -158,35 +155,24 @@ def run_bench(ns) -> tuple[list[dict], Path]:
     return results, out_dir
 
 
-def _run_all(ns, configs: list[str], rate, out_dir: Path, tag: str) -> list[dict]:
-    """Every configuration once: on the emulated cluster at `rate` (None:
-    unshaped), or on plain loopback (`rate` False)."""
-    results = []
-    if rate is False:
-        for k, cfg in enumerate(configs):
-            results.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
-                None, k, cfg, ns, out_dir / f"{cfg}{tag}.json")))
-        return results
-    with Cluster(ns.nodes, rate, prefix="zppb") as c:
-        for k, cfg in enumerate(configs):
-            results.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
-                c, k, cfg, ns, out_dir / f"{cfg}{tag}.json")))
-    return results
-
-
-def _run_paired(ns, configs: list[str], rate: str, out_dir: Path) -> tuple[list, list]:
-    """Every configuration at `rate` and right after on unshaped links (its compute
-    time, plus what its bytes cost at veth speed), on two clusters built side by
-    side: each pair runs minutes apart at most, so the machine's drift (its speed
-    moves by 20% within an hour here) touches the step and its baseline alike."""
+def _run_all(ns, configs: list[str], rate, out_dir: Path,
+             baseline: bool) -> tuple[list[dict], list[dict]]:
+    """Every configuration once, on the emulated cluster at `rate` or on plain
+    loopback (`rate` False); with `baseline`, each also right after on unshaped
+    links (its compute time, plus what its bytes cost at veth speed), on a second
+    cluster built beside the first: each pair runs minutes apart at most, so the
+    machine's drift (its speed moves by 20% within an hour here) touches the step
+    and its baseline alike. Returns (results, baselines)."""
     shaped, unshaped = [], []
-    with Cluster(ns.nodes, rate, prefix="zppb") as c, \
-            Cluster(ns.nodes, None, prefix="zppu") as u:
+    with contextlib.ExitStack() as stack:
+        c = None if rate is False else stack.enter_context(Cluster(ns.nodes, rate, "zppb"))
+        u = stack.enter_context(Cluster(ns.nodes, None, "zppu")) if baseline else None
         for k, cfg in enumerate(configs):
             shaped.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
                 c, k, cfg, ns, out_dir / f"{cfg}.json")))
-            unshaped.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
-                u, k, cfg, ns, out_dir / f"{cfg}-compute.json"), "unshaped"))
+            if u is not None:
+                unshaped.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
+                    u, k, cfg, ns, out_dir / f"{cfg}-compute.json"), "unshaped"))
     return shaped, unshaped
 
 
