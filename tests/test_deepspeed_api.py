@@ -395,7 +395,8 @@ def _losses(text: str) -> list[float]:
 
 def _run(cmd: list[str]) -> str:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1",
+                            "PYTHONFAULTHANDLER": "1"})  # a crash shows its Python stacks
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     return r.stdout
 
