@@ -1,7 +1,10 @@
 """Models, data and the training loop shared by the tests: the distributed run
-(inside spawned workers) and the single-process reference run the same code."""
+(inside spawned workers) and the single-process reference run the same code.
+Also the in-process check of the CLI's one-line errors."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -127,3 +130,20 @@ def calm_and_crash(tmp_path, a, cfg, crash_fn, after: str) -> tuple[dict, dict]:
     crash = spawn(crash_fn, 4, 2, timeout=300, max_restarts=1,
                   args=(a, cfg, str(tmp_path / "crash"), str(tokens), vocab, after))[0]
     return calm, crash
+
+
+def cli_error_line(argv: list[str], capsys) -> str:
+    """Run `zeropp argv` in this process (no torch import per case; each CLI test
+    file checks the process boundary once) and return its one error line: exit
+    status 2, nothing else on stderr, no traceback and no Python warning (stderr
+    would show them)."""
+    from zeropp.cli import main
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = main(argv)
+    assert not caught, [str(w.message) for w in caught]
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1, err
+    assert "Traceback" not in err + out
+    return lines[0]

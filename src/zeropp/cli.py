@@ -305,7 +305,7 @@ def run_export(ns: argparse.Namespace) -> int:
 
 
 def run_launch(ns: argparse.Namespace) -> int:
-    from .launch import run_script, spawn
+    from .launch import host_store, run_script, spawn
     if not os.path.isfile(ns.script):
         raise UsageError(f"no such script: {ns.script}")
     if ns.nproc < 1 or ns.node_size < 1 or ns.nproc % ns.node_size:
@@ -331,14 +331,9 @@ def run_launch(ns: argparse.Namespace) -> int:
             found = False
         if not found:
             raise UsageError(f"--preload: no module named {m!r}")
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-    # This process hosts each attempt's rendezvous store, as torchrun's agent does: the
-    # port is held from the moment the OS picks it (concurrent launches cannot race for
-    # it) and a restarted world meets in a fresh store.
-    stores = [TCPStore("127.0.0.1", 0, None, True, timedelta(minutes=30), wait_for_workers=False)
-              for _ in range(ns.max_restarts + 1)]
+    # This process hosts each attempt's rendezvous store (a restarted world meets in a
+    # fresh one), as torchrun's agent does.
+    stores = [host_store() for _ in range(ns.max_restarts + 1)]
     spawn(run_script, ns.nproc, ns.node_size,
           args=(ns.script, ns.args, [s.port for s in stores]),
           timeout=ns.timeout, max_restarts=ns.max_restarts, preload=preload)

@@ -174,6 +174,16 @@ def _stop(procs: list, grace: float) -> None:
             p.join(timeout=5)
 
 
+def host_store(timeout: float = 1800.0) -> Any:
+    """A rendezvous store hosted by this process, as torchrun's agent hosts one: on a
+    port the OS picks and this process holds from then on, so concurrent launches
+    cannot race for it. Ranks join it as clients (MASTER_PORT = `.port`,
+    TORCHELASTIC_USE_AGENT_STORE=True); it lives as long as the returned object."""
+    from torch.distributed import TCPStore
+    return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout),
+                    wait_for_workers=False)
+
+
 def run_script(path: str, argv: Sequence[str], ports: Sequence[int]) -> None:
     """A worker of `zeropp launch`: run the script as `__main__` with `argv` in the
     environment torchrun gives it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,

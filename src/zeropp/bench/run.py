@@ -13,7 +13,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 from ..config import is_named
+from ..launch import host_store
 from .cluster import Cluster, available, parse_rate, rate_bytes_per_s
 
 FSDP = ["fsdp2", "fsdp2-hsdp"]
@@ -61,12 +61,6 @@ def rank_env(rank: int, nodes: int, node_size: int, master: str, port: int) -> d
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
     out.unlink(missing_ok=True)  # a stale result must not pass for this run's
     # Every rank is started directly with the environment torchrun would give it: a
@@ -80,14 +74,17 @@ def _run_one(cluster, k: int, cfg: str, ns, out: Path) -> dict:
     deadline, done_at = time.monotonic() + ns.timeout, None
     try:
         world = ns.nodes * ns.node_size
-        if cluster is None:  # plain loopback: one "node" holds every rank
-            nodes, size, master, port = 1, world, "127.0.0.1", _free_port()
+        if cluster is None:  # plain loopback: one "node" holds every rank, and this
+            # process hosts the store, as `zeropp launch` does (no race for a free port)
+            store = host_store(ns.timeout)
+            nodes, size, master, port = 1, world, "127.0.0.1", store.port
         else:  # a fresh port per configuration inside the namespaces: no TIME_WAIT clash
             nodes, size, master, port = ns.nodes, ns.node_size, cluster.addr(0), 29600 + k
         for r in range(world):
             e = rank_env(r, nodes, size, master, port)
-            p = (subprocess.Popen(cmd, env={**os.environ, **e}, **kw) if cluster is None
-                 else cluster.popen(r // size, cmd, env=e, **kw))
+            p = (subprocess.Popen(cmd, env={**os.environ, **e,
+                                            "TORCHELASTIC_USE_AGENT_STORE": "True"}, **kw)
+                 if cluster is None else cluster.popen(r // size, cmd, env=e, **kw))
             procs.append(p)
             logs.append([])
             readers.append(threading.Thread(target=lambda p=p, buf=logs[-1]: buf.extend(p.stdout),

@@ -1,6 +1,7 @@
 """One configuration of `zeropp bench` on one rank (started inside its node's
-namespace with torchrun's environment, bench/run.py). Rank 0 writes the result JSON; each node's first rank reads
-its own link's byte counters, which inside the namespace are that node's."""
+namespace with torchrun's environment, bench/run.py). Rank 0 writes the result
+JSON; each node's first rank reads its own link's byte counters, which inside the
+namespace are that node's."""
 
 from __future__ import annotations
 
