@@ -199,7 +199,33 @@ def test_non_finite_input_flags_its_block_and_never_returns_finite_garbage(bad):
     assert not quantize(torch.randn(256), 8, 64).has_non_finite()
 
 
+@settings(max_examples=200, deadline=None)
+@given(cases(), st.booleans())
+def test_quantize_hands_back_bit_for_bit_what_dequantize_gives(case, stochastic):
+    """`dequantized=`: the values a receiver decodes, as the sender computes them
+    from its rounded values (error feedback, qWD's owner), every bit equal."""
+    x, bits, block = case
+    got = torch.empty(x.numel())
+    q = quantize(x, bits, block, stochastic=stochastic,
+                 generator=torch.Generator().manual_seed(0), dequantized=got)
+    want = dequantize(q, torch.float32).reshape(-1)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantized_output_across_chunks_with_signed_zeros_and_a_ragged_block(bits, monkeypatch):
+    import zeropp.quant as quant
+    monkeypatch.setattr(quant, "CHUNK_BYTES", 4 * 64 * 3)  # 3 blocks of 64 per chunk
+    x = torch.randn(64 * 10 + 22) * 1e-3
+    x[::7], x[3::11] = 0.0, -0.0  # rounding leaves -0.0; an unpacked integer gives +0.0
+    got = torch.empty(x.numel())
+    q = quantize(x, bits, 64, dequantized=got)
+    assert torch.equal(got.view(torch.int32), dequantize(q).view(torch.int32))
+
+
 def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="dequantized must be a contiguous fp32 tensor of 4"):
+        quantize(torch.ones(4), 8, dequantized=torch.empty(5))
     with pytest.raises(ValueError, match="bits=3"):
         quantize(torch.ones(4), 3)
     with pytest.raises(ValueError, match="block_size=7"):

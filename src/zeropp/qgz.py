@@ -66,10 +66,11 @@ class HopCodec:
             x = rotate(rows[r], ROTATION_SEED, self.block) if self.rotation else rows[r]
             if self.error_feedback:
                 x = torch.add(x, self.residual[peer], out=scratch_buffer("ef_x", numel, x.device))
-            q = quantize(x, self.bits, self.block, stochastic=self.stochastic,
-                         generator=self.generator, out=send[r * wb:(r + 1) * wb])
-            if self.error_feedback:
-                lost = x.sub_(dequantize(q, out=scratch_buffer("ef_dq", numel, x.device)))
+            seen = scratch_buffer("ef_dq", numel, x.device) if self.error_feedback else None
+            quantize(x, self.bits, self.block, stochastic=self.stochastic,
+                     generator=self.generator, out=send[r * wb:(r + 1) * wb], dequantized=seen)
+            if self.error_feedback:  # what the peer will decode, without unpacking it here
+                lost = x.sub_(seen)
                 self.residual[peer].mul_(ERROR_BETA).add_(lost, alpha=1 - ERROR_BETA)
             peer += 1
 

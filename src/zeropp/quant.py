@@ -160,14 +160,19 @@ def release_scratch() -> None:
 
 def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
              stochastic: bool = False, generator: Optional[torch.Generator] = None,
-             out: Optional[torch.Tensor] = None) -> QTensor:
+             out: Optional[torch.Tensor] = None,
+             dequantized: Optional[torch.Tensor] = None) -> QTensor:
     """Blockwise symmetric absmax quantization (see the module note).
 
     Round to nearest, ties to even; `stochastic=True` rounds up with
     probability equal to the fractional part, so E[dequantize(quantize(x))] = x,
     reproducibly from `generator`. Data and scales are written in wire format
     into one uint8 buffer (`out`, if given, of `QTensor.wire_bytes(...)` bytes,
-    4-byte aligned), so `to_bytes()` costs nothing.
+    4-byte aligned), so `to_bytes()` costs nothing. `dequantized` (fp32,
+    contiguous, x.numel() values) receives `dequantize()` of the result, bit for
+    bit, computed from the rounded values while they are in cache: a sender that
+    needs what the receiver will see (error feedback, qWD's owner) skips unpacking
+    its own bytes.
     """
     _check(bits, block_size)
     qmax = _QMAX[bits]
@@ -179,6 +184,12 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
     elif out.dtype != torch.uint8 or out.numel() != nbytes or out.storage_offset() % 4:
         raise ValueError(f"quantize: out must be a 4-byte aligned uint8 tensor of {nbytes} "
                          f"bytes, got {out.numel()} of {out.dtype}")
+    if dequantized is not None and (dequantized.dtype != torch.float32
+                                    or dequantized.numel() != x.numel()
+                                    or not dequantized.is_contiguous()):
+        raise ValueError(f"quantize: dequantized must be a contiguous fp32 tensor of "
+                         f"{x.numel()} values, got {tuple(dequantized.shape)} of "
+                         f"{dequantized.dtype}")
     scales = out[:nblocks * 4].view(torch.float32)
     per_block = block_size if bits == 8 else block_size // 2
     data = out[nblocks * 4:]
@@ -205,6 +216,12 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
             dst.copy_(v.view(-1))  # exact: v holds integers
         else:
             dst.copy_(pack_int4(v))
+        if dequantized is not None:
+            # dequantize's arithmetic on the same integers and scales; + 0 first turns
+            # the -0.0 that rounding leaves into the +0.0 an unpacked integer is.
+            v.add_(0.0).mul_(s.unsqueeze(1))
+            end = min(r1 * block_size, x.numel())
+            dequantized.view(-1)[r0 * block_size:end].copy_(v.view(-1)[:end - r0 * block_size])
     return QTensor(data, scales, x.shape, x.dtype, bits, block_size, out)
 
 

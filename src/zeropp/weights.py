@@ -284,14 +284,20 @@ class WeightPath:
                          out=scratch_buffer("delta", numel, copies.device))
         if self.stochastic and self.generator is None:
             self.generator = torch.Generator(device=diff.device).manual_seed(self.seed)
+        # The owner applies its own delta now, as every holder will decode it (the
+        # encode's `dequantized`, bit for bit), instead of unpacking its own bytes later.
+        own = scratch_buffer("delta_own", numel, copies.device)
         send = quantize(diff, self.delta_bits, f.block, stochastic=self.stochastic,
-                        generator=self.generator).to_bytes()
+                        generator=self.generator, dequantized=own).to_bytes()
+        copies[self.outer_index].add_(own)
         out = torch.empty(n * send.numel(), dtype=torch.uint8, device=send.device)
         version = self.stepped_at
 
         def then() -> None:
             part = scratch_buffer("delta_part", numel, out.device)
             for k, piece in enumerate(out.view(n, -1)):
+                if k == self.outer_index:
+                    continue  # applied at the encode
                 q = QTensor.from_bytes(piece, (numel,), torch.float32, self.delta_bits, f.block)
                 copies[k].add_(dequantize(q, out=part))  # the same op on every holder
             self.current_for, self.stepped_at = version, None
