@@ -71,7 +71,8 @@ def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     (["--nodes", "300"], "1 to 253 nodes"),
     (["--nodes", "2", "--node-size", "3", "--nproc", "4"], "--node-size 3 does not divide"),
     (["--configs", "zero3,deepspeed"], "unknown configuration 'deepspeed'"),
-], ids=["rate", "nodes", "layout", "config"])
+    (["--rounds", "0"], "--rounds 0 must be >= 1"),
+], ids=["rate", "nodes", "layout", "config", "rounds"])
 def test_bench_bad_input_is_one_line(args, message, capsys, monkeypatch):
     import zeropp.bench.run as run
 
@@ -154,3 +155,43 @@ def test_bench_without_deepspeed_leaves_its_rows_out_in_one_line(tmp_path, monke
     assert ("zeropp bench: deepspeed-zero3, deepspeed-hpz skipped: DeepSpeed is not installed "
             "(DS_BUILD_OPS=0 pip install 'zeropp[bench]')") in out
     assert [r["config"] for r in json.loads((tmp_path / "bench.json").read_text())] == ["zeropp"]
+
+
+def test_bench_rounds_alternate_the_configurations_and_merge_every_step(tmp_path, monkeypatch,
+                                                                        capsys):
+    """--rounds 3: the configurations run in turn (A B A B A B), each world on a port
+    of its own; a row's median is over the steps of every round, its byte figures
+    the rounds' median, and one line says how often the fastest won round by round,
+    with the ratios of the runner-up to it per round (the runs themselves stand in:
+    this checks the bookkeeping; the smoke test above runs the worlds)."""
+    import zeropp.bench.run as run
+    from zeropp.cli import main
+    step = {"zero3": [0.50, 0.60, 0.40], "zeropp": [0.45, 0.62, 0.38]}  # per round
+    calls = []
+
+    def one(cluster, port, cfg, ns, out):
+        r = sum(c == cfg for _, c in calls)
+        calls.append((port, cfg))
+        t = step[cfg][r]
+        return {"config": cfg, "median_step_s": t, "times": [t, t + 0.01], "final_loss": 2.0,
+                "phases_s": [], "world": 2, "nodes": 2, "node_size": 1, "params": 1000,
+                "wire_rx_tx_bytes_per_node_step": 0, "wire_tx_bytes_per_node_step": 0,
+                "accounted_inter_bytes_per_node_step": 100 + r,
+                "accounted_intra_bytes_per_node_step": 7, "peak_rss_mb": 100 + r}
+    monkeypatch.setattr(run, "_run_one", one)
+    monkeypatch.setattr(run, "available", lambda: (False, "network namespaces need root"))
+    rc = main(["bench", "--nodes", "2", "--node-size", "1", "--configs", "zero3,zeropp",
+               "--rounds", "3", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert calls == [(0, "zero3"), (1, "zeropp"), (2, "zero3"), (3, "zeropp"), (4, "zero3"),
+                     (5, "zeropp")]
+    zero3, zeropp = json.loads((tmp_path / "bench.json").read_text())
+    assert zero3["median_step_s"] == pytest.approx(0.505)  # of 0.40 0.41 0.50 0.51 0.60 0.61
+    assert zeropp["median_step_s"] == pytest.approx(0.455)
+    assert zeropp["round_medians_s"] == [0.45, 0.62, 0.38]
+    assert zeropp["accounted_inter_bytes_per_node_step"] == 101 and zeropp["peak_rss_mb"] == 102
+    assert "Fastest (measured, loopback): Config.preset('zeropp') at 0.455 s/step" in out
+    assert ("Rounds: zeropp fastest in 2 of 3; zero3 / zeropp by round 1.11, 0.97, 1.05 "
+            "(median 1.05).") in out
+    assert "in each of 3 rounds (configurations in turn)" in out

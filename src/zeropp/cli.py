@@ -236,7 +236,7 @@ def _version(pkg: str) -> str:
 
 def run_bench_cmd(ns: argparse.Namespace, argv: Optional[list[str]]) -> int:
     from .bench.plan import winner
-    from .bench.run import chart, run_bench, table
+    from .bench.run import chart, rounds_line, run_bench, table
     if ns.model not in PRESETS:
         raise UsageError(f"unknown model preset {ns.model!r}; choose one of {', '.join(PRESETS)}")
     try:
@@ -250,10 +250,14 @@ def run_bench_cmd(ns: argparse.Namespace, argv: Optional[list[str]]) -> int:
     if len(results) > 1:
         text += "\n\n" + winner({r["config"]: r["median_step_s"] for r in results},
                                   f"measured, {results[0]['link']}")
+        if ns.rounds > 1:
+            text += "\n" + rounds_line(results)
     r0 = results[0]
     head = (f"{r0['params'] / 1e6:.1f}M-parameter GPT ({ns.model}, {ns.dtype}), {ns.nodes} "
             f"nodes x {ns.node_size} ranks, inter-node link {r0['link']}, micro-batch "
-            f"{ns.batch} x {ns.seq_len}, median of {ns.steps} steps after a warm-up")
+            f"{ns.batch} x {ns.seq_len}, median of {ns.steps} steps after a warm-up"
+            + (f", in each of {ns.rounds} rounds (configurations in turn)"
+               if ns.rounds > 1 else ""))
     if any(r["config"].startswith("deepspeed") for r in results):
         head += (f"; deepspeed-* rows: DeepSpeed {_version('deepspeed')} ZeRO-3 (hpz: "
                  "zero_hpz_partition_size = node size, overlap_comm on, its own prefetch "
@@ -380,6 +384,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     b.add_argument("--compute-baseline", action="store_true",
                    help="also run every configuration on unshaped links (its compute time), "
                         "each right after its shaped run, and report step / max(compute, link)")
+    b.add_argument("--rounds", type=int, default=1,
+                   help="run the configurations this many times in turn (A B A B ...); the "
+                        "table gives the median over every round, and a line how often "
+                        "the fastest won round by round (drift between runs cancels)")
     b.add_argument("--timeout", type=float, default=1800)
     b.add_argument("--out", default=None)
     b.add_argument("--write", default=None, metavar="RESULTS_MD",

@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -132,6 +133,9 @@ def run_bench(ns) -> tuple[list[dict], Path]:
     if ns.nproc is not None and ns.nproc != ns.nodes * ns.node_size:
         raise ValueError(f"--node-size {ns.node_size} does not divide --nproc {ns.nproc} into "
                          f"{ns.nodes} nodes")
+    rounds = getattr(ns, "rounds", 1)
+    if rounds < 1:
+        raise ValueError(f"--rounds {rounds} must be >= 1")
     Cluster(ns.nodes, rate)  # validates the node count against the subnet
     out_dir = Path(ns.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +144,11 @@ def run_bench(ns) -> tuple[list[dict], Path]:
         print(f"zeropp bench: no emulated cluster ({why}); running on plain loopback instead",
               flush=True)
     baseline = getattr(ns, "compute_baseline", False) and ok
-    results, base = _run_all(ns, configs, rate if ok else False, out_dir, baseline)
+    rounds_done = [_run_all(ns, configs, rate if ok else False, out_dir, baseline, k, rounds)
+                   for k in range(rounds)]
+    results = [merge_rounds([sh[i] for sh, _ in rounds_done]) for i in range(len(configs))]
+    base = ([merge_rounds([b[i] for _, b in rounds_done]) for i in range(len(configs))]
+            if baseline else [])
     for r in results:
         r["link"] = rate if ok else "loopback"
     if baseline:
@@ -152,29 +160,71 @@ def run_bench(ns) -> tuple[list[dict], Path]:
     return results, out_dir
 
 
-def _run_all(ns, configs: list[str], rate, out_dir: Path,
-             baseline: bool) -> tuple[list[dict], list[dict]]:
+def _run_all(ns, configs: list[str], rate, out_dir: Path, baseline: bool,
+             round_: int = 0, rounds: int = 1) -> tuple[list[dict], list[dict]]:
     """Every configuration once, on the emulated cluster at `rate` or on plain
     loopback (`rate` False); with `baseline`, each also right after on unshaped
     links (its compute time, plus what its bytes cost at veth speed), on a second
     cluster built beside the first: each pair runs minutes apart at most, so the
     machine's drift (its speed moves by 20% within an hour here) touches the step
-    and its baseline alike. Returns (results, baselines)."""
+    and its baseline alike. Round `round_` of `rounds`. Returns (results, baselines)."""
     shaped, unshaped = [], []
+    tag = f"-r{round_ + 1}" if rounds > 1 else ""
     with contextlib.ExitStack() as stack:
         c = None if rate is False else stack.enter_context(Cluster(ns.nodes, rate, "zppb"))
         u = stack.enter_context(Cluster(ns.nodes, None, "zppu")) if baseline else None
         for k, cfg in enumerate(configs):
-            shaped.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
-                c, k, cfg, ns, out_dir / f"{cfg}.json")))
+            port = round_ * len(configs) + k  # a fresh port per world (see _run_one)
+            where = (k, cfg, configs, round_, rounds)
+            shaped.append(_progress(*where, lambda p=port, cfg=cfg: _run_one(
+                c, p, cfg, ns, out_dir / f"{cfg}{tag}.json")))
             if u is not None:
-                unshaped.append(_progress(k, cfg, configs, lambda k=k, cfg=cfg: _run_one(
-                    u, k, cfg, ns, out_dir / f"{cfg}-compute.json"), "unshaped"))
+                unshaped.append(_progress(*where, lambda p=port, cfg=cfg: _run_one(
+                    u, p, cfg, ns, out_dir / f"{cfg}{tag}-compute.json"), "unshaped"))
     return shaped, unshaped
 
 
-def _progress(k: int, cfg: str, configs: list[str], fn, link: str = "") -> dict:
-    print(f"[{k + 1}/{len(configs)}] {cfg}{f' ({link})' if link else ''} ...", end=" ",
+def merge_rounds(runs: list[dict]) -> dict:
+    """One configuration's result over its rounds: the median of every timed step
+    of every round, each round's own median (`round_medians_s`), the byte figures
+    as medians (the accounting is the same each round; the counters move by a few
+    hundred bytes), the largest peak RSS. The final loss is each round's, bit for
+    bit (same model, data and code), so the first stands for all."""
+    if len(runs) == 1:
+        return {**runs[0], "round_medians_s": [runs[0]["median_step_s"]]}
+    out = dict(runs[0])
+    out["times"] = [t for r in runs for t in r["times"]]
+    out["median_step_s"] = statistics.median(out["times"])
+    out["round_medians_s"] = [r["median_step_s"] for r in runs]
+    for key in ("wire_rx_tx_bytes_per_node_step", "wire_tx_bytes_per_node_step",
+                "accounted_inter_bytes_per_node_step", "accounted_intra_bytes_per_node_step"):
+        if runs[0][key] is not None:
+            out[key] = statistics.median(r[key] for r in runs)
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+    return out
+
+
+def rounds_line(results: list[dict]) -> str:
+    """With several rounds: how often the fastest configuration (by the median
+    over all rounds) was also the fastest round by round, and its median paired
+    ratio to the runner-up, round by round (the runs of one round are minutes
+    apart, so the machine's drift between rounds cancels in the ratio)."""
+    n = len(results[0]["round_medians_s"])
+    if n < 2 or len(results) < 2:
+        return ""
+    ranked = sorted(results, key=lambda r: r["median_step_s"])
+    best, nxt = ranked[0], ranked[1]
+    wins = sum(min(results, key=lambda r: r["round_medians_s"][i]) is best for i in range(n))
+    ratios = [b / a for a, b in zip(best["round_medians_s"], nxt["round_medians_s"])]
+    return (f"Rounds: {best['config']} fastest in {wins} of {n}; {nxt['config']} / "
+            f"{best['config']} by round {', '.join(f'{x:.2f}' for x in ratios)} "
+            f"(median {statistics.median(ratios):.2f}).")
+
+
+def _progress(k: int, cfg: str, configs: list[str], round_: int, rounds: int, fn,
+              link: str = "") -> dict:
+    where = f"round {round_ + 1}/{rounds} " if rounds > 1 else ""
+    print(f"[{where}{k + 1}/{len(configs)}] {cfg}{f' ({link})' if link else ''} ...", end=" ",
           flush=True)
     t0 = time.perf_counter()
     r = fn()
