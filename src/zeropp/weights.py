@@ -291,7 +291,10 @@ class WeightPath:
                         generator=self.generator, dequantized=own).to_bytes()
         copies[self.outer_index].add_(own)
         out = torch.empty(n * send.numel(), dtype=torch.uint8, device=send.device)
-        version = self.stepped_at
+        # Until `then` has run, the copies are mid-update (the owner's piece holds its
+        # delta already): if the collective fails, the next gather refreshes in full,
+        # rebuilding every holder's copies from the masters, rather than resending.
+        version, self.stepped_at = self.stepped_at, None
 
         def then() -> None:
             part = scratch_buffer("delta_part", numel, out.device)
