@@ -133,9 +133,8 @@ def run_bench(ns) -> tuple[list[dict], Path]:
     if ns.nproc is not None and ns.nproc != ns.nodes * ns.node_size:
         raise ValueError(f"--node-size {ns.node_size} does not divide --nproc {ns.nproc} into "
                          f"{ns.nodes} nodes")
-    rounds = getattr(ns, "rounds", 1)
-    if rounds < 1:
-        raise ValueError(f"--rounds {rounds} must be >= 1")
+    if ns.rounds < 1:
+        raise ValueError(f"--rounds {ns.rounds} must be >= 1")
     Cluster(ns.nodes, rate)  # validates the node count against the subnet
     out_dir = Path(ns.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,11 +143,9 @@ def run_bench(ns) -> tuple[list[dict], Path]:
         print(f"zeropp bench: no emulated cluster ({why}); running on plain loopback instead",
               flush=True)
     baseline = getattr(ns, "compute_baseline", False) and ok
-    rounds_done = [_run_all(ns, configs, rate if ok else False, out_dir, baseline, k, rounds)
-                   for k in range(rounds)]
-    results = [merge_rounds([sh[i] for sh, _ in rounds_done]) for i in range(len(configs))]
-    base = ([merge_rounds([b[i] for _, b in rounds_done]) for i in range(len(configs))]
-            if baseline else [])
+    shaped, unshaped = _run_all(ns, configs, rate if ok else False, out_dir, baseline)
+    results = [merge_rounds(runs) for runs in shaped]
+    base = [merge_rounds(runs) for runs in unshaped]
     for r in results:
         r["link"] = rate if ok else "loopback"
     if baseline:
@@ -160,27 +157,30 @@ def run_bench(ns) -> tuple[list[dict], Path]:
     return results, out_dir
 
 
-def _run_all(ns, configs: list[str], rate, out_dir: Path, baseline: bool,
-             round_: int = 0, rounds: int = 1) -> tuple[list[dict], list[dict]]:
-    """Every configuration once, on the emulated cluster at `rate` or on plain
-    loopback (`rate` False); with `baseline`, each also right after on unshaped
-    links (its compute time, plus what its bytes cost at veth speed), on a second
-    cluster built beside the first: each pair runs minutes apart at most, so the
-    machine's drift (its speed moves by 20% within an hour here) touches the step
-    and its baseline alike. Round `round_` of `rounds`. Returns (results, baselines)."""
-    shaped, unshaped = [], []
-    tag = f"-r{round_ + 1}" if rounds > 1 else ""
+def _run_all(ns, configs: list[str], rate, out_dir: Path,
+             baseline: bool) -> tuple[list[list[dict]], list[list[dict]]]:
+    """Every configuration `ns.rounds` times, in turn (A B A B ...), on the emulated
+    cluster at `rate` or on plain loopback (`rate` False); with `baseline`, each run
+    also right after on unshaped links (its compute time, plus what its bytes cost at
+    veth speed), on a second cluster built beside the first: each pair runs minutes
+    apart at most, so the machine's drift (its speed moves by 20% within an hour
+    here) touches the step and its baseline alike. Returns the runs by configuration,
+    one per round: (results, baselines; empty without `baseline`)."""
+    shaped: list[list[dict]] = [[] for _ in configs]
+    unshaped: list[list[dict]] = [[] for _ in configs] if baseline else []
     with contextlib.ExitStack() as stack:
         c = None if rate is False else stack.enter_context(Cluster(ns.nodes, rate, "zppb"))
         u = stack.enter_context(Cluster(ns.nodes, None, "zppu")) if baseline else None
-        for k, cfg in enumerate(configs):
-            port = round_ * len(configs) + k  # a fresh port per world (see _run_one)
-            where = (k, cfg, configs, round_, rounds)
-            shaped.append(_progress(*where, lambda p=port, cfg=cfg: _run_one(
-                c, p, cfg, ns, out_dir / f"{cfg}{tag}.json")))
-            if u is not None:
-                unshaped.append(_progress(*where, lambda p=port, cfg=cfg: _run_one(
-                    u, p, cfg, ns, out_dir / f"{cfg}{tag}-compute.json"), "unshaped"))
+        for r in range(ns.rounds):
+            tag = f"-r{r + 1}" if ns.rounds > 1 else ""
+            for k, cfg in enumerate(configs):
+                port = r * len(configs) + k  # a fresh port per world (see _run_one)
+                where, name = (k, cfg, configs, r, ns.rounds), f"{cfg}{tag}"
+                shaped[k].append(_progress(*where, lambda p=port, cfg=cfg, n=name: _run_one(
+                    c, p, cfg, ns, out_dir / f"{n}.json")))
+                if u is not None:
+                    unshaped[k].append(_progress(*where, lambda p=port, cfg=cfg, n=name: _run_one(
+                        u, p, cfg, ns, out_dir / f"{n}-compute.json"), "unshaped"))
     return shaped, unshaped
 
 
