@@ -103,8 +103,10 @@ def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
     # Workers fork from a server that imported torch once: fast, fork-safe starts.
     # torch._dynamo too: every optimizer's constructor imports it (2 s of CPU per
     # process, most of a small test world's start-up), and zeropp itself.
+    # Last, _frozen_heap: the workers' garbage collector never walks (so never
+    # copies) the heap the server imported.
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zeropp",
-                                *preload])
+                                *preload, "zeropp._frozen_heap"])
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="zeropp-") as tmp:
         init_file = os.path.join(tmp, "store")
