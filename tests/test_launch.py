@@ -72,6 +72,7 @@ def test_node_size_must_divide_world_size():
 _PROBE = """
 import os, sys
 preloaded = "xml.dom.minidom" in sys.modules and "transformers" in sys.modules
+preloaded &= __import__("gc").get_freeze_count() > 100_000  # the launcher froze them
 import deepspeed  # no install_as_deepspeed() line: the launcher's flag made it answer
 from transformers.integrations import is_deepspeed_available
 os.write(1, f"rank {os.environ['RANK']} {preloaded} {deepspeed.initialize.__module__} "
@@ -83,8 +84,8 @@ def test_launch_preload_and_as_deepspeed_run_an_unmodified_deepspeed_script(tmp_
     """`zeropp launch --as-deepspeed --preload xml.dom.minidom,transformers`: every rank
     starts with both imported (it forked from the server that imported them), a script
     that imports deepspeed without the install line gets zeropp's, and transformers,
-    imported in the server after the install, reports DeepSpeed available. A module
-    that does not exist is named, exit status 2."""
+    imported after the install, reports DeepSpeed available. A module that does not
+    exist, or one that raises when imported, is named, exit status 2."""
     import subprocess
     import sys
     pytest.importorskip("transformers")
@@ -99,6 +100,12 @@ def test_launch_preload_and_as_deepspeed_run_an_unmodified_deepspeed_script(tmp_
     bad = subprocess.run([*run, "--preload", "json,no_such_module_zpp", str(script)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no module named 'no_such_module_zpp'" in bad.stderr, bad.stderr
+    (tmp_path / "raises_zpp.py").write_text("raise OSError('no disk here')\n")
+    bad = subprocess.run([*run, "--preload", "raises_zpp", str(script)], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        "zeropp launch: --preload: preload 'raises_zpp' failed to import: OSError: no disk "
+        "here"), bad.stderr
 
 
 _RENDEZVOUS = """

@@ -66,7 +66,8 @@ def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
 def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
           args: Sequence = (), timeout: Optional[float] = 180.0, threads: int = 1,
           backend: str = "gloo", pg_timeout: Optional[float] = None,
-          max_restarts: int = 0, preload: Sequence[str] = ()) -> list[Any]:
+          max_restarts: int = 0, preload: Sequence[str] = (),
+          start: str = "forkserver") -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes; return results by rank.
 
     `fn` must be importable by name (a module-level function). Raises
@@ -74,18 +75,38 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
     (after `max_restarts` restarts of the whole world, each announced on
     stderr). `timeout`: seconds per attempt (None: no limit); `pg_timeout`: the
     process group's collective timeout (default: `timeout`, or 30 minutes).
-    `preload`: more modules for the fork server to import once, before any worker
-    forks (each worker then starts with them imported).
+    `preload`: more modules to import once, before any worker forks (each worker
+    then starts with them imported). `start`: "forkserver" (the default: workers
+    fork from a fresh server process, safe whatever the caller has run, such as
+    pytest) or "fork" (from the caller itself, which then imports the preloads:
+    for a caller that has run no tensor op and owns no threads the workers use,
+    like `zeropp launch`, it saves the server's own import of torch).
     """
     node_size = world_size if node_size is None else node_size
     if node_size < 1 or world_size % node_size:
         raise ValueError(f"spawn: node_size={node_size} must divide world_size={world_size}")
     if max_restarts < 0:
         raise ValueError(f"spawn: max_restarts={max_restarts} must be >= 0")
+    if start not in ("forkserver", "fork"):
+        raise ValueError(f"spawn: start={start!r} must be 'forkserver' or 'fork'")
+    # Workers fork from a process that imported torch once: fast starts. torch._dynamo
+    # too: every optimizer's constructor imports it (2 s of CPU per process, most of a
+    # small test world's start-up), and zeropp itself. Last, _frozen_heap: the
+    # workers' garbage collector never walks (so never copies) that imported heap.
+    modules = ["torch", "torch.distributed", "torch._dynamo", "zeropp", *preload,
+               "zeropp._frozen_heap"]
+    if start == "fork":
+        import importlib
+        for m in modules:
+            try:
+                importlib.import_module(m)
+            except Exception as e:
+                raise ImportError(f"preload {m!r} failed to import: "
+                                  f"{type(e).__name__}: {e}") from e
     for attempt in range(max_restarts + 1):
         try:
             return _spawn_once(fn, world_size, node_size, args, timeout, threads, backend,
-                               pg_timeout or timeout or 1800.0, attempt, tuple(preload))
+                               pg_timeout or timeout or 1800.0, attempt, modules, start)
         except WorkerError as e:
             if attempt == max_restarts:
                 raise
@@ -98,15 +119,10 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
 
 def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
                 timeout: Optional[float], threads: int, backend: str, pg_timeout: float,
-                restart: int, preload: tuple = ()) -> list[Any]:
-    ctx = mp.get_context("forkserver")
-    # Workers fork from a server that imported torch once: fast, fork-safe starts.
-    # torch._dynamo too: every optimizer's constructor imports it (2 s of CPU per
-    # process, most of a small test world's start-up), and zeropp itself.
-    # Last, _frozen_heap: the workers' garbage collector never walks (so never
-    # copies) the heap the server imported.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zeropp",
-                                *preload, "zeropp._frozen_heap"])
+                restart: int, modules: list, start: str) -> list[Any]:
+    ctx = mp.get_context(start)
+    if start == "forkserver":  # (a server already running keeps its first preloads)
+        ctx.set_forkserver_preload(modules)
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="zeropp-") as tmp:
         init_file = os.path.join(tmp, "store")
