@@ -147,3 +147,13 @@ def cli_error_line(argv: list[str], capsys) -> str:
     assert rc == 2 and len(lines) == 1, err
     assert "Traceback" not in err + out
     return lines[0]
+
+
+def failed_run(out: str, err: str, keep: int = 3000) -> str:
+    """What a failed subprocess left, for an assertion message: its output's tail and,
+    where a rank crashed (PYTHONFAULTHANDLER=1), the start of the crash report, whose
+    thread stacks the tail would cut off behind the extension-module list."""
+    text = out + err
+    crash = text.find("Fatal Python error")
+    head = f"{text[crash:crash + keep]}\n[...]\n" if 0 <= crash < len(text) - keep else ""
+    return head + text[-keep:]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from cases import batch, build, loss_of
+from cases import batch, build, failed_run, loss_of
 
 import zeropp
 from zeropp.deepspeed import config as ds_config
@@ -397,7 +397,7 @@ def _run(cmd: list[str]) -> str:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                        env={**os.environ, "OMP_NUM_THREADS": "1",
                             "PYTHONFAULTHANDLER": "1"})  # a crash shows its Python stacks
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0, failed_run(r.stdout, r.stderr)
     return r.stdout
 
 

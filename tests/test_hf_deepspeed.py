@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cases import failed_run
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -64,7 +65,7 @@ def _run(launcher: list[str], script: str, out: Path, args: tuple) -> str:
                         *args], capture_output=True, text=True, timeout=420, cwd=ROOT,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                             "PYTHONFAULTHANDLER": "1"})  # a crash shows its Python stacks
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert r.returncode == 0, failed_run(r.stdout, r.stderr, 4000)
     return r.stdout
 
 
