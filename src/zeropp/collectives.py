@@ -68,6 +68,10 @@ def _wait(work: Any, comm: Comm, op: str, unit: str) -> None:
             f"({why}); a rank may have died, or the ranks run different code") from None
 
 
+EXIT_GRACE = 0.2  # seconds; the window it covers is a thread's scheduling delay
+_made_gloo_comm = False  # a Comm on gloo groups exists or existed in this process
+
+
 @atexit.register
 def _let_gloo_threads_finish() -> None:
     """At a normal exit (a torchrun rank returning from its script), give gloo's
@@ -79,12 +83,11 @@ def _let_gloo_threads_finish() -> None:
     active exception", SIGABRT, the rank reported failed after training
     (pytorch/pytorch#179291, #190489). Seen here 1 in 14 W=4 torchrun runs of
     examples/deepspeed/transformer_lm.py on a loaded machine, once in a `make test`.
-    Workers `spawn` starts leave with os._exit and skip this."""
-    if dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend()):
+    Workers `spawn` starts leave with os._exit and skip this. Also after the script
+    destroyed the default group: zeropp's Comm may still hold gloo subgroups."""
+    on_gloo = dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend())
+    if on_gloo or _made_gloo_comm:
         time.sleep(EXIT_GRACE)
-
-
-EXIT_GRACE = 0.2  # seconds; the window it covers is a thread's scheduling delay
 
 
 class Pending:
@@ -118,6 +121,9 @@ class Comm:
     def __init__(self, topo: Topology, stats: CommStats, hpz_size: int = 1,
                  timeout: Optional[float] = None, groups: Optional[dict] = None) -> None:
         self.topo, self.stats, self.timeout = topo, stats, timeout
+        if dist.is_initialized() and "gloo" in str(dist.get_backend()):
+            global _made_gloo_comm
+            _made_gloo_comm = True
         self.unit = "<none>"  # the unit whose collectives are being issued (for errors)
         self.groups = groups or {"world": topo.world_group, "intra_node": topo.intra_node_group,
                                  "inter_node": topo.inter_node_group}
