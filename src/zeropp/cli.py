@@ -309,7 +309,7 @@ def run_export(ns: argparse.Namespace) -> int:
 
 
 def run_launch(ns: argparse.Namespace) -> int:
-    from .launch import host_store, run_script, spawn
+    from .launch import PreloadError, host_store, run_script, spawn
     if not os.path.isfile(ns.script):
         raise UsageError(f"no such script: {ns.script}")
     if ns.nproc < 1 or ns.node_size < 1 or ns.nproc % ns.node_size:
@@ -346,7 +346,7 @@ def run_launch(ns: argparse.Namespace) -> int:
         spawn(run_script, ns.nproc, ns.node_size,
               args=(ns.script, ns.args, [s.port for s in stores]),
               timeout=ns.timeout, max_restarts=ns.max_restarts, preload=preload, start="fork")
-    except ImportError as e:  # a --preload that exists but raises when imported
+    except PreloadError as e:  # a --preload that exists but raises when imported
         raise UsageError(f"--preload: {e}") from None
     return 0
 

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -35,6 +36,10 @@ from typing import Any, Callable, Optional
 
 class WorkerError(RuntimeError):
     """A worker raised, died or hung; the message carries its traceback."""
+
+
+class PreloadError(ImportError):
+    """Under start="fork": a module to import before forking failed to import."""
 
 
 def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
@@ -97,12 +102,17 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
                "zeropp._frozen_heap"]
     if start == "fork":
         import importlib
+        sigint = signal.getsignal(signal.SIGINT)
         for m in modules:
             try:
                 importlib.import_module(m)
-            except Exception as e:
-                raise ImportError(f"preload {m!r} failed to import: "
-                                  f"{type(e).__name__}: {e}") from e
+            except (Exception, SystemExit) as e:
+                raise PreloadError(f"preload {m!r} failed to import: "
+                                   f"{type(e).__name__}: {e}") from e
+        # Here, not in a fork server: a preload that set its own SIGINT handler
+        # would change how Ctrl-C reaches the wait for the workers.
+        if sigint is not None:  # None: not set from Python, nothing to restore
+            signal.signal(signal.SIGINT, sigint)
     for attempt in range(max_restarts + 1):
         try:
             return _spawn_once(fn, world_size, node_size, args, timeout, threads, backend,
@@ -130,8 +140,13 @@ def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
                              args=(r, world_size, node_size, init_file, fn, tuple(args), q,
                                    pg_timeout, threads, backend, restart))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns at a fork from a process with threads (under
+            # start="fork", the rendezvous stores' server threads, which the workers
+            # never use); under -W error that warning would replace a clean start.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for p in procs:
+                p.start()
         ok = False
         try:
             results = _collect(procs, q, timeout)
