@@ -102,7 +102,8 @@ def test_launch_preload_and_as_deepspeed_run_an_unmodified_deepspeed_script(tmp_
     assert bad.returncode == 2 and "no module named 'no_such_module_zpp'" in bad.stderr, bad.stderr
     (tmp_path / "raises_zpp.py").write_text("raise OSError('no disk here')\n")
     bad = subprocess.run([*run, "--preload", "raises_zpp", str(script)], capture_output=True,
-                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))})
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
         "zeropp launch: --preload: preload 'raises_zpp' failed to import: OSError: no disk "
         "here"), bad.stderr

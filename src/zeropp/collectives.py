@@ -72,6 +72,10 @@ EXIT_GRACE = 0.2  # seconds; the window it covers is a thread's scheduling delay
 _made_gloo_comm = False  # a Comm on gloo groups exists or existed in this process
 
 
+def _on_gloo() -> bool:
+    return dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend())
+
+
 @atexit.register
 def _let_gloo_threads_finish() -> None:
     """At a normal exit (a torchrun rank returning from its script), give gloo's
@@ -85,8 +89,7 @@ def _let_gloo_threads_finish() -> None:
     examples/deepspeed/transformer_lm.py on a loaded machine, once in a `make test`.
     Workers `spawn` starts leave with os._exit and skip this. Also after the script
     destroyed the default group: zeropp's Comm may still hold gloo subgroups."""
-    on_gloo = dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend())
-    if on_gloo or _made_gloo_comm:
+    if _on_gloo() or _made_gloo_comm:
         time.sleep(EXIT_GRACE)
 
 
@@ -121,7 +124,7 @@ class Comm:
     def __init__(self, topo: Topology, stats: CommStats, hpz_size: int = 1,
                  timeout: Optional[float] = None, groups: Optional[dict] = None) -> None:
         self.topo, self.stats, self.timeout = topo, stats, timeout
-        if dist.is_initialized() and "gloo" in str(dist.get_backend()):
+        if _on_gloo():
             global _made_gloo_comm
             _made_gloo_comm = True
         self.unit = "<none>"  # the unit whose collectives are being issued (for errors)
