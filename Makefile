@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VPY) -m zeropp train
 
+# Two pytest workers, one test file each at a time (a file's tests share its spawned
+# worlds): a single worker leaves a core idle while a launcher imports or a world starts.
 test: $(STAMP)
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(VPY) benchmarks/loopback.py --configs zero3,qwz,hpz,qgz,zeropp,zeropp-plus,fsdp2
