@@ -146,7 +146,7 @@ def test_launch_restarts_meet_in_a_fresh_store_and_concurrent_launches_do_not_co
 
 
 _EXIT_AFTER_UNWAITED = """
-import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 def body(rank, init):
     import zeropp  # noqa: F401  (its exit grace: collectives.py)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3)
