@@ -24,11 +24,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from _gpt_step import batch, sharded_gpt
 
 import zeropp
 import zeropp.weights as weights_mod
 from zeropp.launch import spawn
-from zeropp.train.model import GPT, GPTConfig
 
 _TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
 
@@ -68,10 +68,7 @@ def work(preset: str, steps: int) -> dict[str, float]:
     _timed(acc, weights_mod, "dequantize", "  weight path: dequantize pieces")
     _timed(acc, weights_mod, "dequantize_gathered", "  weight path: dequantize gathered")
     _timed(acc, weights_mod.WeightPath, "issue", "  weight path: issue (incl. its quantize)")
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_embd=384, n_head=6))
-    zeropp.shard(model, zeropp.Config.preset(preset, node_size=2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = sharded_gpt(preset)
     g = torch.Generator().manual_seed(dist.get_rank())
 
     def phase(key: str, fn):
@@ -81,7 +78,7 @@ def work(preset: str, steps: int) -> dict[str, float]:
         return out
 
     def step() -> None:
-        x = torch.randint(0, 256, (2, 64), generator=g)
+        x = batch(g)
         loss = phase("main: forward", lambda: model(x, x)[1])
         phase("main: backward", loss.backward)
         phase("main: clip + optimizer step", lambda: (zeropp.clip_grad_norm_(model, 1.0),

@@ -19,10 +19,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from _gpt_step import batch, sharded_gpt, train_step
 
-import zeropp
 from zeropp.launch import spawn
-from zeropp.train.model import GPT, GPTConfig
 
 
 def _usage() -> tuple[float, int]:
@@ -32,25 +31,16 @@ def _usage() -> tuple[float, int]:
 
 def work(presets: list[str], steps: int, layers: int = 6, width: int = 384) -> tuple:
     torch.set_num_threads(1)
-    runs = []
-    for p in presets:
-        torch.manual_seed(0)
-        m = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_embd=width,
-                          n_head=width // 64))
-        zeropp.shard(m, zeropp.Config.preset(p, node_size=2))
-        runs.append((m, torch.optim.AdamW(m.parameters(), lr=1e-3)))
+    runs = [sharded_gpt(p, layers, width) for p in presets]
     g = torch.Generator().manual_seed(dist.get_rank())
     out: list[list[tuple[float, float, int]]] = [[] for _ in presets]
     for i in range(steps + 2):  # two warm-up steps each
         for k, (m, opt) in enumerate(runs):
-            x = torch.randint(0, 256, (2, 64), generator=g)
+            x = batch(g)
             dist.barrier()
             cpu0, flt0 = _usage()
             t = time.perf_counter()
-            m(x, x)[1].backward()
-            zeropp.clip_grad_norm_(m, 1.0)
-            opt.step()
-            opt.zero_grad()
+            train_step(m, opt, x)
             dist.barrier()
             cpu1, flt1 = _usage()
             if i >= 2:

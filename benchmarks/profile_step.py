@@ -13,27 +13,19 @@ import time
 
 import torch
 import torch.distributed as dist
+from _gpt_step import batch, sharded_gpt, train_step
 
-import zeropp
 from zeropp.launch import spawn
-from zeropp.train.model import GPT, GPTConfig
 
 
 def work(preset):
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_embd=384, n_head=6))
-    zeropp.shard(model, zeropp.Config.preset(preset, node_size=2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = sharded_gpt(preset)
     g = torch.Generator().manual_seed(rank)
 
     def step():
-        x = torch.randint(0, 256, (2, 64), generator=g)
-        model(x, x)[1].backward()
-        zeropp.clip_grad_norm_(model, 1.0)
-        opt.step()
-        opt.zero_grad()
+        train_step(model, opt, batch(g))
     for _ in range(2):
         step()
     dist.barrier()
