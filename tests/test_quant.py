@@ -107,7 +107,9 @@ def test_int4_pack_unpack_is_a_bijection_on_all_256_bytes():
     b = torch.arange(256, dtype=torch.uint8)
     v = unpack_int4(b)
     assert v.min() == -8 and v.max() == 7 and v.numel() == 512
+    kept = v.clone()
     assert torch.equal(pack_int4(v), b)
+    assert torch.equal(v, kept)  # an int8 input is packed from a copy, not offset in place
     assert len({(int(v[2 * i]), int(v[2 * i + 1])) for i in range(256)}) == 256
 
 
