@@ -13,6 +13,7 @@ import pytest
 from cases import cli_error_line
 
 from zeropp.bench.cluster import Cluster, available, leftovers, parse_rate
+from zeropp.bench.run import phase_bound
 
 OK, WHY = available()
 
@@ -108,9 +109,25 @@ def test_bench_smoke_2_nodes_x_1_rank_bytes_cross_and_nothing_is_left(tmp_path):
         # busiest direction at 1 Gbit/s (= 125e6 bytes/s)
         rx = res["wire_rx_tx_bytes_per_node_step"] - tx
         assert res["compute_s"] > 0 and res["link_s"] == max(rx, tx) / 125e6, res
-    assert "| step / max(compute, link) |" in r.stdout
+        # the phase bound: each phase's compute against its own link time
+        fwd = res["accounted_forward_inter_bytes_per_node_step"]
+        assert 0 < fwd < acct, res
+        assert res["phase_bound_s"] == pytest.approx(
+            phase_bound(res["compute_phases_s"], res["link_s"], fwd / acct)), res
+    assert "| step / max(compute, link) | phase bound s | step / phase bound |" in r.stdout
     assert (tmp_path / "bench.png").exists()
     assert leftovers("zppb") == [] and leftovers("zppu") == []  # shaped and unshaped clusters
+
+
+def test_phase_bound_sets_each_phase_against_its_own_traffic():
+    """bench/run.py phase_bound, on round figures: a forward of 0.15 s of compute
+    whose weight gathers take 0.675 s of link (3/4 of 0.90 s), a backward of 0.35 s
+    against 0.225 s of gradients, 0.03 s of optimizer step: 0.675 + 0.35 + 0.03 =
+    1.055 s, 1.17x max(compute 0.53, link 0.90) -- a step no overlap can bring to
+    max(compute, link). With each phase's traffic under its compute, the bound is
+    the compute."""
+    assert phase_bound([0.15, 0.35, 0.03], 0.90, 0.75) == pytest.approx(1.055)
+    assert phase_bound([0.2, 0.4, 0.05], 0.45, 1 / 3) == pytest.approx(0.65)
 
 
 def test_each_rank_gets_torchruns_environment():

@@ -264,7 +264,10 @@ def run_bench_cmd(ns: argparse.Namespace, argv: Optional[list[str]]) -> int:
                  "buckets); DeepSpeed's qwZ and qgZ need CUDA kernels and do not run on CPU")
     if any("compute_s" in r for r in results):
         head += ("; compute s: the same configuration on unshaped links right after it; "
-                 "link s: max(tx, rx) wire bytes of the busiest node / link rate")
+                 "link s: max(tx, rx) wire bytes of the busiest node / link rate; phase "
+                 "bound: max(forward compute, forward link) + max(backward compute, backward "
+                 "link) + optimizer step, the shortest step the schedule allows (the link "
+                 "time split by the accounted forward share)")
     print("\n" + head + "\n\n" + text)
     png = bench_dir / "bench.png"
     if chart(results, png, f"zeropp bench: {ns.nodes}x{ns.node_size}, {r0['link']}"):

@@ -153,8 +153,30 @@ def run_bench(ns) -> tuple[list[dict], Path]:
             r["compute_s"] = b["median_step_s"]
             rx = r["wire_rx_tx_bytes_per_node_step"] - r["wire_tx_bytes_per_node_step"]
             r["link_s"] = max(rx, r["wire_tx_bytes_per_node_step"]) / rate_bytes_per_s(rate)
+            fwd, acct = (r.get("accounted_forward_inter_bytes_per_node_step"),
+                         r["accounted_inter_bytes_per_node_step"])
+            if b.get("phases_s") and fwd is not None and acct:
+                r["compute_phases_s"] = [statistics.median(p[i] for p in b["phases_s"])
+                                         for i in range(3)]
+                r["phase_bound_s"] = phase_bound(r["compute_phases_s"], r["link_s"], fwd / acct)
     (out_dir / "bench.json").write_text(json.dumps(results, indent=2))
     return results, out_dir
+
+
+def phase_bound(phases: list[float], link_s: float, forward_share: float) -> float:
+    """The shortest step this configuration's schedule allows, whatever the machine:
+    the forward's link traffic (its weight gathers) can only overlap the forward's
+    compute, and the backward's (gradients, and weights gathered again) only the
+    backward's, because the optimizer step between them needs every gradient and
+    makes the weights the next forward gathers. So a step takes at least
+    max(forward compute, forward link) + max(backward compute, backward link) +
+    the optimizer step: `phases` are the unshaped run's forward / backward /
+    optimizer seconds, the link time splits by the accounting's forward share.
+    Where one phase is link-bound and the other compute-bound, this is above
+    max(compute, link), and no overlap can reach the latter."""
+    fwd_c, bwd_c, opt_c = phases
+    return (max(fwd_c, link_s * forward_share) + max(bwd_c, link_s * (1 - forward_share))
+            + opt_c)
 
 
 def _run_all(ns, configs: list[str], rate, out_dir: Path,
@@ -200,6 +222,10 @@ def merge_rounds(runs: list[dict]) -> dict:
                 "accounted_inter_bytes_per_node_step", "accounted_intra_bytes_per_node_step"):
         if runs[0][key] is not None:
             out[key] = statistics.median(r[key] for r in runs)
+    if runs[0].get("accounted_forward_inter_bytes_per_node_step") is not None:
+        out["accounted_forward_inter_bytes_per_node_step"] = statistics.median(
+            r["accounted_forward_inter_bytes_per_node_step"] for r in runs)
+    out["phases_s"] = [p for r in runs for p in r["phases_s"]]
     out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
     return out
 
@@ -261,15 +287,19 @@ def table(results: list[dict], base: str = "fsdp2") -> str:
 
 
 def _with_overlap(lines: list[str], results: list[dict]) -> list[str]:
-    """Add compute s (unshaped run), link s (wire bytes at the link rate) and
-    step / max(compute, link): 1.0 is perfect overlap, the sum of the two is
-    up to 2.0."""
-    out = [lines[0] + " compute s (unshaped) | link s (bytes / rate) | step / max(compute, link) |",
-           lines[1] + "---|---|---|"]
+    """Add compute s (unshaped run), link s (wire bytes at the link rate),
+    step / max(compute, link) (1.0 is perfect overlap, the sum of the two is up to
+    2.0), and the phase bound (`phase_bound`; zeropp's configurations, which count
+    their forward's bytes) with the step over it."""
+    out = [lines[0] + " compute s (unshaped) | link s (bytes / rate) | step / max(compute, link) "
+                      "| phase bound s | step / phase bound |",
+           lines[1] + "---|---|---|---|---|"]
     for line, r in zip(lines[2:], results):
-        bound = max(r["compute_s"], r["link_s"])
+        bound, phased = max(r["compute_s"], r["link_s"]), r.get("phase_bound_s")
+        tail = "n/a | n/a" if phased is None else (
+            f"{phased:.2f} | {r['median_step_s'] / phased:.2f}")
         out.append(line + f" {r['compute_s']:.2f} | {r['link_s']:.2f} | "
-                          f"{r['median_step_s'] / bound:.2f} |")
+                          f"{r['median_step_s'] / bound:.2f} | {tail} |")
     return out
 
 

@@ -124,8 +124,12 @@ def main() -> None:
     first = int(os.environ.get("LOCAL_RANK", 0)) == 0  # counters are per node
     stats = zeropp.comm_stats(model) if ours else {}
     acct, intra = stats.get("inter_node_bytes", 0), stats.get("intra_node_bytes", 0)
+    # The forward's share: its weight gathers (all other traffic is the backward's)
+    fwd = sum(v["inter_node_bytes"] for k, v in stats.get("by_op", {}).items()
+              if k.startswith("all_gather/forward"))
     local = torch.tensor([(rx1 - rx0) * first, (tx1 - tx0) * first, acct, intra,
-                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.float64)
+                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, fwd],
+                         dtype=torch.float64)
     every = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(every, local)
     if rank == 0:
@@ -143,6 +147,7 @@ def main() -> None:
             # what a node sends across, by zeropp's accounting: compare with tx
             "accounted_inter_bytes_per_node_step": node_max(2) if ours else None,
             "accounted_intra_bytes_per_node_step": node_max(3) if ours else None,
+            "accounted_forward_inter_bytes_per_node_step": node_max(5) if ours else None,
             "peak_rss_mb": max(t[4].item() for t in every) / 1024}))
     dist.destroy_process_group()
 
