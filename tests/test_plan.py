@@ -87,6 +87,28 @@ def test_plan_json_gives_every_config_with_bytes_times_and_the_advice(capsys):
     assert out["recommendation"].startswith(("Turn on", "Communication is not"))
 
 
+def test_overlap_hides_each_phase_only_behind_its_own_compute():
+    """Full overlap, the cross-node link alone (no latency, an instant intra link):
+    ZeRO-3's traffic splits like its compute (a gather forward; a gather and a
+    reduce-scatter backward, 1:2 as the FLOPs), so its step is max(compute, comm).
+    ZeRO++ puts 2/3 of its bytes in the forward's qwZ gather against 1/3 of the
+    compute: with 0.9 s of compute, its forward is link-bound (0.56 s against 0.3)
+    and its backward compute-bound (0.6 against 0.28), so its step is 0.56 + 0.6 =
+    1.16 s, 1.29x max(compute, comm) = 0.9."""
+    import dataclasses
+    c = dataclasses.replace(BIG, overlap=1.0, alpha_us=0.0, intra_gbps=1e12, compute_s=0.9)
+    z3 = predict(c, "zero3")
+    assert z3["step_s"] == pytest.approx(max(z3["compute_s"], z3["comm_s"]))
+    zpp = predict(c, "zeropp")
+    inter = c.inter_gbps * 1e9 / 8
+    fwd, bwd = zpp["fwd"] / inter, (zpp["bwd"] + zpp["grad"]) / inter
+    assert (fwd, bwd) == pytest.approx((0.56, 0.28), rel=0.01)
+    assert zpp["step_s"] == pytest.approx(fwd + 0.6)
+    assert zpp["step_s"] / max(0.9, zpp["comm_s"]) == pytest.approx(1.29, abs=0.01)
+    no = predict(dataclasses.replace(c, overlap=0.0), "zeropp")  # no overlap: the plain sum
+    assert no["step_s"] == pytest.approx(0.9 + zpp["comm_s"])
+
+
 def test_activation_checkpointing_charges_8_instead_of_6_flops_per_param_per_token():
     import dataclasses
     plain = predict(BIG, "zero3")

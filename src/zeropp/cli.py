@@ -372,7 +372,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     pl.add_argument("--units", type=int, default=32, help="transformer blocks")
     pl.add_argument("--alpha-us", type=float, default=10.0, help="latency per message hop")
     pl.add_argument("--overlap", type=float, default=0.0,
-                    help="fraction of the shorter of compute/communication hidden (0..1)")
+                    help="fraction of the shorter of compute/communication hidden (0..1), "
+                         "forward and backward each on their own")
     pl.add_argument("--compute-s", type=float, default=0.0,
                     help="measured compute seconds per step (overrides --tflops)")
     pl.add_argument("--recompute", action="store_true",

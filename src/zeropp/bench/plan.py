@@ -12,9 +12,17 @@ copies, as INT8 (`weight_copy_bits`); across nodes go the INT4 weight deltas
 Compute is 6 * params * tokens FLOPs (forward + backward) at the given
 TFLOP/s, 8 * params * tokens with activation checkpointing (`recompute`: the
 forward runs again in backward; the ZeRO++ runs and their TFLOP/s figures count
-it). `overlap` is the fraction of the shorter of compute and
-communication hidden behind the longer (0 on CPU/gloo, where neither FSDP2 nor
-DeepSpeed overlaps; high on GPUs with NCCL streams).
+it). `overlap` is the fraction of the shorter of compute and communication
+hidden behind the longer (0 on CPU/gloo, where neither FSDP2 nor DeepSpeed
+overlaps; high on GPUs with NCCL streams), phase by phase: the forward's
+gathers can only hide behind the forward's compute (2 of the 6 or 8 FLOPs per
+parameter and token) and the backward's traffic behind the backward's, since
+the optimizer step between them needs every gradient and makes the weights the
+next forward gathers (`zeropp bench`'s phase bound measures the same). With
+overlap 1 a step is max(forward compute, forward comm) + max(backward compute,
+backward comm), which is above max(compute, comm) where the traffic sits in one
+phase (ZeRO++'s: qwZ's forward gather) and equal to it where it splits like the
+compute (ZeRO-3's: one gather forward, a gather and a reduce-scatter backward).
 """
 
 from __future__ import annotations
@@ -89,12 +97,14 @@ def volumes(c: Cluster, qwz: bool, hpz: bool, qgz: bool,
     if qgz and d > 1:  # first hop: INT4 all-to-all inside the node
         intra += (d - 1) / d * p * (0.5 + scales8)
     secondary = (p / d) * (1 + scales8) if (hpz and qwz) else (m / d if hpz else 0.0)
+    intra_fwd = 0.0  # the part of `intra` the forward moves
     if plus:  # qWD: INT4 deltas across; both gathers inside, from the copies' INT8 payload
         fwd = (n - 1) / n * p * (0.5 + scales8) if cross else 0.0
-        intra = 3 * (d - 1) / d * p * (1 + scales8)  # + the 8-bit gradient hop
-        secondary = m / d + p / d * (1 + scales8)     # full-width copies + their payload
+        intra_fwd = (d - 1) / d * p * (1 + scales8)
+        intra = 3 * intra_fwd                       # + the backward's and the 8-bit gradient hop
+        secondary = m / d + p / d * (1 + scales8)   # full-width copies + their payload
     return {"fwd": fwd, "bwd": bwd, "grad": grad, "cross": fwd + bwd + grad,
-            "intra": intra, "secondary": secondary}
+            "intra": intra, "intra_fwd": intra_fwd, "secondary": secondary}
 
 
 def predict(c: Cluster, name: str) -> dict[str, float]:
@@ -105,13 +115,18 @@ def predict(c: Cluster, name: str) -> dict[str, float]:
     # gather has D-1 hops; qgZ's two all-to-alls one hop each)
     d, n = c.gpus_per_node, c.nodes
     fwd_hops = (n - 1) + (d - 1) if plus else c.world - 1
-    hops = c.units * (fwd_hops + ((d - 1) if hpz else (c.world - 1))
-                      + (2 if qgz else c.world - 1))
-    comm = hops * c.alpha_us * 1e-6 + v["cross"] / inter_bw + v["intra"] / intra_bw
-    flops = (8 if c.recompute else 6) * c.params * c.tokens_per_gpu
-    compute = c.compute_s or flops / (c.tflops * 1e12)
-    step = compute + comm - c.overlap * min(compute, comm)
-    return {**v, "comm_s": comm, "compute_s": compute, "step_s": step}
+    bwd_hops = ((d - 1) if hpz else (c.world - 1)) + (2 if qgz else c.world - 1)
+    alpha = c.units * c.alpha_us * 1e-6
+    comm_fwd = alpha * fwd_hops + v["fwd"] / inter_bw + v["intra_fwd"] / intra_bw
+    comm_bwd = (alpha * bwd_hops + (v["bwd"] + v["grad"]) / inter_bw
+                + (v["intra"] - v["intra_fwd"]) / intra_bw)
+    per_token = 8 if c.recompute else 6
+    compute = c.compute_s or per_token * c.params * c.tokens_per_gpu / (c.tflops * 1e12)
+    step = 0.0
+    for comp, comm in ((compute * 2 / per_token, comm_fwd),
+                       (compute * (per_token - 2) / per_token, comm_bwd)):
+        step += comp + comm - c.overlap * min(comp, comm)
+    return {**v, "comm_s": comm_fwd + comm_bwd, "compute_s": compute, "step_s": step}
 
 
 def plan(c: Cluster) -> list[dict]:
