@@ -114,6 +114,9 @@ def test_bench_smoke_2_nodes_x_1_rank_bytes_cross_and_nothing_is_left(tmp_path):
         assert 0 < fwd < acct, res
         assert res["phase_bound_s"] == pytest.approx(
             phase_bound(res["compute_phases_s"], res["link_s"], fwd / acct)), res
+        # the machine's CPU per timed step, by kind: some user time, every kind >= 0
+        for cpu in (res["host_cpu_s_per_step"], res["compute_host_cpu_s_per_step"]):
+            assert len(cpu) == 4 and cpu[0] > 0 and min(cpu) >= 0, res
     assert "| step / max(compute, link) | phase bound s | step / phase bound |" in r.stdout
     assert (tmp_path / "bench.png").exists()
     assert leftovers("zppb") == [] and leftovers("zppu") == []  # shaped and unshaped clusters

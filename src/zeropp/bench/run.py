@@ -151,6 +151,7 @@ def run_bench(ns) -> tuple[list[dict], Path]:
     if baseline:
         for r, b in zip(results, base):
             r["compute_s"] = b["median_step_s"]
+            r["compute_host_cpu_s_per_step"] = b.get("host_cpu_s_per_step")
             rx = r["wire_rx_tx_bytes_per_node_step"] - r["wire_tx_bytes_per_node_step"]
             r["link_s"] = max(rx, r["wire_tx_bytes_per_node_step"]) / rate_bytes_per_s(rate)
             fwd, acct = (r.get("accounted_forward_inter_bytes_per_node_step"),
@@ -226,6 +227,9 @@ def merge_rounds(runs: list[dict]) -> dict:
         out["accounted_forward_inter_bytes_per_node_step"] = statistics.median(
             r["accounted_forward_inter_bytes_per_node_step"] for r in runs)
     out["phases_s"] = [p for r in runs for p in r["phases_s"]]
+    if all(r.get("host_cpu_s_per_step") for r in runs):
+        out["host_cpu_s_per_step"] = [statistics.median(r["host_cpu_s_per_step"][i] for r in runs)
+                                      for i in range(4)]
     out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
     return out
 

@@ -30,6 +30,17 @@ def link_bytes() -> tuple[int, int]:
     return link_counters(Path("/proc/net/dev").read_text()) or (0, 0)
 
 
+def host_cpu() -> list[int]:
+    """The machine's CPU time so far, in clock ticks: user (with nice), system,
+    irq + softirq (the kernel's network work, charged to no process), idle; empty
+    where /proc/stat is missing."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except (OSError, ValueError):
+        return []
+    return [f[0] + f[1], f[2], f[5] + f[6], f[3]]
+
+
 def build(name: str, a, node_size: int, nodes: int):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=a.seq_len, **PRESETS[a.model]))
@@ -119,7 +130,9 @@ def main() -> None:
     if ours:
         zeropp.reset_comm_stats(model)
     rx0, tx0 = link_bytes()
+    cpu0 = host_cpu()
     times, losses, phases = zip(*(step() for _ in range(a.steps)))
+    cpu1 = host_cpu()
     rx1, tx1 = link_bytes()  # the barriers add a few hundred bytes
     first = int(os.environ.get("LOCAL_RANK", 0)) == 0  # counters are per node
     stats = zeropp.comm_stats(model) if ours else {}
@@ -148,7 +161,11 @@ def main() -> None:
             "accounted_inter_bytes_per_node_step": node_max(2) if ours else None,
             "accounted_intra_bytes_per_node_step": node_max(3) if ours else None,
             "accounted_forward_inter_bytes_per_node_step": node_max(5) if ours else None,
-            "peak_rss_mb": max(t[4].item() for t in every) / 1024}))
+            "peak_rss_mb": max(t[4].item() for t in every) / 1024,
+            # the whole machine's CPU seconds per timed step (the emulated cluster's
+            # nodes share it): user, system, irq + softirq, idle
+            "host_cpu_s_per_step": [(b - x) / os.sysconf("SC_CLK_TCK") / a.steps
+                                    for x, b in zip(cpu0, cpu1)] or None}))
     dist.destroy_process_group()
 
 
