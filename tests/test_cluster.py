@@ -5,6 +5,7 @@ skipped with the reason otherwise."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,10 @@ def test_bench_smoke_2_nodes_x_1_rank_bytes_cross_and_nothing_is_left(tmp_path):
         assert 0 < fwd < acct, res
         assert res["phase_bound_s"] == pytest.approx(
             phase_bound(res["compute_phases_s"], res["link_s"], fwd / acct)), res
+        # ... its phases are the unshaped run's medians (forward / backward / optimizer)
+        unshaped = json.loads((tmp_path / f"{res['config']}-compute.json").read_text())
+        assert res["compute_phases_s"] == [statistics.median(p[i] for p in unshaped["phases_s"])
+                                           for i in range(3)], res
         # the machine's CPU per timed step, by kind: some user time, every kind >= 0
         for cpu in (res["host_cpu_s_per_step"], res["compute_host_cpu_s_per_step"]):
             assert len(cpu) == 4 and cpu[0] > 0 and min(cpu) >= 0, res

@@ -110,6 +110,7 @@ def test_int4_pack_unpack_is_a_bijection_on_all_256_bytes():
     kept = v.clone()
     assert torch.equal(pack_int4(v), b)
     assert torch.equal(v, kept)  # an int8 input is packed from a copy, not offset in place
+    assert torch.equal(pack_int4(v.float()), b)  # what quantize passes: rounded fp32
     assert len({(int(v[2 * i]), int(v[2 * i + 1])) for i in range(256)}) == 256
 
 

@@ -22,7 +22,8 @@ next forward gathers (`zeropp bench`'s phase bound measures the same). With
 overlap 1 a step is max(forward compute, forward comm) + max(backward compute,
 backward comm), which is above max(compute, comm) where the traffic sits in one
 phase (ZeRO++'s: qwZ's forward gather) and equal to it where it splits like the
-compute (ZeRO-3's: one gather forward, a gather and a reduce-scatter backward).
+compute (ZeRO-3's without recomputation and with `reduce_bytes` = `param_bytes`:
+one gather forward, a gather and a reduce-scatter backward, 1:2 as the FLOPs).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class Cluster:
 def volumes(c: Cluster, qwz: bool, hpz: bool, qgz: bool,
             plus: bool = False) -> dict[str, float]:
     """Bytes per step crossing each node's link (fwd, bwd, grad) and sent inside
-    the node by each GPU (intra), plus the hpZ secondary's bytes per GPU."""
+    the node by each GPU (intra, of which the forward's: intra_fwd), plus the hpZ
+    secondary's bytes per GPU."""
     w, n, d, p = c.world, c.nodes, c.gpus_per_node, c.params
     m = p * c.param_bytes
     ring = (w - 1) / w

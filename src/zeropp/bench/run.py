@@ -154,6 +154,7 @@ def run_bench(ns) -> tuple[list[dict], Path]:
             r["compute_host_cpu_s_per_step"] = b.get("host_cpu_s_per_step")
             rx = r["wire_rx_tx_bytes_per_node_step"] - r["wire_tx_bytes_per_node_step"]
             r["link_s"] = max(rx, r["wire_tx_bytes_per_node_step"]) / rate_bytes_per_s(rate)
+            # the busiest node's forward bytes over its bytes (both its, so a share <= 1)
             fwd, acct = (r.get("accounted_forward_inter_bytes_per_node_step"),
                          r["accounted_inter_bytes_per_node_step"])
             if b.get("phases_s") and fwd is not None and acct:
@@ -227,6 +228,7 @@ def merge_rounds(runs: list[dict]) -> dict:
         out["accounted_forward_inter_bytes_per_node_step"] = statistics.median(
             r["accounted_forward_inter_bytes_per_node_step"] for r in runs)
     out["phases_s"] = [p for r in runs for p in r["phases_s"]]
+    out["host_cpu_s_per_step"] = None  # unless every round has it
     if all(r.get("host_cpu_s_per_step") for r in runs):
         out["host_cpu_s_per_step"] = [statistics.median(r["host_cpu_s_per_step"][i] for r in runs)
                                       for i in range(4)]

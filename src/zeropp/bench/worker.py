@@ -36,7 +36,7 @@ def host_cpu() -> list[int]:
     where /proc/stat is missing."""
     try:
         f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    except (OSError, ValueError):
+    except (OSError, ValueError, IndexError):
         return []
     return [f[0] + f[1], f[2], f[5] + f[6], f[3]]
 
@@ -146,9 +146,14 @@ def main() -> None:
     every = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(every, local)
     if rank == 0:
-        def node_max(i: int) -> float:  # the busiest node's sum over its ranks, per step
-            return max(sum(every[r][i].item() for r in range(m * node_size, (m + 1) * node_size))
-                       for m in range(nodes)) / a.steps
+        def node_sum(i: int, m: int) -> float:  # node m's sum over its ranks, per step
+            return sum(every[r][i].item()
+                       for r in range(m * node_size, (m + 1) * node_size)) / a.steps
+
+        def node_max(i: int) -> float:  # the busiest node's
+            return max(node_sum(i, m) for m in range(nodes))
+        # the forward's bytes of the node that sends most, so the share is one node's
+        busiest = max(range(nodes), key=lambda m: node_sum(2, m))
         Path(a.out).write_text(json.dumps({
             "config": a.config, "median_step_s": statistics.median(times), "times": times,
             "final_loss": losses[-1],
@@ -160,7 +165,7 @@ def main() -> None:
             # what a node sends across, by zeropp's accounting: compare with tx
             "accounted_inter_bytes_per_node_step": node_max(2) if ours else None,
             "accounted_intra_bytes_per_node_step": node_max(3) if ours else None,
-            "accounted_forward_inter_bytes_per_node_step": node_max(5) if ours else None,
+            "accounted_forward_inter_bytes_per_node_step": node_sum(5, busiest) if ours else None,
             "peak_rss_mb": max(t[4].item() for t in every) / 1024,
             # the whole machine's CPU seconds per timed step (the emulated cluster's
             # nodes share it): user, system, irq + softirq, idle
