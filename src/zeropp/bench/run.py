@@ -221,12 +221,10 @@ def merge_rounds(runs: list[dict]) -> dict:
     out["median_step_s"] = statistics.median(out["times"])
     out["round_medians_s"] = [r["median_step_s"] for r in runs]
     for key in ("wire_rx_tx_bytes_per_node_step", "wire_tx_bytes_per_node_step",
-                "accounted_inter_bytes_per_node_step", "accounted_intra_bytes_per_node_step"):
-        if runs[0][key] is not None:
+                "accounted_inter_bytes_per_node_step", "accounted_intra_bytes_per_node_step",
+                "accounted_forward_inter_bytes_per_node_step"):
+        if runs[0].get(key) is not None:
             out[key] = statistics.median(r[key] for r in runs)
-    if runs[0].get("accounted_forward_inter_bytes_per_node_step") is not None:
-        out["accounted_forward_inter_bytes_per_node_step"] = statistics.median(
-            r["accounted_forward_inter_bytes_per_node_step"] for r in runs)
     out["phases_s"] = [p for r in runs for p in r["phases_s"]]
     out["host_cpu_s_per_step"] = None  # unless every round has it
     if all(r.get("host_cpu_s_per_step") for r in runs):
