@@ -12,7 +12,7 @@ from cases import build, loss_of, train
 import zeropp
 from zeropp.launch import spawn
 from zeropp.qgz import HopCodec
-from zeropp.quant import QTensor
+from zeropp.quant import QTensor, quantize
 from zeropp.train.model import GPT, GPTConfig
 
 
@@ -67,19 +67,19 @@ def test_zeropp_plus_steady_inter_node_bytes_at_most_0062_2x2_and_0075_3x2_of_ze
     assert hier / flat == pytest.approx(((n - 1) / n) / ((w - 1) / w), rel=1e-3)
     # qWD's copies inside the node: forward and backward gathers each move exactly
     # what ZeRO++'s INT8 backward gather moves, (1 + 4/block)/4 of the same gathers
-    # with the copies at fp32 (~copy8); the payload never crosses (inter unchanged).
+    # with the copies at fp32 (~copy8); the payload never crosses. The INT8 copies'
+    # deltas move codes, and carry one step byte per block more (qwd.py).
     paper = _intra(res, d, "zeropp", "all_gather/backward/hpz")
     for phase in ("forward", "backward"):
         plus = _intra(res, d, "zeropp-plus", f"all_gather/{phase}/hpz")
         fp32 = _intra(res, d, "zeropp-plus~copy8", f"all_gather/{phase}/hpz")
         assert plus == paper > 0, (phase, plus, paper)
         assert plus / fp32 == pytest.approx((1 + 4 / 2048) / 4, rel=1e-3)
-    assert plus_inter == _node_max(res, d, "zeropp-plus~copy8")
-
-
-def _intra(res: list, d: int, name: str, op: str) -> int:
-    return max(sum(res[r][name]["by_op"].get(op, {}).get("intra_node_bytes", 0)
-                   for r in range(m * d, (m + 1) * d)) for m in range(len(res) // d))
+    op = "all_gather/forward/delta"
+    plus_delta, fp32_delta = (_node_max(res, d, c, op) for c in ("zeropp-plus",
+                                                                 "zeropp-plus~copy8"))
+    assert plus_inter - plus_delta == _node_max(res, d, "zeropp-plus~copy8") - fp32_delta
+    assert 1 < plus_delta / fp32_delta <= 1 + 2 / 1024, plus_delta / fp32_delta
 
 
 def _intra(res: list, d: int, name: str, op: str) -> int:
@@ -162,13 +162,13 @@ def test_every_rank_computes_bitwise_identical_outputs(kind, kw, w, accum, tmp_p
 
 
 # ---- the delta protocol --------------------------------------------------------------------
-def _delta_protocol(steps: int):
+def _delta_protocol(steps: int, copy_bits):
     rank, world, d = dist.get_rank(), dist.get_world_size(), 2
-    model = zeropp.shard(build("gpt"), _plus(d))
+    model = zeropp.shard(build("gpt"), _plus(d, weight_copy_bits=copy_bits))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     flats = model._zeropp_state.flats
     g = torch.Generator().manual_seed(rank)
-    worst, mirrors_equal, routes = 0.0, True, set()
+    worst, exact, blocks, mirrors_equal, routes = 0.0, 0, 0, True, set()
     for step in range(steps):
         if step:  # before this forward's gather: the copy and the delta it will receive
             prev = [f.weights.secondary.view(world // d, -1)[rank // d].clone() for f in flats]
@@ -178,11 +178,23 @@ def _delta_protocol(steps: int):
         for i, f in enumerate(flats):
             copy = f.weights.secondary.view(world // d, -1)
             master = f.primary_shard.detach()
-            if step:
+            if step and copy_bits is None:  # exact copies: within half an INT4 step
                 diff = (master - prev[i]).view(-1, f.block)
                 half_step = diff.abs().amax(1, keepdim=True) / 7 / 2
                 off = (master - copy[rank // d]).view(-1, f.block).abs()
                 worst = max(worst, float((off / half_step.clamp_min(1e-30)).max()))
+            elif step:  # INT8 copies: qwZ's INT8 of the master, up to k/2 (qwd.py)
+                (s0, c0), (s1, c1) = (_int8_codes(buf, f.block) for buf in (prev[i],
+                                                                           copy[rank // d]))
+                qwz = quantize(master, 8, f.block)
+                t = qwz.data.view(-1, f.block).float()
+                mirrors_equal &= torch.equal(s1, qwz.scales)
+                base = (c0 * (s0 / s1).nan_to_num(0, 0, 0).unsqueeze(1)).round().clamp(-127, 127)
+                k = ((t - base).abs().amax(1) / 7).ceil().clamp_min(1)
+                off = (c1 - t).abs().amax(1)
+                worst = max(worst, float((off / (k // 2).clamp_min(1)).max()))
+                exact += int((off[k == 1] == 0).sum()) + int((k > 1).sum())
+                blocks += k.numel()
             # owner's mirror (its own piece) equals every receiver's copy, bit for bit
             everyone = [torch.empty_like(copy) for _ in range(world)]
             dist.all_gather(everyone, copy.contiguous())
@@ -191,14 +203,31 @@ def _delta_protocol(steps: int):
                     mirrors_equal &= torch.equal(everyone[r], copy)
         opt.step()
         opt.zero_grad()
-    return worst, mirrors_equal, routes
+    return worst, exact / max(blocks, 1), mirrors_equal, routes
 
 
-def test_qwd_copies_stay_within_half_a_quantization_step_of_the_master_for_50_steps():
-    for worst, mirrors_equal, routes in spawn(_delta_protocol, 4, 2, args=(50,), timeout=300):
+def _int8_codes(buf: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, codes as fp32 rows of a block) of one shard's INT8 wire bytes."""
+    nb = buf.numel() // (block + 4)
+    q = QTensor.from_bytes(buf, (nb * block,), torch.float32, 8, block)
+    return q.scales, q.data.view(-1, block).float()
+
+
+def test_qwd_exact_copies_stay_within_half_a_quantization_step_of_the_master_for_50_steps():
+    for worst, _, mirrors_equal, routes in spawn(_delta_protocol, 4, 2, args=(50, None),
+                                                 timeout=300):
         assert routes == {"delta"}
         assert mirrors_equal
         assert worst <= 1.0 + 1e-3, worst  # |master - copy| <= step/2, carried, not grown
+
+
+def test_qwd_int8_copies_are_qwz_int8_of_the_master_where_codes_moved_by_7_or_less():
+    for worst, exact, mirrors_equal, routes in spawn(_delta_protocol, 4, 2, args=(30, 8),
+                                                     timeout=300):
+        assert routes == {"delta"}
+        assert mirrors_equal  # every holder's copy bitwise the owner's, scales qwZ's
+        assert exact == 1.0   # a block whose codes moved by <= 7 is qwZ's INT8, bit for bit
+        assert worst <= 1.0   # a faster one (k > 1) within k/2 codes of it
 
 
 def _refresh_every(k: int) -> tuple[dict, int]:

@@ -97,8 +97,7 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
       master_shards       the fp32 primary shards (optimizer's parameters)
       gradient_shards     their .grad
       optimizer_state     state tensors of `optimizer` over the shards (0 without it)
-      secondary_shards    hpZ secondaries / qWD copies kept between gathers (and
-                          the copies' INT8 intra-node payload)
+      secondary_shards    hpZ secondaries / qWD copies kept between gathers
       error_feedback      qgZ's residuals (error feedback)
       unreduced_grads     full gradients a backward left that are not reduced yet
       gathered_now        full weights of units gathered right now
@@ -116,8 +115,7 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
         "master_shards": sum(_bytes(f.primary_shard) for f in flats),
         "gradient_shards": sum(_bytes(f.primary_shard.grad) for f in flats),
         "optimizer_state": _optimizer_bytes(optimizer, flats),
-        "secondary_shards": sum(_bytes(f.weights.secondary) + _bytes(f.weights.payload)
-                                for f in flats),
+        "secondary_shards": sum(_bytes(f.weights.secondary) for f in flats),
         "error_feedback": sum(_codec_bytes(f.grad_codec) for f in flats),
         "unreduced_grads": sum(_bytes(f.grad) for f in flats if f.trainable),
         "gathered_now": st.meter.bytes,

@@ -23,22 +23,19 @@ places piece (i, k) at slot k*P + i: the same bytes a world gather puts there.
             the secondary; stage 2 inside the node. (N-1)/N of the payload per
             node crosses. Bitwise equal to `world`.
   secondary hpZ: stage 2 only, from a current secondary (nothing crosses nodes).
-  delta     qWD: the secondary persists at compute precision. After an optimizer
-            step each owner quantizes d = master - its copy of its own shard,
-            all-gathers d in the inter-node group, and every holder (the owner
-            too) adds dequant(q(d)) to its copy; then stage 2. Copies stay bitwise
-            identical everywhere and the rounding error stays in master - copy,
-            sent with the next delta instead of lost.
+  delta     qWD: the secondary persists across steps. After an optimizer step each
+            owner all-gathers a delta of its shard in the inter-node group, every
+            holder (the owner too) applies it to its copy; then stage 2. Copies
+            stay bitwise identical everywhere.
 
-[Note: qWD's intra-node payload]
-The copies are exact (fp32 at fp32 compute) so that deltas stay small, but the
-node does not need them exact: with `weight_copy_bits=8` each holder quantizes
-its copies once per version (INT8 blockwise, one wire piece per shard) and the
-forward and backward gathers inside the node move those bytes, as ZeRO++'s INT8
-secondary does (fp32: 4x fewer). Every holder of a copy holds the same bits, so
-every rank dequantizes the same payload into bitwise-identical weights; the
-rounding is not fed back into the copies (the next delta is still exact against
-them). The payload lives from the first gather after a step to the next step.
+[Note: qWD's copies]
+With `weight_copy_bits=8` (the default) the copies are qwZ's INT8 blocks of the
+masters, the bytes the node gathers for every forward and backward, as ZeRO++'s
+INT8 secondary; the delta moves their integer codes (qwd.py: the copy becomes
+qwZ's INT8 of the new master, exactly whenever no code moved by more than 7).
+With `weight_copy_bits=None` they are exact, at the compute dtype: the owner
+sends q(master - its copy), every holder adds dequant of it, and the rounding
+error stays in master - copy, sent with the next delta instead of lost.
 The route depends only on state every rank shares (version counters, steps),
 so every rank issues the same collectives in the same order on each group.
 
@@ -50,9 +47,9 @@ after the step hook ran, or its storage was replaced), after
 `zeropp.refresh(model)`, and every `weight_refresh_every` steps. An in-place
 write through `.data` is invisible to version counters: it reaches the copies
 through the next delta (INT-quantized); call `zeropp.refresh(model)` to send it
-exactly. Memory: the persistent secondary costs W/P shards at compute
-precision per rank (1/D of the model; fp32: 4 bytes/param / D), where qwZ+hpZ
-keeps 1/D of the model as INT8 only between a forward and the next step.
+exactly. Memory: the persistent secondary costs W/P shards per rank (1/D of the
+model) as INT8 blocks, 1 byte/param / D (exact copies: the compute dtype's
+width), where qwZ+hpZ keeps the same bytes only between a forward and the next step.
 """
 
 from __future__ import annotations
@@ -62,6 +59,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from . import qwd
 from .collectives import Comm, Pending, dequantize_gathered
 from .quant import QTensor, dequantize, quantize, scratch_buffer
 
@@ -90,10 +88,10 @@ class WeightPath:
         self.generator: Optional[torch.Generator] = None  # the owner's rounding (stochastic)
         self.seed = topo.rank * 1_000_003 + 7 + zlib.crc32(flat.name.encode())
         self.secondary: Optional[torch.Tensor] = None  # W/P pieces: wire bytes or compute dtype
+        # qWD's copies as wire bytes of this many bits (None: exact, at the compute dtype)
         self.current_for: Optional[tuple] = None  # master version the secondary stands for
         self.stepped_at: Optional[tuple] = None   # master version right after the last step
         self.copy_bits = cfg.weight_copy_bits if self.delta else None
-        self.payload: Optional[torch.Tensor] = None  # qWD copies as intra-node wire bytes
         self.deltas = 0                           # deltas since the last full refresh
 
     # ---- state -----------------------------------------------------------------------
@@ -102,13 +100,12 @@ class WeightPath:
         delta at the next gather; plain hpZ drops it (its next gather is a full one)."""
         if self.delta and self.secondary is not None:
             self.stepped_at, self.current_for = self.flat.version, None
-            self.payload = None
         else:
             self.invalidate()
 
     def invalidate(self) -> None:
         """Forget the secondary: the next gather is a full one."""
-        self.secondary = self.current_for = self.stepped_at = self.payload = None
+        self.secondary = self.current_for = self.stepped_at = None
 
     def route(self) -> str:
         v = self.flat.version
@@ -126,8 +123,7 @@ class WeightPath:
         route, op = self.route(), f"all_gather/{phase}"
         if route == "secondary":
             if self.copy_bits is not None:
-                return self._inner(comm, self._copy_payload(), f"{op}/hpz", "hpz",
-                                   self.copy_bits)
+                return self._inner(comm, self.secondary, f"{op}/hpz", "hpz", self.copy_bits)
             return self._inner(comm, self.secondary, f"{op}/hpz", "hpz",
                                self.flat.weight_bits if self._is_wire else None)
         if route == "delta":
@@ -185,30 +181,30 @@ class WeightPath:
 
     def _keep(self, gathered: torch.Tensor, *, wire: bool) -> None:
         """hpZ after a world gather: keep this rank's pieces k*P + i of the result
-        (wire bytes as received, or qWD's weights at compute precision)."""
+        (wire bytes as received, qWD's INT8 copies, or its exact ones)."""
         if self.p == 1:
             return
-        if wire and self.delta:  # qWD copies hold weights: take them from the dequantized full
-            gathered, wire = self.flat.full, False
-        self._set_secondary(gathered.view(-1, self.p, gathered.numel() // self.flat.world_size)
-                            [:, self.index].clone().view(-1))
+        f = self.flat
+        if self.delta and (not wire or self.copy_bits != f.weight_bits):
+            gathered, wire = f.full, False  # take the copies from the full weights
+        mine = gathered.view(-1, self.p, gathered.numel() // f.world_size)[:, self.index]
+        if self.copy_bits is not None and not wire:
+            self._set_secondary(self._as_codes(mine))
+        else:
+            self._set_secondary(mine.clone().view(-1))
 
-    def _set_secondary(self, secondary: torch.Tensor,
-                       payload: Optional[torch.Tensor] = None) -> None:
+    def _set_secondary(self, secondary: torch.Tensor) -> None:
         self.secondary, self.current_for, self.stepped_at = secondary, self.flat.version, None
-        self.deltas, self.payload = 0, payload
+        self.deltas = 0
 
-    def _copy_payload(self) -> torch.Tensor:
-        """The copies as INT8 wire pieces, one per shard, made once per version
-        (see the note on qWD's intra-node payload)."""
-        if self.payload is None:
-            f = self.flat
-            pieces = self.secondary.view(-1, f.shard_numel)
-            wb = QTensor.wire_bytes(f.shard_numel, self.copy_bits, f.block)
-            self.payload = torch.empty(len(pieces) * wb, dtype=torch.uint8, device=pieces.device)
-            for k, c in enumerate(pieces):
-                quantize(c, self.copy_bits, f.block, out=self.payload[k * wb:(k + 1) * wb])
-        return self.payload
+    def _as_codes(self, pieces: torch.Tensor) -> torch.Tensor:
+        """qWD's copies of weight `pieces` (n, shard) as wire bytes, one piece per shard."""
+        f = self.flat
+        wb = QTensor.wire_bytes(f.shard_numel, self.copy_bits, f.block)
+        out = torch.empty(len(pieces) * wb, dtype=torch.uint8, device=pieces.device)
+        for k, c in enumerate(pieces):
+            quantize(c, self.copy_bits, f.block, out=out[k * wb:(k + 1) * wb])
+        return out
 
     def _issue_outer(self, comm: Comm, op: str) -> Pending:
         """Hierarchical stage 1: the N primary shards of this rank's local index,
@@ -217,19 +213,16 @@ class WeightPath:
         out, scales = self._gather_buffer(n)
 
         def then() -> None:
-            mine, wire = out, self.flat.quantized_gather
+            f = self.flat
+            wire = f.quantized_gather
+            mine, bits = out, (f.weight_bits if wire else None)
             if self.p > 1:
-                if self.delta and wire:  # qWD copies are weights at compute precision
-                    copies = self._dequantized(out, n)
-                    # qwZ's INT8 pieces are the payload (what they dequantize to is the copy)
-                    same = self.copy_bits == self.flat.weight_bits
-                    self._set_secondary(copies, out if same else None)
-                    mine, wire = copies, False
-                else:
-                    self._set_secondary(mine)
-            bits = self.flat.weight_bits if wire else None
-            if self.copy_bits is not None:
-                mine, bits = self._copy_payload(), self.copy_bits
+                if self.delta and (not wire or self.copy_bits != f.weight_bits):
+                    # the copies are weights (exact), or codes at other bits than qwZ's
+                    mine, bits = (self._dequantized(out, n) if wire else out), None
+                    if self.copy_bits is not None:
+                        mine, bits = self._as_codes(mine.view(n, -1)), self.copy_bits
+                self._set_secondary(mine)  # qWD's INT8 copies: qwZ's pieces as they came
             self._inner(comm, mine, f"{op}/intra", "intra_node", bits).wait()
         return comm.all_gather(out, self._send(), op=f"{op}/inter", group="inter_node",
                                scale_bytes=scales, then=then)
@@ -275,15 +268,17 @@ class WeightPath:
             self.invalidate()
 
     def _issue_delta(self, comm: Comm, op: str) -> Pending:
-        """qWD: every owner sends q(master - copy) to its shard's holders (the
+        """qWD: every owner sends a delta of its shard to the shard's holders (the
         inter-node group); each applies it to its copy, then stage 2."""
+        if self.stochastic and self.generator is None:
+            self.generator = torch.Generator(device=self.flat.full.device).manual_seed(self.seed)
+        if self.copy_bits is not None:
+            return self._issue_code_delta(comm, op)
         f = self.flat
         n, numel = self.secondary.numel() // f.shard_numel, f.shard_numel
         copies = self.secondary.view(n, numel)
         diff = torch.sub(f.primary_shard.detach().float(), copies[self.outer_index].float(),
                          out=scratch_buffer("delta", numel, copies.device))
-        if self.stochastic and self.generator is None:
-            self.generator = torch.Generator(device=diff.device).manual_seed(self.seed)
         # The owner applies its own delta now, as every holder will decode it (the
         # encode's `dequantized`, bit for bit), instead of unpacking its own bytes later.
         own = scratch_buffer("delta_own", numel, copies.device)
@@ -305,13 +300,37 @@ class WeightPath:
                 copies[k].add_(dequantize(q, out=part))  # the same op on every holder
             self.current_for, self.stepped_at = version, None
             self.deltas += 1
-            if self.copy_bits is not None:
-                self._inner(comm, self._copy_payload(), f"{op}/hpz", "hpz",
-                            self.copy_bits).wait()
-            else:
-                self._inner(comm, self.secondary, f"{op}/hpz", "hpz", None).wait()
+            self._inner(comm, self.secondary, f"{op}/hpz", "hpz", None).wait()
         return comm.all_gather(out, send, op=f"{op}/delta", group="inter_node",
                                scale_bytes=n * (numel // f.block) * 4, then=then)
+
+    def _issue_code_delta(self, comm: Comm, op: str) -> Pending:
+        """qWD on INT8 copies: the owner moves its copy's codes to qwZ's INT8 of its
+        master and sends how they moved (qwd.py); every holder moves its copy the same."""
+        f = self.flat
+        numel, bits, dbits = f.shard_numel, self.copy_bits, self.delta_bits
+        n = self.flat.world_size // self.p
+        copies = self.secondary.view(n, -1)
+        db = qwd.wire_bytes(numel, bits, dbits, f.block)
+        send = torch.empty(db, dtype=torch.uint8, device=copies.device)
+        qwd.encode(f.primary_shard.detach(), copies[self.outer_index], send, copy_bits=bits,
+                   delta_bits=dbits, block=f.block, stochastic=self.stochastic,
+                   generator=self.generator)
+        out = torch.empty(n * db, dtype=torch.uint8, device=send.device)
+        # Until `then` has run the copies are mid-update (the owner's piece already
+        # moved): if the collective fails, the next gather refreshes in full.
+        version, self.stepped_at = self.stepped_at, None
+
+        def then() -> None:
+            for k, piece in enumerate(out.view(n, db)):
+                if k != self.outer_index:  # the owner's own piece moved at the encode
+                    qwd.apply(copies[k], piece, numel=numel, copy_bits=bits, delta_bits=dbits,
+                              block=f.block)
+            self.current_for, self.stepped_at = version, None
+            self.deltas += 1
+            self._inner(comm, self.secondary, f"{op}/hpz", "hpz", bits).wait()
+        return comm.all_gather(out, send, op=f"{op}/delta", group="inter_node",
+                               scale_bytes=n * qwd.meta_bytes(numel, f.block), then=then)
 
     # ---- checkpoints -------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:
@@ -334,9 +353,19 @@ class WeightPath:
         if "generator" in state and self.stochastic:
             self.generator = torch.Generator(device=self.flat.full.device).manual_seed(self.seed)
             self.generator.set_state(state["generator"])
-        if "secondary" not in state:
-            return
+        if "secondary" not in state or not self._fits(state["secondary"]):
+            return  # none saved, or saved in another form (exact copies): refresh in full
         self._set_secondary(state["secondary"].to(self.flat.full.device))
         due, self.deltas = (int(x) for x in state["delta_due"])
         if due:
             self.stepped_at, self.current_for = self.current_for, None
+
+    def _fits(self, secondary: torch.Tensor) -> bool:
+        """Whether saved copies have this configuration's form (codes or exact)."""
+        f = self.flat
+        n = f.world_size // self.p
+        if self.copy_bits is not None:
+            want = (torch.uint8, n * QTensor.wire_bytes(f.shard_numel, self.copy_bits, f.block))
+        else:
+            want = (f.compute_dtype, n * f.shard_numel)
+        return (secondary.dtype, secondary.numel()) == want

@@ -100,11 +100,12 @@ def volumes(c: Cluster, qwz: bool, hpz: bool, qgz: bool,
         intra += (d - 1) / d * p * (0.5 + scales8)
     secondary = (p / d) * (1 + scales8) if (hpz and qwz) else (m / d if hpz else 0.0)
     intra_fwd = 0.0  # the part of `intra` the forward moves
-    if plus:  # qWD: INT4 deltas across; both gathers inside, from the copies' INT8 payload
-        fwd = (n - 1) / n * p * (0.5 + scales8) if cross else 0.0
+    if plus:  # qWD: INT4 code deltas across (+ a scale and a step byte per block); both
+        # gathers inside, from the copies, which are INT8 blocks like ZeRO++'s secondary
+        fwd = (n - 1) / n * p * (0.5 + scales8 + 1 / c.block_size) if cross else 0.0
         intra_fwd = (d - 1) / d * p * (1 + scales8)
         intra = 3 * intra_fwd                       # + the backward's and the 8-bit gradient hop
-        secondary = m / d + p / d * (1 + scales8)   # full-width copies + their payload
+        secondary = p / d * (1 + scales8)
     return {"fwd": fwd, "bwd": bwd, "grad": grad, "cross": fwd + bwd + grad,
             "intra": intra, "intra_fwd": intra_fwd, "secondary": secondary}
 

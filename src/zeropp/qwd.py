@@ -1,0 +1,157 @@
+"""qWD's code deltas: INT8 copies of the weights kept current by integer steps.
+
+[Note: why deltas of codes]
+Each holder keeps its copies of other ranks' shards as qwZ's INT8 blocks (scales
+and integer codes, the bytes its node gathers for every forward and backward).
+After an optimizer step the owner of a shard quantizes its master exactly as
+qwZ would (fresh absmax scale s' per block, codes t = round(m / s')) and sends
+each holder how the codes moved. A weight moves by a few of its block's INT8
+steps per optimizer step, so the move of its code is a small integer: INT4
+carries it exactly, and the holder's copy becomes t, bit for bit qwZ's INT8 of
+the master, at half of qwZ's bytes (and one scale per block, as before).
+
+Per block, with the holder's codes c at scale s:
+    base = clamp(round(c * s / s'))    # the old codes on the new scale's grid
+    diff = t - base                    # an integer in [-2 qmax, 2 qmax]
+    k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes (dmax = 7, INT4)
+    d    = round(diff / k)             # sent: s', k and d
+    c'   = clamp(base + d * k)
+A block whose codes all moved by at most dmax (k = 1: nearly every block) lands
+exactly on t; a faster one (small weights that the optimizer moves by many of
+their steps) lands within k/2 codes of it, as an INT4 delta of the values would,
+and the rest is in the next step's diff (carried, not lost). Every holder and
+the owner run the same float ops on the same integers and scales, so their
+copies stay bitwise identical; integer arithmetic in fp32 is exact below 2^24.
+
+The copies cost the holder 1 byte per value (plus a scale per block) instead
+of 4 for fp32 copies and their INT8 payload, and no re-quantization per step.
+
+[Note: delta wire format]
+One uint8 buffer per shard: [s' fp32 x nblocks | k uint8 x nblocks, padded to 4
+bytes | d at `delta_bits` (INT4 packed as quant.py packs it)]. The scales lead so
+that pieces cut from a gathered buffer keep them 4-byte aligned.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .quant import _QMAX, QTensor, _chunks, pack_int4, quantize, scratch_buffer, unpack_int4
+
+
+def wire_bytes(numel: int, copy_bits: int, delta_bits: int, block: int) -> int:
+    """Length of one shard's delta buffer (`numel` a multiple of `block`)."""
+    nb = numel // block
+    return nb * 4 + -(-nb // 4) * 4 + nb * block * delta_bits // 8
+
+
+def meta_bytes(numel: int, block: int) -> int:
+    """The bytes of a delta buffer that are not codes: scales and steps."""
+    nb = numel // block
+    return nb * 4 + -(-nb // 4) * 4
+
+
+def _views(buf: torch.Tensor, numel: int, bits: int, block: int, extra: int = 0):
+    """(scales, steps or None, data) views of a piece in wire format."""
+    nb = numel // block
+    scales = buf[:nb * 4].view(torch.float32)
+    steps = buf[nb * 4:nb * 4 + nb] if extra else None
+    data = buf[nb * 4 + extra:]
+    return scales, steps, data.view(torch.int8) if bits == 8 else data
+
+
+def _codes(data: torch.Tensor, bits: int, r0: int, r1: int, block: int,
+           slot: str) -> torch.Tensor:
+    """Blocks r0..r1 of a code array as fp32 integers (r1 - r0, block), in scratch."""
+    per = block if bits == 8 else block // 2
+    raw = data[r0 * per:r1 * per]
+    vals = raw if bits == 8 else unpack_int4(raw)
+    out = scratch_buffer(slot, (r1 - r0) * block, data.device).view(r1 - r0, block)
+    return out.copy_(vals.view(r1 - r0, block))
+
+
+def _store(codes: torch.Tensor, data: torch.Tensor, bits: int, r0: int, r1: int,
+           block: int) -> None:
+    per = block if bits == 8 else block // 2
+    dst = data[r0 * per:r1 * per]
+    dst.copy_(codes.view(-1) if bits == 8 else pack_int4(codes))
+
+
+def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor, qmax: int) -> torch.Tensor:
+    """The old codes on the new grid, in place: clamp(round(c * s / s')). A block
+    without a usable ratio (a zero, subnormal or non-finite scale) starts from 0."""
+    ratio = s_old / s_new
+    ratio = torch.where((s_new > 0) & torch.isfinite(ratio), ratio, 0.0)
+    c.mul_(ratio.unsqueeze(1)).round_()
+    # |c| <= qmax: only a grid that got finer (ratio > 1) can take it out of range
+    return c.clamp_(-qmax, qmax) if bool((ratio > 1).any()) else c
+
+
+def _advance(base: torch.Tensor, d: torch.Tensor, steps: torch.Tensor, qmax: int) -> torch.Tensor:
+    """c' = clamp(base + d * k), in place on base (the same ops on every rank). With
+    k = 1 everywhere, base + d is qwZ's code t, in range: no clamp."""
+    if not bool((steps > 1).any()):
+        return base.add_(d)
+    return base.add_(d.mul(steps.float().unsqueeze(1))).clamp_(-qmax, qmax)
+
+
+def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_bits: int,
+           delta_bits: int, block: int, stochastic: bool = False,
+           generator: Optional[torch.Generator] = None) -> None:
+    """The owner's side: write the delta that moves `copy` (one shard's wire bytes
+    at `copy_bits`) to qwZ's quantization of `master` into `out`, and apply it to
+    `copy`, as every holder will."""
+    numel = master.numel()
+    qc, qd = _QMAX[copy_bits], _QMAX[delta_bits]
+    target = quantize(master, copy_bits, block,
+                      out=scratch_wire("qwd_target", QTensor.wire_bytes(numel, copy_bits, block),
+                                       master.device))
+    s_old, _, c_data = _views(copy, numel, copy_bits, block)
+    extra = meta_bytes(numel, block) - numel // block * 4
+    s_new, steps, d_data = _views(out, numel, delta_bits, block, extra)
+    t_data = target.data
+    for r0, r1 in _chunks(numel // block, block):
+        sn = target.scales[r0:r1]
+        base = _base(_codes(c_data, copy_bits, r0, r1, block, "qwd_c"), s_old[r0:r1], sn, qc)
+        diff = _codes(t_data, copy_bits, r0, r1, block, "qwd_t").sub_(base)
+        amax = torch.maximum(diff.amax(1), diff.amin(1).neg())
+        # |diff| <= qd * k, so |diff / k| <= qd (division rounds correctly) and its
+        # rounding, either way, stays in range
+        k = amax.div(qd).ceil_().clamp_(1, 255)
+        if bool((k > 1).any()):  # else diff holds integers in range: nothing to round
+            diff.div_(k.unsqueeze(1))
+            if not stochastic:
+                diff.round_()
+        if stochastic:  # floor(diff + u) of an integer is itself: the same draws either way
+            diff.add_(torch.rand(diff.shape, generator=generator, device=diff.device)).floor_()
+        steps[r0:r1] = k.to(torch.uint8)
+        _store(diff, d_data, delta_bits, r0, r1, block)
+        _store(_advance(base, diff, k, qc), c_data, copy_bits, r0, r1, block)
+    s_new.copy_(target.scales)
+    s_old.copy_(target.scales)
+
+
+def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, copy_bits: int,
+          delta_bits: int, block: int) -> None:
+    """A holder's side: move `copy` (one shard's wire bytes) by the owner's delta."""
+    qc = _QMAX[copy_bits]
+    s_old, _, c_data = _views(copy, numel, copy_bits, block)
+    extra = meta_bytes(numel, block) - numel // block * 4
+    s_new, steps, d_data = _views(delta, numel, delta_bits, block, extra)
+    for r0, r1 in _chunks(numel // block, block):
+        base = _base(_codes(c_data, copy_bits, r0, r1, block, "qwd_c"), s_old[r0:r1],
+                     s_new[r0:r1], qc)
+        d = _codes(d_data, delta_bits, r0, r1, block, "qwd_t")
+        _store(_advance(base, d, steps[r0:r1], qc), c_data, copy_bits, r0, r1, block)
+    s_old.copy_(s_new)
+
+
+_WIRE: dict[tuple, torch.Tensor] = {}
+
+
+def scratch_wire(slot: str, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A reused uint8 buffer (4-byte aligned) for a wire image that dies within a call."""
+    f = scratch_buffer(slot, -(-nbytes // 4), device)
+    return f.view(torch.uint8)[:nbytes]

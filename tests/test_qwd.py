@@ -1,0 +1,89 @@
+"""qWD's code deltas (qwd.py), single process: the owner's and a holder's copies stay
+bitwise equal, and land on qwZ's INT8 of the master exactly when no code moved far."""
+
+import pytest
+import torch
+
+from zeropp import qwd
+from zeropp.quant import QTensor, quantize
+
+BLOCK, NB = 64, 12
+NUMEL = BLOCK * NB
+
+
+def _codes(wire: torch.Tensor) -> QTensor:
+    return QTensor.from_bytes(wire, (NUMEL,), torch.float32, 8, BLOCK)
+
+
+def _master() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(NB, BLOCK, generator=g) * torch.logspace(-4, 0, NB).unsqueeze(1)
+    m[3] = 0.0          # an all-zero block (scale 0) that starts moving
+    m[5] = 1.0          # LayerNorm-like: every value equal
+    return m.view(-1)
+
+
+def _walk(steps: int, stochastic: bool):
+    """Owner and holder copies through `steps` updates. Each weight moves by about
+    1e-3 (as AdamW moves every weight by about its lr): two INT8 steps of the
+    larger blocks, hundreds of the smallest ones'; at step 10 block 9 grows tenfold."""
+    g = torch.Generator().manual_seed(1)
+    m = _master()
+    owner = quantize(m, 8, BLOCK).to_bytes().clone()
+    holder = owner.clone()
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for step in range(steps):
+        m = m + torch.randn(NUMEL, generator=g) * 1e-3
+        if step == 10:
+            m.view(NB, BLOCK)[9] *= 10
+        delta = torch.empty(qwd.wire_bytes(NUMEL, 8, 4, BLOCK), dtype=torch.uint8)
+        qwd.encode(m, owner, delta, copy_bits=8, delta_bits=4, block=BLOCK,
+                   stochastic=stochastic, generator=gen)
+        qwd.apply(holder, delta, numel=NUMEL, copy_bits=8, delta_bits=4, block=BLOCK)
+        out.append((m.clone(), owner.clone(), holder.clone(), delta[NB * 4:NB * 5].int()))
+    return out
+
+
+def _large(m: torch.Tensor) -> torch.Tensor:
+    """Blocks whose INT8 step is over 1e-3 (absmax > 0.127): moves of ~1e-3 fit INT4."""
+    return m.view(NB, BLOCK).abs().amax(1) > 0.127
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochastic):
+    exact = large = 0
+    for step, (m, owner, holder, ks) in enumerate(_walk(30, stochastic)):
+        assert torch.equal(owner, holder), step
+        qwz, mine = quantize(m, 8, BLOCK), _codes(owner)
+        assert torch.equal(mine.scales, qwz.scales)  # the copy's scales are qwZ's, always
+        off = (mine.data.view(NB, BLOCK).int() - qwz.data.view(NB, BLOCK).int()).abs()
+        off = off.amax(1)
+        k = ks.int()
+        # k = 1 (every code moved by <= 7): the copy is qwZ's INT8, bit for bit;
+        # else within half a step (nearest) or a step (stochastic), the rest sent later
+        assert bool((off[k == 1] == 0).all()), (step, off, k)
+        assert bool((off <= (k - 1 if stochastic else k // 2)).all()), (step, off, k)
+        big = _large(m)
+        large += int(big.sum())
+        exact += int((off[big] == 0).sum())
+    # the blocks of weights larger than the moves are exact on every step but the
+    # jump's two (it arrives over two deltas)
+    assert large >= 30 * 4 and exact >= large - 2, (exact, large)
+
+
+def test_a_far_move_is_carried_into_the_next_deltas_not_lost():
+    walk = _walk(14, False)
+    ks = [int(x[3][9]) for x in walk]
+    assert ks[10] > 1 and ks[12] == 1 and ks[13] == 1, ks  # caught up within two steps
+    m, owner, _, _ = walk[13]
+    assert torch.equal(_codes(owner).data.view(NB, BLOCK)[9],
+                       quantize(m, 8, BLOCK).data.view(NB, BLOCK)[9])
+
+
+def test_delta_costs_half_of_qwz_int8_bytes_plus_one_byte_per_block():
+    n, block = 2048 * 8, 2048
+    int8 = QTensor.wire_bytes(n, 8, block)
+    assert qwd.wire_bytes(n, 8, 4, block) == n // 2 + 8 * 4 + 8
+    assert qwd.wire_bytes(n, 8, 4, block) / int8 == pytest.approx(0.5, abs=0.002)
+    assert qwd.meta_bytes(n, block) == 8 * 4 + 8
