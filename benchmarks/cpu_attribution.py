@@ -27,6 +27,7 @@ import torch.distributed as dist
 from _gpt_step import batch, sharded_gpt
 
 import zeropp
+import zeropp.qwd as qwd_mod
 import zeropp.weights as weights_mod
 from zeropp.launch import spawn
 
@@ -68,6 +69,8 @@ def work(preset: str, steps: int) -> dict[str, float]:
     _timed(acc, weights_mod, "dequantize", "  weight path: dequantize pieces")
     _timed(acc, weights_mod, "dequantize_gathered", "  weight path: dequantize gathered")
     _timed(acc, weights_mod.WeightPath, "issue", "  weight path: issue (incl. its quantize)")
+    _timed(acc, qwd_mod, "encode", "  weight path: qWD owner's encode")
+    _timed(acc, qwd_mod, "apply", "  weight path: qWD holder's apply")
     model, opt = sharded_gpt(preset)
     g = torch.Generator().manual_seed(dist.get_rank())
 

@@ -158,6 +158,26 @@ def release_scratch() -> None:
     _SCRATCH.clear()
 
 
+def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *, stochastic: bool = False,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Each row's scale absmax / qmax (returned) and its values / scale, rounded into
+    `v` (fp32, the rows' shape): the integers `quantize` stores."""
+    # max(amax, -amin): two fast reductions; |x| would need a temporary and
+    # vector_norm(ord=inf) is ~10x slower here. Both propagate NaN.
+    absmax = torch.maximum(xc.amax(dim=1), xc.amin(dim=1).neg())
+    s = absmax / qmax
+    s = torch.where((s == 0) & (absmax > 0), _TINY, s)
+    # Divide rather than multiply by 1/scale: a subnormal scale's inverse
+    # overflows. An all-zero block divides by 1 and stays zero.
+    torch.div(xc, torch.where(s > 0, s, 1.0).unsqueeze(1), out=v)
+    if stochastic:
+        v.add_(torch.rand(v.shape, generator=generator, device=v.device)).floor_()
+        v.clamp_(-qmax, qmax)  # |x/scale| may exceed qmax by an ulp; floor(+u) then by 1
+    else:
+        v.round_()  # |x/scale| <= qmax (+ an ulp), so it rounds into range
+    return s
+
+
 def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
              stochastic: bool = False, generator: Optional[torch.Generator] = None,
              out: Optional[torch.Tensor] = None,
@@ -196,21 +216,9 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
     data = data.view(torch.int8) if bits == 8 else data
     for r0, r1 in _chunks(nblocks, block_size):
         xc = xb[r0:r1]
-        # max(amax, -amin): two fast reductions; |x| would need a temporary and
-        # vector_norm(ord=inf) is ~10x slower here. Both propagate NaN.
-        absmax = torch.maximum(xc.amax(dim=1), xc.amin(dim=1).neg())
-        s = absmax / qmax
-        s = torch.where((s == 0) & (absmax > 0), _TINY, s)
-        scales[r0:r1] = s
         v = scratch_buffer("quantize", xc.numel(), xc.device).view(xc.shape)
-        # Divide rather than multiply by 1/scale: a subnormal scale's inverse
-        # overflows. An all-zero block divides by 1 and stays zero.
-        torch.div(xc, torch.where(s > 0, s, 1.0).unsqueeze(1), out=v)
-        if stochastic:
-            v.add_(torch.rand(v.shape, generator=generator, device=v.device)).floor_()
-            v.clamp_(-qmax, qmax)  # |x/scale| may exceed qmax by an ulp; floor(+u) then by 1
-        else:
-            v.round_()  # |x/scale| <= qmax (+ an ulp), so it rounds into range
+        s = scales[r0:r1] = round_blocks(xc, qmax, v, stochastic=stochastic,
+                                         generator=generator)
         dst = data[r0 * per_block:r1 * per_block]
         if bits == 8:
             dst.copy_(v.view(-1))  # exact: v holds integers

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from .quant import _QMAX, QTensor, _chunks, pack_int4, quantize, scratch_buffer, unpack_int4
+from .quant import _QMAX, _blocks, _chunks, pack_int4, round_blocks, scratch_buffer, unpack_int4
 
 
 def wire_bytes(numel: int, copy_bits: int, delta_bits: int, block: int) -> int:
@@ -62,14 +62,18 @@ def _views(buf: torch.Tensor, numel: int, bits: int, block: int, extra: int = 0)
     return scales, steps, data.view(torch.int8) if bits == 8 else data
 
 
+def _ints(data: torch.Tensor, bits: int, r0: int, r1: int, block: int) -> torch.Tensor:
+    """Blocks r0..r1 of a code array as int8 (r1 - r0, block)."""
+    per = block if bits == 8 else block // 2
+    raw = data[r0 * per:r1 * per]
+    return (raw if bits == 8 else unpack_int4(raw)).view(r1 - r0, block)
+
+
 def _codes(data: torch.Tensor, bits: int, r0: int, r1: int, block: int,
            slot: str) -> torch.Tensor:
     """Blocks r0..r1 of a code array as fp32 integers (r1 - r0, block), in scratch."""
-    per = block if bits == 8 else block // 2
-    raw = data[r0 * per:r1 * per]
-    vals = raw if bits == 8 else unpack_int4(raw)
     out = scratch_buffer(slot, (r1 - r0) * block, data.device).view(r1 - r0, block)
-    return out.copy_(vals.view(r1 - r0, block))
+    return out.copy_(_ints(data, bits, r0, r1, block))
 
 
 def _store(codes: torch.Tensor, data: torch.Tensor, bits: int, r0: int, r1: int,
@@ -89,12 +93,11 @@ def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor, qmax: int) 
     return c.clamp_(-qmax, qmax) if bool((ratio > 1).any()) else c
 
 
-def _advance(base: torch.Tensor, d: torch.Tensor, steps: torch.Tensor, qmax: int) -> torch.Tensor:
-    """c' = clamp(base + d * k), in place on base (the same ops on every rank). With
-    k = 1 everywhere, base + d is qwZ's code t, in range: no clamp."""
-    if not bool((steps > 1).any()):
-        return base.add_(d)
-    return base.add_(d.mul(steps.float().unsqueeze(1))).clamp_(-qmax, qmax)
+def _far(base: torch.Tensor, d: torch.Tensor, k: torch.Tensor, rows: torch.Tensor,
+         qmax: int) -> torch.Tensor:
+    """c' = clamp(base + d * k) on the blocks `rows` (those with k > 1): the same ops
+    on the owner and on every holder."""
+    return base[rows].add_(d[rows] * k[rows].float().unsqueeze(1)).clamp_(-qmax, qmax)
 
 
 def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_bits: int,
@@ -105,32 +108,33 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
     `copy`, as every holder will."""
     numel = master.numel()
     qc, qd = _QMAX[copy_bits], _QMAX[delta_bits]
-    target = quantize(master, copy_bits, block,
-                      out=scratch_wire("qwd_target", QTensor.wire_bytes(numel, copy_bits, block),
-                                       master.device))
     s_old, _, c_data = _views(copy, numel, copy_bits, block)
     extra = meta_bytes(numel, block) - numel // block * 4
     s_new, steps, d_data = _views(out, numel, delta_bits, block, extra)
-    t_data = target.data
+    xb = _blocks(master, block)
     for r0, r1 in _chunks(numel // block, block):
-        sn = target.scales[r0:r1]
+        # t: qwZ's codes of the master (quantize's arithmetic), kept in fp32
+        t = scratch_buffer("qwd_t", (r1 - r0) * block, master.device).view(r1 - r0, block)
+        s_new[r0:r1] = sn = round_blocks(xb[r0:r1], qc, t)
         base = _base(_codes(c_data, copy_bits, r0, r1, block, "qwd_c"), s_old[r0:r1], sn, qc)
-        diff = _codes(t_data, copy_bits, r0, r1, block, "qwd_t").sub_(base)
+        diff = torch.sub(t, base, out=scratch_buffer("qwd_d", t.numel(), t.device).view(t.shape))
         amax = torch.maximum(diff.amax(1), diff.amin(1).neg())
         # |diff| <= qd * k, so |diff / k| <= qd (division rounds correctly) and its
         # rounding, either way, stays in range
         k = amax.div(qd).ceil_().clamp_(1, 255)
-        if bool((k > 1).any()):  # else diff holds integers in range: nothing to round
-            diff.div_(k.unsqueeze(1))
-            if not stochastic:
-                diff.round_()
-        if stochastic:  # floor(diff + u) of an integer is itself: the same draws either way
-            diff.add_(torch.rand(diff.shape, generator=generator, device=diff.device)).floor_()
         steps[r0:r1] = k.to(torch.uint8)
+        rows = (k > 1).nonzero().squeeze(1)
+        if len(rows):  # where k = 1, d = diff exactly and the copy becomes t
+            d = diff[rows].div_(k[rows].unsqueeze(1))
+            if stochastic:
+                d.add_(torch.rand(d.shape, generator=generator, device=d.device)).floor_()
+            else:
+                d.round_()
+            diff[rows] = d
+            t[rows] = _far(base, diff, k, rows, qc)
         _store(diff, d_data, delta_bits, r0, r1, block)
-        _store(_advance(base, diff, k, qc), c_data, copy_bits, r0, r1, block)
-    s_new.copy_(target.scales)
-    s_old.copy_(target.scales)
+        _store(t, c_data, copy_bits, r0, r1, block)
+    s_old.copy_(s_new)
 
 
 def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, copy_bits: int,
@@ -143,15 +147,12 @@ def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, copy_bits: int
     for r0, r1 in _chunks(numel // block, block):
         base = _base(_codes(c_data, copy_bits, r0, r1, block, "qwd_c"), s_old[r0:r1],
                      s_new[r0:r1], qc)
-        d = _codes(d_data, delta_bits, r0, r1, block, "qwd_t")
-        _store(_advance(base, d, steps[r0:r1], qc), c_data, copy_bits, r0, r1, block)
+        d = _codes(d_data, delta_bits, r0, r1, block, "qwd_d")  # fp32: a mixed add is slow
+        k = steps[r0:r1]
+        rows = (k > 1).nonzero().squeeze(1)
+        far = _far(base, d, k, rows, qc) if len(rows) else None
+        base.add_(d)  # k = 1: t itself, in range
+        if far is not None:
+            base[rows] = far
+        _store(base, c_data, copy_bits, r0, r1, block)
     s_old.copy_(s_new)
-
-
-_WIRE: dict[tuple, torch.Tensor] = {}
-
-
-def scratch_wire(slot: str, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A reused uint8 buffer (4-byte aligned) for a wire image that dies within a call."""
-    f = scratch_buffer(slot, -(-nbytes // 4), device)
-    return f.view(torch.uint8)[:nbytes]
