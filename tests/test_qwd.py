@@ -87,3 +87,23 @@ def test_delta_costs_half_of_qwz_int8_bytes_plus_one_byte_per_block():
     assert qwd.wire_bytes(n, 8, 4, block) == n // 2 + 8 * 4 + 8
     assert qwd.wire_bytes(n, 8, 4, block) / int8 == pytest.approx(0.5, abs=0.002)
     assert qwd.meta_bytes(n, block) == 8 * 4 + 8
+
+
+def test_stochastic_moves_at_the_limit_stay_in_range_and_holders_equal_the_owner():
+    """Every block moves by exactly 7 * k (k = 2): d = floor(7 + u) with u in [0, 1),
+    which fp32 rounds to 8 for u >= 1 - 2^-22 (about 4 of these 4M draws per seed). An
+    8 packed into a nibble would corrupt the byte and the holder's copy."""
+    block, nb = 2048, 2048
+    n = block * nb
+    old = torch.zeros(nb, block)
+    old[:, 0] = 127.0                        # scale 1, codes [127, 0, 0, ...]
+    master = torch.full((nb, block), 14.0)
+    master[:, 0] = 127.0                     # same scale, the other codes move by 14
+    copy = quantize(old.view(-1), 8, block).to_bytes()
+    delta = torch.empty(qwd.wire_bytes(n, 8, 4, block), dtype=torch.uint8)
+    for seed in range(3):
+        owner, holder = copy.clone(), copy.clone()
+        qwd.encode(master.view(-1), owner, delta, copy_bits=8, delta_bits=4, block=block,
+                   stochastic=True, generator=torch.Generator().manual_seed(seed))
+        qwd.apply(holder, delta, numel=n, copy_bits=8, delta_bits=4, block=block)
+        assert torch.equal(owner, holder), seed

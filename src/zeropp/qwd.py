@@ -119,8 +119,8 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
         base = _base(_codes(c_data, copy_bits, r0, r1, block, "qwd_c"), s_old[r0:r1], sn, qc)
         diff = torch.sub(t, base, out=scratch_buffer("qwd_d", t.numel(), t.device).view(t.shape))
         amax = torch.maximum(diff.amax(1), diff.amin(1).neg())
-        # |diff| <= qd * k, so |diff / k| <= qd (division rounds correctly) and its
-        # rounding, either way, stays in range
+        # |diff| <= qd * k, so |diff / k| <= qd (division rounds correctly): nearest
+        # rounding stays in range; floor(qd + u) is qd + 1 where fp32 rounds qd + u up
         k = amax.div(qd).ceil_().clamp_(1, 255)
         steps[r0:r1] = k.to(torch.uint8)
         rows = (k > 1).nonzero().squeeze(1)
@@ -128,6 +128,7 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
             d = diff[rows].div_(k[rows].unsqueeze(1))
             if stochastic:
                 d.add_(torch.rand(d.shape, generator=generator, device=d.device)).floor_()
+                d.clamp_(-qd, qd)
             else:
                 d.round_()
             diff[rows] = d

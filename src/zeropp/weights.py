@@ -21,7 +21,8 @@ places piece (i, k) at slot k*P + i: the same bytes a world gather puts there.
             across; with hpZ the rank then keeps its pieces of the result.
   hier      stage 1 across nodes among same-local-index ranks -> the N pieces of
             the secondary; stage 2 inside the node. (N-1)/N of the payload per
-            node crosses. Bitwise equal to `world`.
+            node crosses. Bitwise equal to `world` (but for a full refresh of qWD's
+            INT8 copies without qwZ's INT8: the forward then computes with the copies).
   secondary hpZ: stage 2 only, from a current secondary (nothing crosses nodes).
   delta     qWD: the secondary persists across steps. After an optimizer step each
             owner all-gathers a delta of its shard in the inter-node group, every
