@@ -55,16 +55,18 @@ class Config:
     """Gather weights across nodes among same-local-index ranks first, then inside the
     node: (N-1)/N of the payload crosses per node instead of (W-1)/W."""
     weight_delta: bool = False
-    """qWD (needs hpZ at the node size): secondaries persist at compute precision and are
-    refreshed after each optimizer step by a quantized difference from each shard's owner."""
+    """qWD (needs hpZ at the node size): secondaries persist across steps and are
+    refreshed after each optimizer step by a quantized delta from each shard's owner."""
     weight_delta_bits: int = 4
-    """Bits per value of the qWD weight differences."""
+    """Bits per value of the qWD deltas (moves of the copies' codes, or differences)."""
     weight_copy_bits: Optional[int] = 8
-    """qWD: the copies travel inside the node as INT8 blocks, quantized once per step
-    (the bytes of ZeRO++'s INT8 secondary); None gathers them at the compute dtype."""
+    """qWD: the copies are qwZ's INT8 blocks of the masters (the bytes of ZeRO++'s INT8
+    secondary, which the node gathers), moved by integer code deltas (qwd.py); None
+    keeps them exact at the compute dtype, refreshed by quantized value differences."""
     weight_delta_stochastic_rounding: bool = False
-    """qWD: round the differences stochastically (unbiased) instead of to nearest; with
-    nearest, updates under half a step wait in the carried error (the copy lags)."""
+    """qWD: round the deltas stochastically (unbiased) instead of to nearest; with
+    nearest, exact copies lag updates under half a step (carried in the error), and
+    INT8 copies lag only in blocks whose codes moved by more than the delta's range."""
     weight_refresh_every: Optional[int] = None
     """qWD: a full (qwZ INT8 or exact) refresh every this many optimizer steps; None = only
     when needed (first step, after a load, after an edit outside the optimizer)."""
@@ -236,7 +238,7 @@ NAMED = {
 }
 # Short names of the switches "NAME~SWITCH" flips (ablations): booleans are
 # negated, intra8 toggles the intra-node gradient hop between 8 and 4 bits, copy8
-# the qWD copies' intra-node payload between INT8 and the compute dtype, deep and
+# qWD's copies between INT8 codes and exact ones at the compute dtype, deep and
 # buckets the prefetch depth and the reduce pipeline's full gradients between 1 and 2.
 SWITCHES = {"hier": "hierarchical_gather", "qwd": "weight_delta", "rotation": "gradient_rotation",
             "sr": "gradient_stochastic_rounding", "ef": "gradient_error_feedback",

@@ -156,13 +156,14 @@ def recommend(rows: list[dict]) -> str:
     if max(pair.values()) < (1 + NEAR_TIE) * min(pair.values()):
         line += (f" The two presets are within {NEAR_TIE:.0%} here, and this model leaves "
                  "out zeropp-plus's extra quantization passes (measured on CPU: its compute "
-                 "1.08-1.14x ZeRO++'s): measure with `zeropp bench --rounds 3`.")
+                 "0.96-1.10x ZeRO++'s): measure with `zeropp bench --rounds 3`.")
     return line
 
 
 # Below this margin the preset choice rests on what the model leaves out: zeropp-plus's
-# quantization passes (qWD's delta encode and decode, the copies' INT8 payload, error
-# feedback) made its unshaped step 1.08-1.14x ZeRO++'s on this CPU (benchmarks/RESULTS.md).
+# quantization passes (qWD's delta encode and apply, its 8-bit intra-node gradient hop,
+# error feedback) make its unshaped step 0.96-1.10x ZeRO++'s on this CPU (medians of
+# rounds and paired steps, benchmarks/RESULTS.md, eleventh session).
 NEAR_TIE = 0.05
 
 
