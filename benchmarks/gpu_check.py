@@ -15,6 +15,8 @@ Checks, each a row (ok / FAILED, what was measured, seconds):
                the synchronous path, zeropp-plus: bitwise equal weights after 4 steps
   quant        INT8 and INT4 blockwise quantize + dequantize of 64 MiB (CPU: 16 MiB)
                into preallocated outputs, against a copy of the same bytes: GB/s
+  qwd          qWD's code deltas: owner and holder copies bitwise equal on the
+               device, and equal to the CPU's bytes for the same moves
   memory       memory_stats per preset after training, and the device's peak
 Exit status 1 if any check fails. Nothing here is a pass/fail timing: throughput
 rows are measurements.
@@ -178,6 +180,33 @@ def check_quant(device: str) -> list[dict]:
     return rows
 
 
+def check_qwd(device: str) -> dict:
+    """qWD's code deltas on the device: 20 moves of a 1M-value shard (a tenth of the
+    blocks moving far, so both k = 1 and k > 1 run), the holder's copy bitwise the
+    owner's, and both bitwise what the same ops give on the CPU."""
+    from zeropp import qwd
+    from zeropp.quant import quantize
+    t0 = time.perf_counter()
+    n, block = 2**20, 2048
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(n, generator=g) * 0.02
+    copies = {d: quantize(m.to(d), 8, block).to_bytes().clone() for d in {device, "cpu"}}
+    holder = copies[device].clone()
+    same = True
+    for _ in range(20):
+        m = m + torch.randn(n, generator=g) * 2e-4
+        m.view(-1, block)[::10] += torch.randn(n // block // 10 + 1, block, generator=g) * 0.01
+        for d, c in copies.items():
+            out = torch.empty(qwd.wire_bytes(n, 8, 4, block), dtype=torch.uint8, device=d)
+            qwd.encode(m.to(d), c, out, copy_bits=8, delta_bits=4, block=block)
+            if d == device:
+                qwd.apply(holder, out, numel=n, copy_bits=8, delta_bits=4, block=block)
+                same &= torch.equal(holder, c)
+    cpu_equal = torch.equal(copies[device].cpu(), copies["cpu"])
+    return {"check": "qwd", "ok": same and cpu_equal, "seconds": time.perf_counter() - t0,
+            "measured": f"owner = holder on {device}: {same}; = CPU's bytes: {cpu_equal}"}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"],
@@ -193,7 +222,8 @@ def main() -> int:
     for name, run in (("train", lambda: check_train(a.device, a.timeout)),
                       ("w1", lambda: [check_w1(a.device, a.timeout)]),
                       ("pipeline", lambda: [check_pipeline(a.device, a.timeout)]),
-                      ("quant", lambda: check_quant(a.device))):
+                      ("quant", lambda: check_quant(a.device)),
+                      ("qwd", lambda: [check_qwd(a.device)])):
         try:
             rows += run()
         except Exception as e:  # noqa: BLE001 - a failed check is a row, the others still run

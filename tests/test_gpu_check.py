@@ -23,6 +23,6 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     names = [row["check"] for row in rows]
     assert names == ["train zero3", "train zeropp", "train zeropp-plus", "w1 (gloo)",
-                     "pipeline async == sync", "quant int8", "quant int4"]
+                     "pipeline async == sync", "quant int8", "quant int4", "qwd"]
     assert all(row["ok"] for row in rows)
     assert "| zeropp-plus |" in r.stdout  # the memory table
