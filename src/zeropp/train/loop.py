@@ -215,13 +215,13 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     bar = _Progress(a.steps, a.log_every, rank == 0)
     val = None
-    zeropp.reset_comm_stats(model)
     try:
         for step in range(start, a.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, a)
             for g in opt.param_groups:
                 g["lr"] = lr
+            zeropp.reset_comm_stats(model)
             loss_sum = 0.0
             for _ in range(a.accum):
                 x, y = get_batch(train_ids, a.batch, a.seq_len, gen)
@@ -236,11 +236,8 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
                 skipped += 1
             opt.zero_grad()
             dt = time.perf_counter() - t0
-            # one small all-reduce: the mean loss and each node's bytes since the last row
-            # (an evaluation's gathers count in the next step's: after an optimizer step
-            # they carry qWD's deltas, which that step then does not send)
+            # one small all-reduce: the mean loss and each node's bytes this step
             s = zeropp.comm_stats(model)
-            zeropp.reset_comm_stats(model)
             v = torch.zeros(1 + 2 * topo.num_nodes, dtype=torch.float64, device=device)
             v[0] = loss_sum / world
             v[1 + topo.node] = s["inter_node_bytes"]
