@@ -91,6 +91,21 @@ def test_compare_zero3_and_zeropp_val_loss_within_2pct(tmp_path, capsys):
     assert "final val loss" in printed and str(out) in printed
 
 
+@pytest.mark.parametrize("preset", ["zeropp", "zeropp-plus"])
+def test_the_step_after_an_evaluation_counts_the_refresh_the_evaluation_sent(preset, tmp_path):
+    """With hpZ an evaluation after a step refreshes the secondaries (zeropp: a world
+    gather; zeropp-plus: qWD's deltas) and the next step sends no weight bytes across
+    nodes: its row counts the evaluation's inter-node bytes, so every step after the
+    first (a full gather) shows the same bytes, evaluation or not."""
+    out = tmp_path / preset
+    assert main(["train", *SMALL, "--steps", "6", "--eval-every", "2", "--preset", preset,
+                 "--out", str(out)]) == 0
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum("val_loss" in m for m in metrics) == 3
+    steady = {m["inter_node_bytes"] for m in metrics[1:]}
+    assert len(steady) == 1 and steady.pop() > 0, [m["inter_node_bytes"] for m in metrics]
+
+
 def test_non_finite_steps_are_skipped_counted_and_the_run_goes_on(tmp_path):
     out = tmp_path / "nan"
     r = _cli(*SMALL, "--steps", "6", "--lr", "1e25", "--warmup", "1", "--clip", "1e30",

@@ -214,7 +214,7 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
     start, skipped, history = _resume(a, out, model, opt, gen, rank)
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     bar = _Progress(a.steps, a.log_every, rank == 0)
-    val = None
+    val, carry = None, 0.0
     try:
         for step in range(start, a.steps):
             t0 = time.perf_counter()
@@ -240,7 +240,7 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
             s = zeropp.comm_stats(model)
             v = torch.zeros(1 + 2 * topo.num_nodes, dtype=torch.float64, device=device)
             v[0] = loss_sum / world
-            v[1 + topo.node] = s["inter_node_bytes"]
+            v[1 + topo.node], carry = s["inter_node_bytes"] + carry, 0.0
             v[1 + topo.num_nodes + topo.node] = s["intra_node_bytes"]
             dist.all_reduce(v)
             inter = v[1:1 + topo.num_nodes].max().item()
@@ -250,6 +250,12 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
                    "inter_node_bytes": inter, "intra_node_bytes": intra, "skipped": not ok}
             if (step + 1) % a.eval_every == 0 or step == a.steps - 1:
                 val = row["val_loss"] = _val_loss(model, val_ids, a, rank, world)
+                if cfg.hpz_partition_size > 1:
+                    # With hpZ the evaluation's first forward after a step refreshes the
+                    # secondaries (a world gather, or qWD's deltas), which the next step
+                    # then does not send; its later forwards gather inside the node. So
+                    # every inter-node byte it sent is the next step's: count it there.
+                    carry = zeropp.comm_stats(model)["inter_node_bytes"] - s["inter_node_bytes"]
             history.append(row)
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
