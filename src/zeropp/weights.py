@@ -89,9 +89,9 @@ class WeightPath:
         self.generator: Optional[torch.Generator] = None  # the owner's rounding (stochastic)
         self.seed = topo.rank * 1_000_003 + 7 + zlib.crc32(flat.name.encode())
         self.secondary: Optional[torch.Tensor] = None  # W/P pieces: wire bytes or compute dtype
-        # qWD's copies as wire bytes of this many bits (None: exact, at the compute dtype)
         self.current_for: Optional[tuple] = None  # master version the secondary stands for
         self.stepped_at: Optional[tuple] = None   # master version right after the last step
+        # qWD's copies as wire bytes of this many bits (None: exact, at the compute dtype)
         self.copy_bits = cfg.weight_copy_bits if self.delta else None
         self.deltas = 0                           # deltas since the last full refresh
 
