@@ -62,18 +62,13 @@ def _views(buf: torch.Tensor, numel: int, bits: int, block: int, extra: int = 0)
     return scales, steps, data.view(torch.int8) if bits == 8 else data
 
 
-def _ints(data: torch.Tensor, bits: int, r0: int, r1: int, block: int) -> torch.Tensor:
-    """Blocks r0..r1 of a code array as int8 (r1 - r0, block)."""
-    per = block if bits == 8 else block // 2
-    raw = data[r0 * per:r1 * per]
-    return (raw if bits == 8 else unpack_int4(raw)).view(r1 - r0, block)
-
-
 def _codes(data: torch.Tensor, bits: int, r0: int, r1: int, block: int,
            slot: str) -> torch.Tensor:
     """Blocks r0..r1 of a code array as fp32 integers (r1 - r0, block), in scratch."""
+    per = block if bits == 8 else block // 2
+    raw = data[r0 * per:r1 * per]
     out = scratch_buffer(slot, (r1 - r0) * block, data.device).view(r1 - r0, block)
-    return out.copy_(_ints(data, bits, r0, r1, block))
+    return out.copy_((raw if bits == 8 else unpack_int4(raw)).view(r1 - r0, block))
 
 
 def _store(codes: torch.Tensor, data: torch.Tensor, bits: int, r0: int, r1: int,

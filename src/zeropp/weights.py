@@ -134,6 +134,13 @@ class WeightPath:
         return self._issue_world(comm, op)
 
     @property
+    def _recodes(self) -> bool:
+        """Whether qWD's copies differ from the gathered pieces as they come: exact
+        copies of qwZ's INT8, or codes of a gather that is exact or of other bits."""
+        f = self.flat
+        return self.delta and (not f.quantized_gather or self.copy_bits != f.weight_bits)
+
+    @property
     def _is_wire(self) -> bool:
         """Whether the secondary holds wire bytes (qwZ without qWD) rather than weights."""
         return self.flat.quantized_gather and not self.delta
@@ -186,7 +193,7 @@ class WeightPath:
         if self.p == 1:
             return
         f = self.flat
-        if self.delta and (not wire or self.copy_bits != f.weight_bits):
+        if self._recodes:
             gathered, wire = f.full, False  # take the copies from the full weights
         mine = gathered.view(-1, self.p, gathered.numel() // f.world_size)[:, self.index]
         if self.copy_bits is not None and not wire:
@@ -218,8 +225,7 @@ class WeightPath:
             wire = f.quantized_gather
             mine, bits = out, (f.weight_bits if wire else None)
             if self.p > 1:
-                if self.delta and (not wire or self.copy_bits != f.weight_bits):
-                    # the copies are weights (exact), or codes at other bits than qwZ's
+                if self._recodes:  # the copies are weights, or codes of other bits
                     mine, bits = (self._dequantized(out, n) if wire else out), None
                     if self.copy_bits is not None:
                         mine, bits = self._as_codes(mine.view(n, -1)), self.copy_bits
@@ -273,19 +279,9 @@ class WeightPath:
         inter-node group); each applies it to its copy, then stage 2."""
         if self.stochastic and self.generator is None:
             self.generator = torch.Generator(device=self.flat.full.device).manual_seed(self.seed)
-        if self.copy_bits is not None:
-            return self._issue_code_delta(comm, op)
-        f = self.flat
-        n, numel = self.secondary.numel() // f.shard_numel, f.shard_numel
-        copies = self.secondary.view(n, numel)
-        diff = torch.sub(f.primary_shard.detach().float(), copies[self.outer_index].float(),
-                         out=scratch_buffer("delta", numel, copies.device))
-        # The owner applies its own delta now, as every holder will decode it (the
-        # encode's `dequantized`, bit for bit), instead of unpacking its own bytes later.
-        own = scratch_buffer("delta_own", numel, copies.device)
-        send = quantize(diff, self.delta_bits, f.block, stochastic=self.stochastic,
-                        generator=self.generator, dequantized=own).to_bytes()
-        copies[self.outer_index].add_(own)
+        n = self.flat.world_size // self.p
+        encode = self._code_delta if self.copy_bits is not None else self._value_delta
+        send, apply, meta_bytes = encode(self.secondary.view(n, -1))
         out = torch.empty(n * send.numel(), dtype=torch.uint8, device=send.device)
         # Until `then` has run, the copies are mid-update (the owner's piece holds its
         # delta already): if the collective fails, the next gather refreshes in full,
@@ -293,45 +289,46 @@ class WeightPath:
         version, self.stepped_at = self.stepped_at, None
 
         def then() -> None:
-            part = scratch_buffer("delta_part", numel, out.device)
             for k, piece in enumerate(out.view(n, -1)):
-                if k == self.outer_index:
-                    continue  # applied at the encode
-                q = QTensor.from_bytes(piece, (numel,), torch.float32, self.delta_bits, f.block)
-                copies[k].add_(dequantize(q, out=part))  # the same op on every holder
-            self.current_for, self.stepped_at = version, None
-            self.deltas += 1
-            self._inner(comm, self.secondary, f"{op}/hpz", "hpz", None).wait()
-        return comm.all_gather(out, send, op=f"{op}/delta", group="inter_node",
-                               scale_bytes=n * (numel // f.block) * 4, then=then)
-
-    def _issue_code_delta(self, comm: Comm, op: str) -> Pending:
-        """qWD on INT8 copies: the owner moves its copy's codes to qwZ's INT8 of its
-        master and sends how they moved (qwd.py); every holder moves its copy the same."""
-        f = self.flat
-        numel, bits, dbits = f.shard_numel, self.copy_bits, self.delta_bits
-        n = self.flat.world_size // self.p
-        copies = self.secondary.view(n, -1)
-        db = qwd.wire_bytes(numel, bits, dbits, f.block)
-        send = torch.empty(db, dtype=torch.uint8, device=copies.device)
-        qwd.encode(f.primary_shard.detach(), copies[self.outer_index], send, copy_bits=bits,
-                   delta_bits=dbits, block=f.block, stochastic=self.stochastic,
-                   generator=self.generator)
-        out = torch.empty(n * db, dtype=torch.uint8, device=send.device)
-        # Until `then` has run the copies are mid-update (the owner's piece already
-        # moved): if the collective fails, the next gather refreshes in full.
-        version, self.stepped_at = self.stepped_at, None
-
-        def then() -> None:
-            for k, piece in enumerate(out.view(n, db)):
                 if k != self.outer_index:  # the owner's own piece moved at the encode
-                    qwd.apply(copies[k], piece, numel=numel, copy_bits=bits, delta_bits=dbits,
-                              block=f.block)
+                    apply(k, piece)        # the same ops on every holder
             self.current_for, self.stepped_at = version, None
             self.deltas += 1
-            self._inner(comm, self.secondary, f"{op}/hpz", "hpz", bits).wait()
+            self._inner(comm, self.secondary, f"{op}/hpz", "hpz", self.copy_bits).wait()
         return comm.all_gather(out, send, op=f"{op}/delta", group="inter_node",
-                               scale_bytes=n * qwd.meta_bytes(numel, f.block), then=then)
+                               scale_bytes=n * meta_bytes, then=then)
+
+    def _value_delta(self, copies: torch.Tensor):
+        """Exact copies: the owner sends q(master - its copy) and adds what every holder
+        will decode (the encode's `dequantized`, bit for bit) instead of unpacking its
+        own bytes. Returns (bytes to send, apply(k, piece), non-code bytes per piece)."""
+        f = self.flat
+        numel = f.shard_numel
+        diff = torch.sub(f.primary_shard.detach().float(), copies[self.outer_index].float(),
+                         out=scratch_buffer("delta", numel, copies.device))
+        own = scratch_buffer("delta_own", numel, copies.device)
+        send = quantize(diff, self.delta_bits, f.block, stochastic=self.stochastic,
+                        generator=self.generator, dequantized=own).to_bytes()
+        copies[self.outer_index].add_(own)
+
+        def apply(k: int, piece: torch.Tensor) -> None:
+            q = QTensor.from_bytes(piece, (numel,), torch.float32, self.delta_bits, f.block)
+            copies[k].add_(dequantize(q, out=scratch_buffer("delta_part", numel, piece.device)))
+        return send, apply, numel // f.block * 4
+
+    def _code_delta(self, copies: torch.Tensor):
+        """INT8 copies: the owner moves its copy's codes to qwZ's INT8 of its master and
+        sends how they moved (qwd.py); holders move theirs the same. Returns as above."""
+        f = self.flat
+        kw = dict(copy_bits=self.copy_bits, delta_bits=self.delta_bits, block=f.block)
+        send = torch.empty(qwd.wire_bytes(f.shard_numel, **kw), dtype=torch.uint8,
+                           device=copies.device)
+        qwd.encode(f.primary_shard.detach(), copies[self.outer_index], send,
+                   stochastic=self.stochastic, generator=self.generator, **kw)
+
+        def apply(k: int, piece: torch.Tensor) -> None:
+            qwd.apply(copies[k], piece, numel=f.shard_numel, **kw)
+        return send, apply, qwd.meta_bytes(f.shard_numel, f.block)
 
     # ---- checkpoints -------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:

@@ -250,11 +250,11 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
                    "inter_node_bytes": inter, "intra_node_bytes": intra, "skipped": not ok}
             if (step + 1) % a.eval_every == 0 or step == a.steps - 1:
                 val = row["val_loss"] = _val_loss(model, val_ids, a, rank, world)
-                if cfg.hpz_partition_size > 1:
-                    # With hpZ the evaluation's first forward after a step refreshes the
-                    # secondaries (a world gather, or qWD's deltas), which the next step
-                    # then does not send; its later forwards gather inside the node. So
-                    # every inter-node byte it sent is the next step's: count it there.
+                if 1 < cfg.hpz_partition_size <= topo.node_size:
+                    # With hpZ inside the node the evaluation's first forward after a step
+                    # refreshes the secondaries (a world gather, or qWD's deltas), which
+                    # the next step then does not send; its later forwards gather inside
+                    # the node. So every inter-node byte it sent is the next step's.
                     carry = zeropp.comm_stats(model)["inter_node_bytes"] - s["inter_node_bytes"]
             history.append(row)
             if metrics is not None:
