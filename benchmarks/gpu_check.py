@@ -92,7 +92,10 @@ def _train(device: str, cfg: zeropp.Config) -> dict:
     full = zeropp.full_state_dict(m, all_ranks=True)
     digest = torch.cat([v.float().reshape(-1).cpu() for _, v in sorted(full.items())])
     mine = digest.clone()
+    if dist.get_backend() == "nccl":  # NCCL moves CUDA tensors only
+        digest = digest.cuda()
     dist.broadcast(digest, src=0)
+    digest = digest.cpu()
     return {"losses": losses, "same_on_every_rank": bool(torch.equal(mine, digest)),
             "weights": digest.tolist() if rank == 0 else None,
             "memory": zeropp.memory_stats(m, opt),
@@ -192,8 +195,9 @@ def check_qwd(device: str) -> dict:
     m = torch.randn(n, generator=g) * 0.02
     copies = {d: quantize(m.to(d), 8, block).to_bytes().clone() for d in {device, "cpu"}}
     holder = copies[device].clone()
-    same = True
-    for _ in range(20):
+    same, first = True, _differs(copies, n, block)
+    where = "at the initial quantize" if first else None
+    for move in range(20):
         m = m + torch.randn(n, generator=g) * 2e-4
         m.view(-1, block)[::10] += torch.randn(n // block // 10 + 1, block, generator=g) * 0.01
         for d, c in copies.items():
@@ -202,9 +206,87 @@ def check_qwd(device: str) -> dict:
             if d == device:
                 qwd.apply(holder, out, numel=n, copy_bits=8, delta_bits=4, block=block)
                 same &= torch.equal(holder, c)
+        if where is None and _differs(copies, n, block):
+            where = f"from move {move + 1}"
     cpu_equal = torch.equal(copies[device].cpu(), copies["cpu"])
-    return {"check": "qwd", "ok": same and cpu_equal, "seconds": time.perf_counter() - t0,
-            "measured": f"owner = holder on {device}: {same}; = CPU's bytes: {cpu_equal}"}
+    vs_cpu = "True" if cpu_equal else f"False ({where}; {_differs(copies, n, block)})"
+    enc, app, syncs = _qwd_cost(device, qwd, quantize)
+    # A run never mixes devices: every rank's copies come from the same device's ops, so
+    # the check is owner = holder; the CPU comparison says whether the device's float
+    # ops are the CPU's bit for bit.
+    return {"check": "qwd", "ok": same, "seconds": time.perf_counter() - t0,
+            "measured": f"owner = holder on {device}: {same}; = CPU's bytes: {vs_cpu}; "
+                        f"442K-value shard: encode {enc:.3f} ms, apply {app:.3f} ms, "
+                        f"host syncs {syncs}"}
+
+
+def _differs(copies: dict, n: int, block: int) -> str:
+    """'' if every device's copy has the same bytes, else how many scales and codes
+    differ, and by how many codes at most."""
+    from zeropp.quant import QTensor
+    if len(copies) == 1:
+        return ""
+    q = [QTensor.from_bytes(c.cpu(), (n,), torch.float32, 8, block) for c in copies.values()]
+    scales = int((q[0].scales != q[1].scales).sum())
+    codes = (q[0].data.int() - q[1].data.int()).abs()
+    if not scales and not int(codes.amax()):
+        return ""
+    return f"{scales} scales and {int((codes > 0).sum())} codes differ, by <= {int(codes.amax())}"
+
+
+def _qwd_cost(device: str, qwd, quantize) -> tuple[float, float, str]:
+    """Milliseconds per encode and apply of a gpt-6x384-sized shard (442,368 values,
+    216 blocks), best of 10; on CUDA also the host synchronisations each one makes
+    (torch's sync debug mode counts them)."""
+    import warnings
+    n, block = 442368, 2048
+    g = torch.Generator().manual_seed(1)
+    m = (torch.randn(n, generator=g) * 0.02).to(device)
+    copy = quantize(m, 8, block).to_bytes().clone()
+    holder = copy.clone()
+    out = torch.empty(qwd.wire_bytes(n, 8, 4, block), dtype=torch.uint8, device=device)
+    m2 = m + (torch.randn(n, generator=g) * 2e-4).to(device)
+
+    def enc():
+        c = copy.clone()
+        qwd.encode(m2, c, out, copy_bits=8, delta_bits=4, block=block)
+
+    def app():
+        qwd.apply(holder.clone(), out, numel=n, copy_bits=8, delta_bits=4, block=block)
+    acc = zeropp.get_accelerator()
+    times = {}
+    for name, f in (("enc", enc), ("app", app)):
+        f()
+        best = float("inf")
+        for _ in range(10):
+            acc.synchronize()
+            t0 = time.perf_counter()
+            f()
+            acc.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        times[name] = best * 1e3
+    syncs = "n/a (CPU)"
+    if device == "cuda":
+        counts = []
+        for f in (enc, app):
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    f()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            counts.append(sum("synchroniz" in str(x.message) for x in w))
+        syncs = f"encode {counts[0]}, apply {counts[1]}"
+    return times["enc"], times["app"], syncs
+
+
+def _why(e: Exception) -> str:
+    """A failure in one line: the first line and the last (a worker's error ends its
+    traceback)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]
+    return (lines[0] + (" ... " + lines[-1] if len(lines) > 1 else ""))[:400]
 
 
 def main() -> int:
@@ -228,7 +310,7 @@ def main() -> int:
             rows += run()
         except Exception as e:  # noqa: BLE001 - a failed check is a row, the others still run
             rows.append({"check": name, "ok": False, "seconds": 0.0,
-                         "measured": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+                         "measured": f"{type(e).__name__}: {_why(e)}"})
     dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     print(f"## gpu_check on {dev} (torch {torch.__version__}), "
           f"{time.perf_counter() - t0:.0f} s\n")

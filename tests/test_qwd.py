@@ -50,8 +50,18 @@ def _large(m: torch.Tensor) -> torch.Tensor:
     return m.view(NB, BLOCK).abs().amax(1) > 0.127
 
 
+def _device_path(monkeypatch) -> None:
+    """What a CUDA shard runs, here: every block through the k > 1 formula (finding
+    the k > 1 blocks would sync the host)."""
+    monkeypatch.setattr(qwd, "_far_rows", lambda k: slice(None))
+
+
+@pytest.mark.parametrize("path", ["cpu", "device"])
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
-def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochastic):
+def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochastic, path,
+                                                                      monkeypatch):
+    if path == "device":
+        _device_path(monkeypatch)
     exact = large = 0
     for step, (m, owner, holder, ks) in enumerate(_walk(30, stochastic)):
         assert torch.equal(owner, holder), step
@@ -70,6 +80,15 @@ def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochast
     # the blocks of weights larger than the moves are exact on every step but the
     # jump's two (it arrives over two deltas)
     assert large >= 30 * 4 and exact >= large - 2, (exact, large)
+
+
+def test_the_device_path_sends_and_keeps_the_same_bytes_as_the_cpu_path(monkeypatch):
+    """Nearest rounding: the sync-free path (all blocks through the k > 1 formula)
+    gives the CPU path's deltas and copies bit for bit, over 30 steps and a jump."""
+    cpu = _walk(30, False)
+    _device_path(monkeypatch)
+    for step, (a, b) in enumerate(zip(cpu, _walk(30, False))):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), step
 
 
 def test_a_far_move_is_carried_into_the_next_deltas_not_lost():

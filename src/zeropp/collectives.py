@@ -212,6 +212,12 @@ class Comm:
         # into the receive buffer, the one chunk-sized allocation, which is the
         # result. (own + received equals received + own bit for bit: IEEE addition
         # commutes.) The root's tied embedding makes a chunk 51 MB at GPT-2 355M.
+        # gloo's send and recv read host memory: with a CUDA tensor's pointer they fail
+        # in writev ("Bad address", gpu_check on an H200 with torch 2.11), where its
+        # collectives stage through the host themselves. So the ring runs on a host copy.
+        device = full.device
+        if full.is_cuda:
+            chunks = full.cpu().view(g, -1)
         right, left = (i + 1) % g, (i - 1) % g
         send, recv = chunks[(i - 1) % g], torch.empty_like(chunks[0])
         for s in range(g - 1):
@@ -225,7 +231,7 @@ class Comm:
                 send = mine.add_(recv)
             else:
                 recv.add_(mine)
-        return recv
+        return recv.to(device)
 
     def all_reduce(self, t: torch.Tensor, *, op: str,
                    reduce_op: Any = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -84,15 +84,28 @@ def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor, qmax: int) 
     ratio = s_old / s_new
     ratio = torch.where((s_new > 0) & torch.isfinite(ratio), ratio, 0.0)
     c.mul_(ratio.unsqueeze(1)).round_()
-    # |c| <= qmax: only a grid that got finer (ratio > 1) can take it out of range
-    return c.clamp_(-qmax, qmax) if bool((ratio > 1).any()) else c
+    # |c| <= qmax: only a grid that got finer (ratio > 1) can take it out of range.
+    # On a device the test would cost a host sync, and the clamp is the identity on
+    # codes in range, so it always clamps there.
+    return c.clamp_(-qmax, qmax) if c.is_cuda or bool((ratio > 1).any()) else c
+
+
+def _far_rows(k: torch.Tensor):
+    """The blocks that need the k > 1 formula: on the CPU those with k > 1 (nearly
+    none; None if none), on a device all of them (slice(None)), because finding them
+    syncs the host, and for k = 1 the formula gives the same bits: d = round(diff / 1)
+    = diff and clamp(base + d) = t, integers in range."""
+    if k.is_cuda:
+        return slice(None)
+    rows = (k > 1).nonzero().squeeze(1)
+    return rows if len(rows) else None
 
 
 def _far(base: torch.Tensor, d: torch.Tensor, k: torch.Tensor, rows: torch.Tensor,
          qmax: int) -> torch.Tensor:
     """c' = clamp(base + d * k) on the blocks `rows` (those with k > 1): the same ops
     on the owner and on every holder."""
-    return base[rows].add_(d[rows] * k[rows].float().unsqueeze(1)).clamp_(-qmax, qmax)
+    return torch.add(base[rows], d[rows] * k[rows].float().unsqueeze(1)).clamp_(-qmax, qmax)
 
 
 def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_bits: int,
@@ -118,12 +131,15 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
         # rounding stays in range; floor(qd + u) is qd + 1 where fp32 rounds qd + u up
         k = amax.div(qd).ceil_().clamp_(1, 255)
         steps[r0:r1] = k.to(torch.uint8)
-        rows = (k > 1).nonzero().squeeze(1)
-        if len(rows):  # where k = 1, d = diff exactly and the copy becomes t
-            d = diff[rows].div_(k[rows].unsqueeze(1))
+        rows = _far_rows(k)
+        if rows is not None:  # where k = 1, d = diff exactly and the copy becomes t
+            d = diff[rows].div(k[rows].unsqueeze(1))
             if stochastic:
                 d.add_(torch.rand(d.shape, generator=generator, device=d.device)).floor_()
                 d.clamp_(-qd, qd)
+                # k = 1 rows (a device runs them all here) keep d = diff: floor(3 + u)
+                # is 4 where fp32 rounds 3 + u up
+                d = torch.where((k[rows] > 1).unsqueeze(1), d, diff[rows])
             else:
                 d.round_()
             diff[rows] = d
@@ -145,8 +161,8 @@ def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, copy_bits: int
                      s_new[r0:r1], qc)
         d = _codes(d_data, delta_bits, r0, r1, block, "qwd_d")  # fp32: a mixed add is slow
         k = steps[r0:r1]
-        rows = (k > 1).nonzero().squeeze(1)
-        far = _far(base, d, k, rows, qc) if len(rows) else None
+        rows = _far_rows(k)
+        far = _far(base, d, k, rows, qc) if rows is not None else None
         base.add_(d)  # k = 1: t itself, in range
         if far is not None:
             base[rows] = far
