@@ -119,10 +119,16 @@ def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 # 64 MB buffer takes ~25 ms, an in-cache pass over the same data ~3 ms).
 # Fewer, larger chunks amortize the per-op dispatch; past the L3 size it loses.
 CHUNK_BYTES = 1 << 22  # best of 256 KiB..16 MiB measured here (32 MiB L3)
+# A GPU has no such cache cliff, and each op of a chunk is a kernel launch: the H200
+# ran INT8 quantize at 22 GB/s in 4 MiB chunks against a 1562 GB/s copy, launch-bound
+# (benchmarks/RESULTS.md, "The first CUDA run"). 32 MiB chunks launch 8x fewer kernels;
+# a scratch slot grows to at most 32 MiB. (Not yet measured on a device.)
+DEVICE_CHUNK_BYTES = 1 << 25
 
 
-def _chunks(nblocks: int, block_size: int):
-    rows = max(1, CHUNK_BYTES // (4 * block_size))
+def _chunks(nblocks: int, block_size: int, device: torch.device):
+    size = DEVICE_CHUNK_BYTES if device.type == "cuda" else CHUNK_BYTES
+    rows = max(1, size // (4 * block_size))
     for r0 in range(0, nblocks, rows):
         yield r0, min(r0 + rows, nblocks)
 
@@ -214,7 +220,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
     per_block = block_size if bits == 8 else block_size // 2
     data = out[nblocks * 4:]
     data = data.view(torch.int8) if bits == 8 else data
-    for r0, r1 in _chunks(nblocks, block_size):
+    for r0, r1 in _chunks(nblocks, block_size, xb.device):
         xc = xb[r0:r1]
         v = scratch_buffer("quantize", xc.numel(), xc.device).view(xc.shape)
         s = scales[r0:r1] = round_blocks(xc, qmax, v, stochastic=stochastic,
@@ -246,7 +252,7 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
     flat, bs, n = out.view(-1), q.block_size, q.numel
     per_block = bs if q.bits == 8 else bs // 2
     scratch = torch.empty(0, device=out.device)
-    for r0, r1 in _chunks(q.scales.numel(), bs):
+    for r0, r1 in _chunks(q.scales.numel(), bs, out.device):
         raw = q.data[r0 * per_block:r1 * per_block]
         vals = raw if q.bits == 8 else _unpack_offset(raw)
         s = q.scales[r0:r1].unsqueeze(1)

@@ -120,7 +120,7 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
     extra = meta_bytes(numel, block) - numel // block * 4
     s_new, steps, d_data = _views(out, numel, delta_bits, block, extra)
     xb = _blocks(master, block)
-    for r0, r1 in _chunks(numel // block, block):
+    for r0, r1 in _chunks(numel // block, block, master.device):
         # t: qwZ's codes of the master (quantize's arithmetic), kept in fp32
         t = scratch_buffer("qwd_t", (r1 - r0) * block, master.device).view(r1 - r0, block)
         s_new[r0:r1] = sn = round_blocks(xb[r0:r1], qc, t)
@@ -156,7 +156,7 @@ def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, copy_bits: int
     s_old, _, c_data = _views(copy, numel, copy_bits, block)
     extra = meta_bytes(numel, block) - numel // block * 4
     s_new, steps, d_data = _views(delta, numel, delta_bits, block, extra)
-    for r0, r1 in _chunks(numel // block, block):
+    for r0, r1 in _chunks(numel // block, block, copy.device):
         base = _base(_codes(c_data, copy_bits, r0, r1, block, "qwd_c"), s_old[r0:r1],
                      s_new[r0:r1], qc)
         d = _codes(d_data, delta_bits, r0, r1, block, "qwd_d")  # fp32: a mixed add is slow
