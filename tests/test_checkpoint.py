@@ -24,6 +24,8 @@ GPT_ZEROPP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradie
 GPT_PLUS = dict(GPT_ZEROPP, hierarchical_gather=True, weight_delta=True,
                 gradient_rotation=True, gradient_stochastic_rounding=True,
                 gradient_error_feedback=True, weight_delta_stochastic_rounding=True)
+# ... with INT3 code moves and the residuals kept in bf16
+GPT_PLUS_NARROW = dict(GPT_PLUS, weight_delta_bits=3, error_feedback_dtype=torch.bfloat16)
 
 
 def _model(kw: dict) -> torch.nn.Module:
@@ -73,8 +75,9 @@ def _second_half(kw: dict, n: int, path: str) -> tuple[list[float], int]:
     return _steps(model, opt, gen, n), extra["step"]
 
 
-@pytest.mark.parametrize("kw", [{}, GPT_ZEROPP, GPT_PLUS],
-                         ids=["compression-off", "qwz+hpz+qgz", "zeropp-plus-all-switches"])
+@pytest.mark.parametrize("kw", [{}, GPT_ZEROPP, GPT_PLUS, GPT_PLUS_NARROW],
+                         ids=["compression-off", "qwz+hpz+qgz", "zeropp-plus-all-switches",
+                              "zeropp-plus-int3-moves-bf16-residual"])
 def test_resume_after_10_steps_gives_the_20_step_losses_bit_for_bit(tmp_path, kw):
     straight = spawn(_straight, 4, 2, args=(kw, 20), timeout=240)[0]
     first = spawn(_first_half, 4, 2, args=(kw, 10, str(tmp_path / "ck")), timeout=240)[0]

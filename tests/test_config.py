@@ -19,6 +19,7 @@ BAD = [
     ("weight_bits", 3), ("weight_bits", 16), ("grad_bits", 2), ("grad_bits", 8.0),
     ("block_size", 0), ("block_size", 7), ("block_size", 12), ("block_size", 1 << 21),
     ("block_size", 64.0), ("intra_node_grad_bits", 2),
+    ("weight_delta_bits", 2), ("weight_delta_bits", 3.0), ("weight_delta_bits", 16),
 ]
 
 
@@ -45,3 +46,11 @@ def test_valid_values_are_accepted():
     c = zeropp.Config(node_size=8, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                       weight_bits=4, grad_bits=8, block_size=256, hpz_partition_size=8)
     assert c.replace(node_size=2).node_size == 2
+
+
+def test_int3_deltas_need_int8_copies():
+    """INT3 carries moves of INT8 codes; exact copies' value deltas are INT4 or INT8."""
+    assert zeropp.Config(weight_delta_bits=3).weight_delta_bits == 3
+    with pytest.raises(ValueError, match="weight_delta_bits=3 .* needs weight_copy_bits=8, "
+                                         "got None"):
+        zeropp.Config(weight_delta_bits=3, weight_copy_bits=None)

@@ -23,7 +23,7 @@ def _master() -> torch.Tensor:
     return m.view(-1)
 
 
-def _walk(steps: int, stochastic: bool):
+def _walk(steps: int, stochastic: bool, bits: int = 4):
     """Owner and holder copies through `steps` updates. Each weight moves by about
     1e-3 (as AdamW moves every weight by about its lr): two INT8 steps of the
     larger blocks, hundreds of the smallest ones'; at step 10 block 9 grows tenfold."""
@@ -37,17 +37,18 @@ def _walk(steps: int, stochastic: bool):
         m = m + torch.randn(NUMEL, generator=g) * 1e-3
         if step == 10:
             m.view(NB, BLOCK)[9] *= 10
-        delta = torch.empty(qwd.wire_bytes(NUMEL, 8, 4, BLOCK), dtype=torch.uint8)
-        qwd.encode(m, owner, delta, copy_bits=8, delta_bits=4, block=BLOCK,
+        delta = torch.empty(qwd.wire_bytes(NUMEL, 8, bits, BLOCK), dtype=torch.uint8)
+        qwd.encode(m, owner, delta, copy_bits=8, delta_bits=bits, block=BLOCK,
                    stochastic=stochastic, generator=gen)
-        qwd.apply(holder, delta, numel=NUMEL, copy_bits=8, delta_bits=4, block=BLOCK)
+        qwd.apply(holder, delta, numel=NUMEL, copy_bits=8, delta_bits=bits, block=BLOCK)
         out.append((m.clone(), owner.clone(), holder.clone(), delta[NB * 4:NB * 5].int()))
     return out
 
 
-def _large(m: torch.Tensor) -> torch.Tensor:
-    """Blocks whose INT8 step is over 1e-3 (absmax > 0.127): moves of ~1e-3 fit INT4."""
-    return m.view(NB, BLOCK).abs().amax(1) > 0.127
+def _large(m: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Blocks whose INT8 step is over 1e-3 (absmax > 0.127) for INT4 moves, over
+    7/3 of it for INT3: moves of ~1e-3 (up to ~3 sigma over a block) then fit."""
+    return m.view(NB, BLOCK).abs().amax(1) > 0.127 * (1 if bits == 4 else 7 / 3)
 
 
 def _device_path(monkeypatch) -> None:
@@ -56,14 +57,16 @@ def _device_path(monkeypatch) -> None:
     monkeypatch.setattr(qwd, "_far_rows", lambda k: slice(None))
 
 
+@pytest.mark.parametrize("bits", [4, 3], ids=["int4", "int3"])
 @pytest.mark.parametrize("path", ["cpu", "device"])
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochastic, path,
-                                                                      monkeypatch):
+                                                                      bits, monkeypatch):
+    """k = 1 where every code moved by at most 7 (INT4) or 3 (INT3)."""
     if path == "device":
         _device_path(monkeypatch)
-    exact = large = 0
-    for step, (m, owner, holder, ks) in enumerate(_walk(30, stochastic)):
+    large, misses = 0, []
+    for step, (m, owner, holder, ks) in enumerate(_walk(30, stochastic, bits)):
         assert torch.equal(owner, holder), step
         qwz, mine = quantize(m, 8, BLOCK), _codes(owner)
         assert torch.equal(mine.scales, qwz.scales)  # the copy's scales are qwZ's, always
@@ -74,12 +77,15 @@ def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochast
         # else within half a step (nearest) or a step (stochastic), the rest sent later
         assert bool((off[k == 1] == 0).all()), (step, off, k)
         assert bool((off <= (k - 1 if stochastic else k // 2)).all()), (step, off, k)
-        big = _large(m)
+        big = _large(m, bits)
         large += int(big.sum())
-        exact += int((off[big] == 0).sum())
-    # the blocks of weights larger than the moves are exact on every step but the
-    # jump's two (it arrives over two deltas)
-    assert large >= 30 * 4 and exact >= large - 2, (exact, large)
+        misses += [(step, int(i)) for i in ((off > 0) & big).nonzero().view(-1)]
+    # the blocks of weights larger than the moves are exact on every step but while
+    # block 9's tenfold jump (step 10) arrives: over two deltas rounded to nearest,
+    # a few more rounded stochastically (each lands within k - 1 codes, not k / 2)
+    catch_up = 5 if stochastic else 2
+    assert large >= 30 * 4, large
+    assert all(i == 9 and 10 <= step < 10 + catch_up for step, i in misses), misses
 
 
 def test_the_device_path_sends_and_keeps_the_same_bytes_as_the_cpu_path(monkeypatch):
@@ -98,6 +104,26 @@ def test_a_far_move_is_carried_into_the_next_deltas_not_lost():
     m, owner, _, _ = walk[13]
     assert torch.equal(_codes(owner).data.view(NB, BLOCK)[9],
                        quantize(m, 8, BLOCK).data.view(NB, BLOCK)[9])
+
+
+def test_int3_packs_eight_moves_in_three_bytes_and_back():
+    q = torch.randint(-4, 4, (8 * 1000,), generator=torch.Generator().manual_seed(0))
+    packed = qwd.pack_int3(q.float())
+    assert packed.dtype == torch.uint8 and packed.numel() == 3000
+    assert torch.equal(qwd.unpack_int3(packed), q.int())
+    # the layout: value i in bits 3i..3i+2 of a little-endian 24-bit word, offset by 4
+    vals = [3, -4, 0, 1, -1, 2, -2, -3]
+    word = sum((v + 4) << (3 * i) for i, v in enumerate(vals))
+    assert qwd.pack_int3(torch.tensor(vals)).tolist() == [word & 255, word >> 8 & 255,
+                                                         word >> 16]
+
+
+def test_int3_delta_costs_three_eighths_of_the_values_plus_one_byte_per_block_padded():
+    n, block = 2048 * 8, 2048
+    assert qwd.wire_bytes(n, 8, 3, block) == n * 3 // 8 + 8 * 4 + 8
+    # 3 blocks of 8 values: 9 bytes of moves, padded to 12 so the next piece's scales
+    # stay 4-byte aligned
+    assert qwd.wire_bytes(24, 8, 3, 8) == 3 * 4 + 4 + 12
 
 
 def test_delta_costs_half_of_qwz_int8_bytes_plus_one_byte_per_block():

@@ -40,9 +40,11 @@ class HopCodec:
     Plain (round to nearest) unless the switches say otherwise."""
 
     def __init__(self, bits: int, block: int, *, rotation: bool = False,
-                 stochastic: bool = False, error_feedback: bool = False, seed: int = 0) -> None:
+                 stochastic: bool = False, error_feedback: bool = False, seed: int = 0,
+                 residual_dtype: torch.dtype = torch.float32) -> None:
         self.bits, self.block = bits, block
         self.rotation, self.stochastic, self.error_feedback = rotation, stochastic, error_feedback
+        self.residual_dtype = residual_dtype
         self.seed = seed
         self.generator: Optional[torch.Generator] = None
         self.residual: Optional[torch.Tensor] = None   # rows sent to peers, in send order
@@ -53,7 +55,8 @@ class HopCodec:
         k, numel = rows.shape
         if self.error_feedback:
             if self.residual is None or self.residual.shape != (k - 1, numel):
-                self.residual = torch.zeros(k - 1, numel, dtype=torch.float32, device=rows.device)
+                self.residual = torch.zeros(k - 1, numel, dtype=self.residual_dtype,
+                                            device=rows.device)
             if self.sends % ERROR_RESET == 0:
                 self.residual.zero_()
             self.sends += 1
@@ -71,7 +74,11 @@ class HopCodec:
                      generator=self.generator, out=send[r * wb:(r + 1) * wb], dequantized=seen)
             if self.error_feedback:  # what the peer will decode, without unpacking it here
                 lost = x.sub_(seen)
-                self.residual[peer].mul_(ERROR_BETA).add_(lost, alpha=1 - ERROR_BETA)
+                res = self.residual[peer]
+                if res.dtype == torch.float32:
+                    res.mul_(ERROR_BETA).add_(lost, alpha=1 - ERROR_BETA)
+                else:  # the average in fp32, rounded once into the narrow residual
+                    res.copy_(lost.mul_(1 - ERROR_BETA).add_(res, alpha=ERROR_BETA))
             peer += 1
 
     def decode_sum(self, recv: torch.Tensor, own: int, own_row: torch.Tensor,
@@ -109,7 +116,7 @@ class HopCodec:
     def load_state(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
         self.residual, self.sends, self.generator = None, 0, None
         if "residual" in state and self.error_feedback:
-            self.residual = state["residual"].to(device)
+            self.residual = state["residual"].to(device, self.residual_dtype)
             self.sends = int(state["sends"][0])
         if "generator" in state and self.stochastic:
             self.generator = torch.Generator(device=device).manual_seed(self.seed)
@@ -121,7 +128,8 @@ def inter_node_codec(cfg: Config, block: int, topo: Topology, name: str) -> HopC
     return HopCodec(cfg.grad_bits, block, rotation=cfg.gradient_rotation,
                     stochastic=cfg.gradient_stochastic_rounding,
                     error_feedback=cfg.gradient_error_feedback,
-                    seed=topo.rank * 1_000_003 + zlib.crc32(name.encode()))
+                    seed=topo.rank * 1_000_003 + zlib.crc32(name.encode()),
+                    residual_dtype=cfg.error_feedback_dtype)
 
 
 def reduce_scatter_qgz(comm: Comm, g: torch.Tensor, *, block: int, intra_bits: int,

@@ -13,7 +13,7 @@ the master, at half of qwZ's bytes (and one scale per block, as before).
 Per block, with the holder's codes c at scale s:
     base = clamp(round(c * s / s'))    # the old codes on the new scale's grid
     diff = t - base                    # an integer in [-2 qmax, 2 qmax]
-    k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes (dmax = 7, INT4)
+    k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes (dmax 7 / 3)
     d    = round(diff / k)             # sent: s', k and d
     c'   = clamp(base + d * k)
 A block whose codes all moved by at most dmax (k = 1: nearly every block) lands
@@ -26,10 +26,18 @@ copies stay bitwise identical; integer arithmetic in fp32 is exact below 2^24.
 The copies cost the holder 1 byte per value (plus a scale per block) instead
 of 4 for fp32 copies and their INT8 payload, and no re-quantization per step.
 
+INT3 moves (`weight_delta_bits=3`, dmax = 3) send a quarter fewer bytes; more
+blocks then take k > 1 (and land within a code of t), the rest still exactly.
+
+On a GPU the same bits come without host syncs: finding the k > 1 blocks would
+sync, so there every block goes through the k > 1 formula, which for k = 1
+gives d = diff and c' = t (`_far_rows`).
+
 [Note: delta wire format]
 One uint8 buffer per shard: [s' fp32 x nblocks | k uint8 x nblocks, padded to 4
-bytes | d at `delta_bits` (INT4 packed as quant.py packs it)]. The scales lead so
-that pieces cut from a gathered buffer keep them 4-byte aligned.
+bytes | d at `delta_bits` (INT4 packed as quant.py packs it, INT3 eight to three
+bytes), padded to 4 bytes]. The scales lead so that pieces cut from a gathered
+buffer keep them 4-byte aligned.
 """
 
 from __future__ import annotations
@@ -40,11 +48,14 @@ import torch
 
 from .quant import _QMAX, _blocks, _chunks, pack_int4, round_blocks, scratch_buffer, unpack_int4
 
+_DMAX = {8: 127, 4: 7, 3: 3}  # the largest move a delta carries exactly, by its bits
+
 
 def wire_bytes(numel: int, copy_bits: int, delta_bits: int, block: int) -> int:
-    """Length of one shard's delta buffer (`numel` a multiple of `block`)."""
+    """Length of one shard's delta buffer (`numel` a multiple of `block`, itself a
+    multiple of 8), padded to 4 bytes (INT3 moves of 8-value blocks end mid-word)."""
     nb = numel // block
-    return nb * 4 + -(-nb // 4) * 4 + nb * block * delta_bits // 8
+    return nb * 4 + -(-nb // 4) * 4 + -(-(nb * block * delta_bits // 8) // 4) * 4
 
 
 def meta_bytes(numel: int, block: int) -> int:
@@ -62,20 +73,48 @@ def _views(buf: torch.Tensor, numel: int, bits: int, block: int, extra: int = 0)
     return scales, steps, data.view(torch.int8) if bits == 8 else data
 
 
+# INT3 moves: eight 3-bit fields (value + 4, so [-4, 3]; a move uses [-3, 3]) in three
+# bytes, little-endian, the first value in the lowest bits.
+_SHIFTS3: dict[str, torch.Tensor] = {}
+
+
+def _shifts3(device: torch.device) -> torch.Tensor:
+    key = str(device)
+    if key not in _SHIFTS3:
+        _SHIFTS3[key] = torch.arange(0, 24, 3, dtype=torch.int32, device=device)
+    return _SHIFTS3[key]
+
+
+def pack_int3(q: torch.Tensor) -> torch.Tensor:
+    """Integer values in [-4, 3] (a count divisible by 8) -> uint8, 8 per 3 bytes."""
+    fields = q.reshape(-1, 8).to(torch.int32).add_(4)
+    words = fields.bitwise_left_shift_(_shifts3(q.device)).sum(1, dtype=torch.int32)
+    return words.view(torch.uint8).view(-1, 4)[:, :3].reshape(-1)
+
+
+def unpack_int3(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int3: uint8 -> int32 values in [-4, 3], 8 per 3 bytes."""
+    b = packed.reshape(-1, 3).to(torch.int32)
+    words = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+    return (words.unsqueeze(1) >> _shifts3(packed.device)).bitwise_and_(7).sub_(4).reshape(-1)
+
+
 def _codes(data: torch.Tensor, bits: int, r0: int, r1: int, block: int,
            slot: str) -> torch.Tensor:
     """Blocks r0..r1 of a code array as fp32 integers (r1 - r0, block), in scratch."""
-    per = block if bits == 8 else block // 2
+    per = block * bits // 8
     raw = data[r0 * per:r1 * per]
+    ints = raw if bits == 8 else unpack_int4(raw) if bits == 4 else unpack_int3(raw)
     out = scratch_buffer(slot, (r1 - r0) * block, data.device).view(r1 - r0, block)
-    return out.copy_((raw if bits == 8 else unpack_int4(raw)).view(r1 - r0, block))
+    return out.copy_(ints.view(r1 - r0, block))
 
 
 def _store(codes: torch.Tensor, data: torch.Tensor, bits: int, r0: int, r1: int,
            block: int) -> None:
-    per = block if bits == 8 else block // 2
+    per = block * bits // 8
     dst = data[r0 * per:r1 * per]
-    dst.copy_(codes.view(-1) if bits == 8 else pack_int4(codes))
+    dst.copy_(codes.view(-1) if bits == 8 else pack_int4(codes) if bits == 4
+              else pack_int3(codes))
 
 
 def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor, qmax: int) -> torch.Tensor:
@@ -115,7 +154,7 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
     at `copy_bits`) to qwZ's quantization of `master` into `out`, and apply it to
     `copy`, as every holder will."""
     numel = master.numel()
-    qc, qd = _QMAX[copy_bits], _QMAX[delta_bits]
+    qc, qd = _QMAX[copy_bits], _DMAX[delta_bits]
     s_old, _, c_data = _views(copy, numel, copy_bits, block)
     extra = meta_bytes(numel, block) - numel // block * 4
     s_new, steps, d_data = _views(out, numel, delta_bits, block, extra)
