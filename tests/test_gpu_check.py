@@ -22,7 +22,8 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     rows = json.loads(out.read_text())["rows"]
     names = [row["check"] for row in rows]
-    assert names == ["train zero3", "train zeropp", "train zeropp-plus", "w1 (gloo)",
+    assert names == ["train zero3", "train zeropp", "train zeropp-plus", "train zeropp-plus bf16",
+                     "w1 (gloo)",
                      "pipeline async == sync", "quant int8", "quant int4", "qwd"]
     assert all(row["ok"] for row in rows)
     assert "| zeropp-plus |" in r.stdout  # the memory table
