@@ -16,8 +16,9 @@ Checks, each a row (ok / FAILED, what was measured, seconds):
                the synchronous path, zeropp-plus: bitwise equal weights after 4 steps
   quant        INT8 and INT4 blockwise quantize + dequantize of 64 MiB (CPU: 16 MiB)
                into preallocated outputs, against a copy of the same bytes: GB/s
-  qwd          qWD's code deltas: owner and holder copies bitwise equal on the
-               device, and equal to the CPU's bytes for the same moves
+  qwd          qWD's code deltas (INT4 nearest, INT3 stochastic): owner and holder
+               copies bitwise equal on the device; whether the CPU's bytes for the
+               same moves are the same; encode / apply ms and host syncs
   memory       memory_stats per preset after training, and the device's peak
 Exit status 1 if any check fails. Nothing here is a pass/fail timing: throughput
 rows are measurements.
@@ -189,9 +190,10 @@ def check_quant(device: str) -> list[dict]:
 
 
 def check_qwd(device: str) -> dict:
-    """qWD's code deltas on the device: 20 moves of a 1M-value shard (a tenth of the
-    blocks moving far, so both k = 1 and k > 1 run), the holder's copy bitwise the
-    owner's, and both bitwise what the same ops give on the CPU."""
+    """qWD's code deltas on the device: 20 INT4 moves of a 1M-value shard (a tenth of
+    the blocks moving far, so both k = 1 and k > 1 run), the holder's copy bitwise the
+    owner's, and whether both are bitwise what the same ops give on the CPU; then 5
+    INT3 moves rounded stochastically, owner = holder."""
     from zeropp import qwd
     from zeropp.quant import quantize
     t0 = time.perf_counter()
@@ -215,6 +217,16 @@ def check_qwd(device: str) -> dict:
             where = f"from move {move + 1}"
     cpu_equal = torch.equal(copies[device].cpu(), copies["cpu"])
     vs_cpu = "True" if cpu_equal else f"False ({where}; {_differs(copies, n, block)})"
+    # INT3 moves rounded stochastically (~delta3~dsr; device generator): owner = holder
+    owner = quantize(m.to(device), 8, block).to_bytes().clone()
+    holder, gen = owner.clone(), torch.Generator(device=device).manual_seed(0)
+    for _ in range(5):
+        m = m + torch.randn(n, generator=g) * 2e-4
+        out = torch.empty(qwd.wire_bytes(n, 8, 3, block), dtype=torch.uint8, device=device)
+        qwd.encode(m.to(device), owner, out, copy_bits=8, delta_bits=3, block=block,
+                   stochastic=True, generator=gen)
+        qwd.apply(holder, out, numel=n, copy_bits=8, delta_bits=3, block=block)
+        same &= torch.equal(holder, owner)
     enc, app, syncs = _qwd_cost(device, qwd, quantize)
     # A run never mixes devices: every rank's copies come from the same device's ops, so
     # the check is owner = holder; the CPU comparison says whether the device's float

@@ -88,12 +88,13 @@ def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochast
     assert all(i == 9 and 10 <= step < 10 + catch_up for step, i in misses), misses
 
 
-def test_the_device_path_sends_and_keeps_the_same_bytes_as_the_cpu_path(monkeypatch):
+@pytest.mark.parametrize("bits", [4, 3], ids=["int4", "int3"])
+def test_the_device_path_sends_and_keeps_the_same_bytes_as_the_cpu_path(bits, monkeypatch):
     """Nearest rounding: the sync-free path (all blocks through the k > 1 formula)
     gives the CPU path's deltas and copies bit for bit, over 30 steps and a jump."""
-    cpu = _walk(30, False)
+    cpu = _walk(30, False, bits)
     _device_path(monkeypatch)
-    for step, (a, b) in enumerate(zip(cpu, _walk(30, False))):
+    for step, (a, b) in enumerate(zip(cpu, _walk(30, False, bits))):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), step
 
 
