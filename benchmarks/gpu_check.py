@@ -294,7 +294,9 @@ def _qwd_cost(device: str, qwd, quantize) -> tuple[float, float, str]:
                     f()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            counts.append(sum("synchroniz" in str(x.message) for x in w))
+            # (not the one-time "debug mode is a prototype" note, which also says "Synchronization")
+            counts.append(sum("synchroniz" in str(x.message).lower()
+                              and "prototype" not in str(x.message) for x in w))
         syncs = f"encode {counts[0]}, apply {counts[1]}"
     return times["enc"], times["app"], syncs
 

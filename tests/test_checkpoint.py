@@ -340,3 +340,17 @@ def test_export_writes_one_safetensors_the_unsharded_model_loads(tmp_path):
         ref = zeropp.shard(build("gpt"))  # the same weights without qwZ's rounding
         zeropp.load_checkpoint(tmp_path / "ck", ref)
         assert torch.allclose(plain(x)[0], ref(x)[0], atol=1e-6, rtol=0)
+
+
+def test_a_checkpoint_from_before_a_config_field_existed_keeps_its_engine_state():
+    """A field the saved config lacks counts as its default (the saving run had no other
+    choice), so upgrading zeropp does not drop qWD copies and error-feedback residuals
+    on resume; any real difference still does."""
+    from zeropp.checkpoint import same_config
+    cfg = zeropp.Config.preset("zeropp-plus", node_size=2)
+    saved = cfg.to_dict()
+    del saved["error_feedback_dtype"]  # a checkpoint from before the field
+    assert same_config(saved, cfg)
+    assert not same_config(saved, cfg.replace(error_feedback_dtype=torch.bfloat16))
+    assert not same_config(dict(saved, weight_delta_bits=3), cfg)
+    assert not same_config(None, cfg)

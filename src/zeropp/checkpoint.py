@@ -53,6 +53,7 @@ from .checkpoint_files import (
     write_durably,
     write_safetensors,
 )
+from .config import Config
 from .guards import agree, all_gather_bytes
 from .quant import quantize
 from .shard import ShardState, get_state
@@ -281,7 +282,7 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     # in the very same setting (world, node size, config); otherwise the next
     # gather refreshes in full and the residuals start from zero.
     same_setting = (same_world and man.get("node_size") == st.topo.node_size
-                    and man.get("config") == st.cfg.to_dict())
+                    and same_config(man.get("config"), st.cfg))
     for f in st.flats:
         sf = saved_flats.get(f.name)
         if same_setting and sf == f.layout():
@@ -318,6 +319,16 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
                                       f"{st.topo.world_size}")
     return {"man": man, "shards": shards, "buffers": buffers, "opt": opt_sd, "meta": meta,
             "rng": rng, "extras": extras, "extra_kinds": kinds, "engine": engine}
+
+
+def same_config(saved: Optional[dict], cfg: Config) -> bool:
+    """Whether a checkpoint's config is `cfg`. A field the checkpoint lacks was added to
+    zeropp after it was saved, and the run that saved it behaved as that field's
+    default: an upgrade alone does not drop qWD copies or error-feedback residuals."""
+    if saved is None:
+        return False
+    default = Config().to_dict()
+    return all(saved.get(k, default[k]) == v for k, v in cfg.to_dict().items())
 
 
 def _check_names(man: dict, st: ShardState, model: nn.Module, path: Path) -> None:

@@ -119,11 +119,11 @@ def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 # 64 MB buffer takes ~25 ms, an in-cache pass over the same data ~3 ms).
 # Fewer, larger chunks amortize the per-op dispatch; past the L3 size it loses.
 CHUNK_BYTES = 1 << 22  # best of 256 KiB..16 MiB measured here (32 MiB L3)
-# A GPU has no such cache cliff, and each op of a chunk is a kernel launch: the H200
-# ran INT8 quantize at 22 GB/s in 4 MiB chunks against a 1562 GB/s copy, launch-bound
-# (benchmarks/RESULTS.md, "The first CUDA run"). 32 MiB chunks launch 8x fewer kernels;
-# a scratch slot grows to at most 32 MiB. (Not yet measured on a device.)
-DEVICE_CHUNK_BYTES = 1 << 25
+# A GPU has no such cache cliff, and each op of a chunk is a kernel launch: on the
+# H200, INT8 quantize of 256 MiB ran at 24 GB/s in 4 MiB chunks (a copy: 1940 GB/s),
+# 190 in 32 MiB, 331 in 128 MiB, 360 whole (benchmarks/gpu/*quant_chunks*). 128 MiB:
+# nearly all of it, while a scratch slot stays at most 128 MiB.
+DEVICE_CHUNK_BYTES = 1 << 27
 
 
 def _chunks(nblocks: int, block_size: int, device: torch.device):
