@@ -20,6 +20,7 @@ BAD = [
     ("block_size", 0), ("block_size", 7), ("block_size", 12), ("block_size", 1 << 21),
     ("block_size", 64.0), ("intra_node_grad_bits", 2),
     ("weight_delta_bits", 2), ("weight_delta_bits", 3.0), ("weight_delta_bits", 16),
+    ("error_feedback_dtype", torch.float16), ("error_feedback_dtype", "bfloat16"),
 ]
 
 

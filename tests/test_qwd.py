@@ -41,7 +41,8 @@ def _walk(steps: int, stochastic: bool, bits: int = 4):
         qwd.encode(m, owner, delta, copy_bits=8, delta_bits=bits, block=BLOCK,
                    stochastic=stochastic, generator=gen)
         qwd.apply(holder, delta, numel=NUMEL, copy_bits=8, delta_bits=bits, block=BLOCK)
-        out.append((m.clone(), owner.clone(), holder.clone(), delta[NB * 4:NB * 5].int()))
+        out.append((m.clone(), owner.clone(), holder.clone(), delta[NB * 4:NB * 5].int(),
+                    delta.clone()))
     return out
 
 
@@ -66,7 +67,7 @@ def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochast
     if path == "device":
         _device_path(monkeypatch)
     large, misses = 0, []
-    for step, (m, owner, holder, ks) in enumerate(_walk(30, stochastic, bits)):
+    for step, (m, owner, holder, ks, _) in enumerate(_walk(30, stochastic, bits)):
         assert torch.equal(owner, holder), step
         qwz, mine = quantize(m, 8, BLOCK), _codes(owner)
         assert torch.equal(mine.scales, qwz.scales)  # the copy's scales are qwZ's, always
@@ -91,7 +92,8 @@ def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochast
 @pytest.mark.parametrize("bits", [4, 3], ids=["int4", "int3"])
 def test_the_device_path_sends_and_keeps_the_same_bytes_as_the_cpu_path(bits, monkeypatch):
     """Nearest rounding: the sync-free path (all blocks through the k > 1 formula)
-    gives the CPU path's deltas and copies bit for bit, over 30 steps and a jump."""
+    gives the CPU path's deltas (scales, steps, moves) and copies bit for bit, over 30
+    steps and a jump."""
     cpu = _walk(30, False, bits)
     _device_path(monkeypatch)
     for step, (a, b) in enumerate(zip(cpu, _walk(30, False, bits))):
@@ -102,7 +104,7 @@ def test_a_far_move_is_carried_into_the_next_deltas_not_lost():
     walk = _walk(14, False)
     ks = [int(x[3][9]) for x in walk]
     assert ks[10] > 1 and ks[12] == 1 and ks[13] == 1, ks  # caught up within two steps
-    m, owner, _, _ = walk[13]
+    m, owner, *_ = walk[13]
     assert torch.equal(_codes(owner).data.view(NB, BLOCK)[9],
                        quantize(m, 8, BLOCK).data.view(NB, BLOCK)[9])
 

@@ -12,8 +12,9 @@ switch:
   (saved in checkpoints).
 - `gradient_error_feedback`: the sender keeps what quantization lost and adds it
   to its next send (LoCo-style moving average e <- b*e + (1-b)*r, b = 0.8, reset
-  every 1024 sends). State: (N-1) chunks of fp32 per unit per rank, i.e.
-  (N-1)/W of the unit's padded size; saved in checkpoints.
+  every 1024 sends). State: (N-1) chunks of fp32 (or bf16,
+  `error_feedback_dtype`) per unit per rank, i.e. (N-1)/W of the unit's padded
+  size; saved in checkpoints.
 A rank never quantizes the piece it keeps for itself (the all-to-all's own
 slot): it adds it in fp32, so only bytes that travel are rounded.
 """

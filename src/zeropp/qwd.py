@@ -191,9 +191,9 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
             if stochastic:
                 d.add_(torch.rand(d.shape, generator=generator, device=d.device)).floor_()
                 d.clamp_(-qd, qd)
-                # k = 1 rows (with all blocks here) keep d = diff: floor(3 + u) is 4
-                # where fp32 rounds 3 + u up
-                torch.where((k[rows] > 1).unsqueeze(1), d, diff[rows], out=d)
+                if every:  # k = 1 rows keep d = diff: floor(3 + u) is 4 where fp32
+                    # rounds 3 + u up
+                    torch.where((k > 1).unsqueeze(1), d, diff, out=d)
             else:
                 d.round_()
             diff[rows] = d
