@@ -279,8 +279,11 @@ def test_presets_and_ablations():
     assert plus.weight_delta_bits == 4 and not plus.weight_delta_stochastic_rounding
     int3 = zeropp.Config.preset("zeropp-plus~delta3~dsr", node_size=4)
     assert (int3.weight_delta_bits, int3.weight_delta_stochastic_rounding) == (3, True)
-    exact = zeropp.Config.preset("zeropp-plus~delta3~copy8", node_size=4)  # value deltas: INT4
+    exact = zeropp.Config.preset("zeropp-plus~copy8", node_size=4)  # value deltas: INT4
     assert exact.weight_copy_bits is None and exact.weight_delta_bits == 4
+    for both in ("zeropp-plus~delta3~copy8", "zeropp-plus~copy8~delta3"):  # either order
+        with pytest.raises(ValueError, match="flips both copy8 and delta3"):
+            zeropp.Config.preset(both, node_size=4)
     paper = zeropp.Config.preset("zeropp", node_size=4)
     assert paper.intra_node_grad_bits == 4 and not paper.weight_delta
     assert not zeropp.Config.preset("zeropp-plus~qwd", node_size=4).weight_delta

@@ -281,6 +281,10 @@ def named(name: str, node_size: int, **fields) -> Config:
         raise ValueError(f"zeropp: unknown configuration {name!r}; choose from "
                          f"{', '.join(NAMED)}, optionally with ~SWITCH flips "
                          f"({', '.join(SWITCHES)})")
+    if {"copy8", "delta3"} <= set(flips):
+        raise ValueError(f"zeropp: configuration {name!r} flips both copy8 and delta3, which "
+                         "do not combine: INT3 moves are moves of INT8 copies' codes, and "
+                         "exact copies take INT4 value deltas")
     switches = {k: node_size if v == "D" else v for k, v in NAMED[base].items()}
     for flip in flips:
         field = SWITCHES[flip]
