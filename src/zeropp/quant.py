@@ -164,6 +164,22 @@ def release_scratch() -> None:
     _SCRATCH.clear()
 
 
+_DIVISORS: dict[tuple, torch.Tensor] = {}
+
+
+def div_exact(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c correctly rounded on every device. PyTorch's CUDA kernel divides by a
+    Python number as a multiplication by its reciprocal, which is off by an ulp for
+    some x (so the H200 and the CPU gave 23 of 512 scales apart, absmax / 127); a
+    divisor on the device is a true division there, as on the CPU."""
+    if x.device.type == "cpu":
+        return x / c
+    key = (float(c), str(x.device))
+    if key not in _DIVISORS:
+        _DIVISORS[key] = torch.tensor(float(c), device=x.device)
+    return torch.div(x, _DIVISORS[key])
+
+
 def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *, stochastic: bool = False,
                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Each row's scale absmax / qmax (returned) and its values / scale, rounded into
@@ -171,7 +187,7 @@ def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *, stochastic: bo
     # max(amax, -amin): two fast reductions; |x| would need a temporary and
     # vector_norm(ord=inf) is ~10x slower here. Both propagate NaN.
     absmax = torch.maximum(xc.amax(dim=1), xc.amin(dim=1).neg())
-    s = absmax / qmax
+    s = div_exact(absmax, qmax)
     s = torch.where((s == 0) & (absmax > 0), _TINY, s)
     # Divide rather than multiply by 1/scale: a subnormal scale's inverse
     # overflows. An all-zero block divides by 1 and stays zero.

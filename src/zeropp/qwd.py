@@ -46,7 +46,16 @@ from typing import Optional
 
 import torch
 
-from .quant import _QMAX, _blocks, _chunks, pack_int4, round_blocks, scratch_buffer, unpack_int4
+from .quant import (
+    _QMAX,
+    _blocks,
+    _chunks,
+    div_exact,
+    pack_int4,
+    round_blocks,
+    scratch_buffer,
+    unpack_int4,
+)
 
 _DMAX = {8: 127, 4: 7, 3: 3}  # the largest move a delta carries exactly, by its bits
 
@@ -180,7 +189,7 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
         amax = torch.maximum(diff.amax(1), diff.amin(1).neg())
         # |diff| <= qd * k, so |diff / k| <= qd (division rounds correctly): nearest
         # rounding stays in range; floor(qd + u) is qd + 1 where fp32 rounds qd + u up
-        k = amax.div(qd).ceil_().clamp_(1, 255)
+        k = div_exact(amax, qd).ceil_().clamp_(1, 255)
         steps[r0:r1] = k.to(torch.uint8)
         rows = _far_rows(k)
         if rows is not None:  # where k = 1, d = diff exactly and the copy becomes t
