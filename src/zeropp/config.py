@@ -254,11 +254,10 @@ NAMED = {
 }
 # Short names of the switches "NAME~SWITCH" flips (ablations): booleans are
 # negated, intra8 toggles the intra-node gradient hop between 8 and 4 bits, copy8
-# qWD's copies between INT8 codes and exact ones at the compute dtype (with INT4
-# value deltas), delta3 qWD's
+# qWD's copies between INT8 codes and exact ones at the compute dtype, delta3 qWD's
 # moves between 4 and 3 bits, ef16 error feedback's residual between fp32 and bf16,
-# deep and
-# buckets the prefetch depth and the reduce pipeline's full gradients between 1 and 2.
+# deep and buckets the prefetch depth and the reduce pipeline's full gradients
+# between 1 and 2.
 SWITCHES = {"hier": "hierarchical_gather", "qwd": "weight_delta", "rotation": "gradient_rotation",
             "sr": "gradient_stochastic_rounding", "ef": "gradient_error_feedback",
             "intra8": "intra_node_grad_bits", "qwz": "quantized_weights",
@@ -293,8 +292,6 @@ def named(name: str, node_size: int, **fields) -> Config:
             switches[field] = 4 if now == 8 else 8
         elif field == "weight_copy_bits":
             switches[field] = None if now == 8 else 8
-            if switches[field] is None and switches.get("weight_delta_bits") == 3:
-                switches["weight_delta_bits"] = 4  # exact copies take value deltas: INT4
         elif field == "weight_delta_bits":
             switches[field] = 3 if now == 4 else 4
         elif field == "error_feedback_dtype":

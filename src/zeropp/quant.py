@@ -164,7 +164,15 @@ def release_scratch() -> None:
     _SCRATCH.clear()
 
 
-_DIVISORS: dict[tuple, torch.Tensor] = {}
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def device_constant(key: tuple, device: torch.device, make) -> torch.Tensor:
+    """A small constant tensor made once per device (`make(device)`), under `key`."""
+    full = (*key, str(device))
+    if full not in _CONSTANTS:
+        _CONSTANTS[full] = make(device)
+    return _CONSTANTS[full]
 
 
 def div_exact(x: torch.Tensor, c: float) -> torch.Tensor:
@@ -174,10 +182,8 @@ def div_exact(x: torch.Tensor, c: float) -> torch.Tensor:
     divisor on the device is a true division there, as on the CPU."""
     if x.device.type == "cpu":
         return x / c
-    key = (float(c), str(x.device))
-    if key not in _DIVISORS:
-        _DIVISORS[key] = torch.tensor(float(c), device=x.device)
-    return torch.div(x, _DIVISORS[key])
+    return torch.div(x, device_constant(("divisor", float(c)), x.device,
+                                        lambda d: torch.tensor(float(c), device=d)))
 
 
 def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *, stochastic: bool = False,
@@ -314,30 +320,21 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 # ---- randomized Hadamard rotation -------------------------------------------------
-_SIGNS: dict[tuple, torch.Tensor] = {}
-
-
 def _signs(seed: int, block_size: int, device: torch.device) -> torch.Tensor:
-    key = (seed, block_size, str(device))
-    if key not in _SIGNS:
+    def make(d: torch.device) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
-        s = torch.randint(0, 2, (block_size,), generator=g).float() * 2 - 1
-        _SIGNS[key] = s.to(device)
-    return _SIGNS[key]
-
-
-_H: dict[tuple, torch.Tensor] = {}
+        return (torch.randint(0, 2, (block_size,), generator=g).float() * 2 - 1).to(d)
+    return device_constant(("signs", seed, block_size), device, make)
 
 
 def _hadamard(b: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The b x b Sylvester Hadamard matrix (entries +-1), b a power of two."""
-    key = (b, str(device), dtype)
-    if key not in _H:
+    def make(d: torch.device) -> torch.Tensor:
         h = torch.ones(1, 1, dtype=dtype)
         while h.shape[0] < b:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        _H[key] = h.to(device)
-    return _H[key]
+        return h.to(d)
+    return device_constant(("hadamard", b, dtype), device, make)
 
 
 def _fwht(x: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ from .quant import (
     _QMAX,
     _blocks,
     _chunks,
+    device_constant,
     div_exact,
     pack_int4,
     round_blocks,
@@ -84,36 +85,24 @@ def _views(buf: torch.Tensor, numel: int, bits: int, block: int, extra: int = 0)
 
 # INT3 moves: eight 3-bit fields (value + 4, so [-4, 3]; a move uses [-3, 3]) in three
 # bytes, little-endian, the first value in the lowest bits.
-_SHIFTS3: dict[str, torch.Tensor] = {}
-
-
-def _shifts3(device: torch.device) -> torch.Tensor:
-    key = str(device)
-    if key not in _SHIFTS3:
-        _SHIFTS3[key] = torch.arange(0, 24, 3, dtype=torch.int32, device=device)
-    return _SHIFTS3[key]
-
-
-_POW8 = {}
-
-
 def pack_int3(q: torch.Tensor) -> torch.Tensor:
     """Integer values in [-4, 3] (fp32, a count divisible by 8) -> uint8, 8 per 3 bytes.
     The 24-bit word is sum (v_i + 4) * 8^i, one matrix-vector product in fp32: every
     partial sum is an integer below 2^24, so exact in any order (half the time of
     shifting and or-ing int32 fields here)."""
-    key = str(q.device)
-    if key not in _POW8:
-        _POW8[key] = torch.tensor([8.0 ** i for i in range(8)], device=q.device)
-    words = torch.mv(q.reshape(-1, 8).float(), _POW8[key]).add_(4 * (8 ** 8 - 1) / 7)
+    pow8 = device_constant(("pow8",), q.device,
+                           lambda d: torch.tensor([8.0 ** i for i in range(8)], device=d))
+    words = torch.mv(q.reshape(-1, 8).float(), pow8).add_(4 * (8 ** 8 - 1) / 7)
     return words.to(torch.int32).view(torch.uint8).view(-1, 4)[:, :3].reshape(-1)
 
 
 def unpack_int3(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_int3: uint8 -> int32 values in [-4, 3], 8 per 3 bytes."""
+    shifts = device_constant(("shifts3",), packed.device,
+                             lambda d: torch.arange(0, 24, 3, dtype=torch.int32, device=d))
     b = packed.reshape(-1, 3).to(torch.int32)
     words = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-    return (words.unsqueeze(1) >> _shifts3(packed.device)).bitwise_and_(7).sub_(4).reshape(-1)
+    return (words.unsqueeze(1) >> shifts).bitwise_and_(7).sub_(4).reshape(-1)
 
 
 def _codes(data: torch.Tensor, bits: int, r0: int, r1: int, block: int,
