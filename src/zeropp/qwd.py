@@ -10,18 +10,26 @@ steps per optimizer step, so the move of its code is a small integer: INT4
 carries it exactly, and the holder's copy becomes t, bit for bit qwZ's INT8 of
 the master, at half of qwZ's bytes (and one scale per block, as before).
 
-Per block, with the holder's codes c at scale s:
+Per block, with the holder's codes c at scale s, first on the old grid:
+    d = t - c  (int8, modulo 256)      # k = 0 if every |d| <= dmax (7 INT4, 3 INT3)
+    c' = c + d (int8, modulo 256) = t
+A scale moves a little each step (its block's largest weight moves), and the
+codes with it by at most about one; this fits in nearly every block (99.9% of
+them over 300 steps of `small` at lr 2e-3), and costs an int8 subtraction and
+add. The sum wraps exactly as the difference did, so even a code flipping from
+-127 to 127 (d = -2) lands on t. Where a block does not fit, the old codes are
+first put on the new grid:
     base = clamp(round(c * s / s'))    # the old codes on the new scale's grid
     diff = t - base                    # an integer in [-2 qmax, 2 qmax]
-    k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes (dmax 7 / 3)
+    k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes
     d    = round(diff / k)             # sent: s', k and d
     c'   = clamp(base + d * k)
-A block whose codes all moved by at most dmax (k = 1: nearly every block) lands
-exactly on t; a faster one (small weights that the optimizer moves by many of
-their steps) lands within k/2 codes of it, as an INT4 delta of the values would,
-and the rest is in the next step's diff (carried, not lost). Every holder and
-the owner run the same float ops on the same integers and scales, so their
-copies stay bitwise identical; integer arithmetic in fp32 is exact below 2^24.
+Such a block whose codes moved by at most dmax (k = 1) also lands exactly on t;
+a faster one (small weights that the optimizer moves by many of their steps)
+lands within k/2 codes of it, as an INT4 delta of the values would, and the
+rest is in the next step's diff (carried, not lost). Every holder and the owner
+run the same ops on the same integers and scales, so their copies stay bitwise
+identical; integer arithmetic in fp32 is exact below 2^24.
 
 The copies cost the holder 1 byte per value (plus a scale per block) instead
 of 4 for fp32 copies and their INT8 payload, and no re-quantization per step.
@@ -29,14 +37,14 @@ of 4 for fp32 copies and their INT8 payload, and no re-quantization per step.
 INT3 moves (`weight_delta_bits=3`, dmax = 3) send a quarter fewer bytes; more
 blocks then take k > 1 (and land within a code of t), the rest still exactly.
 
-On a GPU the same bits come without host syncs: finding the k > 1 blocks would
-sync, so there every block goes through the k > 1 formula, which for k = 1
-gives d = diff and c' = t (`_far_rows`).
+On a GPU the same bits come without host syncs: finding the rescaled blocks
+would sync, so there every block goes through both formulas and `torch.where`
+keeps each block's own (`_rescaled_rows`).
 
 [Note: delta wire format]
-One uint8 buffer per shard: [s' fp32 x nblocks | k uint8 x nblocks, padded to 4
-bytes | d at `delta_bits` (INT4 packed as quant.py packs it, INT3 eight to three
-bytes), padded to 4 bytes]. The scales lead so that pieces cut from a gathered
+One uint8 buffer per shard: [s' fp32 x nblocks | k uint8 x nblocks (0: moves on
+the old grid), padded to 4 bytes | d at `delta_bits` (INT4 packed as quant.py
+packs it, INT3 eight to three bytes), padded to 4 bytes]. The scales lead so that pieces cut from a gathered
 buffer keep them 4-byte aligned.
 """
 
@@ -105,14 +113,10 @@ def unpack_int3(packed: torch.Tensor) -> torch.Tensor:
     return (words.unsqueeze(1) >> shifts).bitwise_and_(7).sub_(4).reshape(-1)
 
 
-def _codes(data: torch.Tensor, bits: int, r0: int, r1: int, block: int,
-           slot: str) -> torch.Tensor:
-    """Blocks r0..r1 of a code array as fp32 integers (r1 - r0, block), in scratch."""
-    per = block * bits // 8
-    raw = data[r0 * per:r1 * per]
-    ints = raw if bits == 8 else unpack_int4(raw) if bits == 4 else unpack_int3(raw)
-    out = scratch_buffer(slot, (r1 - r0) * block, data.device).view(r1 - r0, block)
-    return out.copy_(ints.view(r1 - r0, block))
+def _scratch8(slot: str, shape: tuple, device: torch.device) -> torch.Tensor:
+    """An int8 view of a reused scratch buffer (quant.scratch_buffer's, fp32)."""
+    n = shape[0] * shape[1]
+    return scratch_buffer(slot, -(-n // 4), device).view(torch.int8)[:n].view(shape)
 
 
 def _store(codes: torch.Tensor, data: torch.Tensor, bits: int, r0: int, r1: int,
@@ -121,6 +125,14 @@ def _store(codes: torch.Tensor, data: torch.Tensor, bits: int, r0: int, r1: int,
     dst = data[r0 * per:r1 * per]
     dst.copy_(codes.view(-1) if bits == 8 else pack_int4(codes) if bits == 4
               else pack_int3(codes))
+
+
+def _int8(data: torch.Tensor, bits: int, r0: int, r1: int, block: int) -> torch.Tensor:
+    """Blocks r0..r1 of a code array as int8 (r1 - r0, block): a view of INT8 codes."""
+    per = block * bits // 8
+    raw = data[r0 * per:r1 * per]
+    ints = raw if bits == 8 else unpack_int4(raw) if bits == 4 else unpack_int3(raw).to(torch.int8)
+    return ints.view(r1 - r0, block)
 
 
 def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor, qmax: int) -> torch.Tensor:
@@ -135,26 +147,46 @@ def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor, qmax: int) 
     return c.clamp_(-qmax, qmax) if c.is_cuda or bool((ratio > 1).any()) else c
 
 
-def _far_rows(k: torch.Tensor):
-    """The blocks that need the k > 1 formula: on the CPU those with k > 1 (None if
-    none), or all of them (slice(None)) where that is most, as it is on a device
-    always, because finding them syncs the host. For k = 1 the formula gives the same
-    bits: d = round(diff / 1) = diff and clamp(base + d) = t, integers in range; so
-    all-blocks only saves the gather and scatter of the rows (INT3 moves at lr 1e-3
-    give k > 1 in most blocks)."""
-    if k.is_cuda:
+def _absmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(x.amax(1), x.amin(1).neg())  # two fast reductions, NaN kept
+
+
+def _rescaled_rows(need: torch.Tensor):
+    """The blocks that take the rescaled formula (`need`, one bool per block): on the
+    CPU their indices (None if none), or all blocks (slice(None)) where that is most,
+    as it is on a device always, because finding them syncs the host. The others'
+    results are then chosen back by `torch.where`: the same bits either way."""
+    if need.is_cuda:
         return slice(None)
-    rows = (k > 1).nonzero().squeeze(1)
-    return None if not len(rows) else slice(None) if 2 * len(rows) > len(k) else rows
+    rows = need.nonzero().squeeze(1)
+    return None if not len(rows) else slice(None) if 2 * len(rows) > len(need) else rows
 
 
-def _far(base: torch.Tensor, d: torch.Tensor, k: torch.Tensor, rows, qmax: int,
-         out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """c' = clamp(base + d * k) on the blocks `rows` (those with k > 1, or all), into
-    `out` if given (all rows: may be `base` itself): the same ops on the owner and on
-    every holder. Products and sums are integers below 2^24, exact in fp32."""
-    kf = k[rows].float().unsqueeze(1)
-    return torch.addcmul(base[rows], d[rows], kf, out=out).clamp_(-qmax, qmax)
+def _rescaled(t: torch.Tensor, c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,
+              qc: int, qd: int, stochastic: bool, generator: Optional[torch.Generator]):
+    """The owner's rescaled move of some blocks (new codes t, old codes c in fp32,
+    overwritten): (moves d, steps k >= 1 as uint8, the copy's new codes)."""
+    base = _base(c, s_old, s_new, qc)
+    diff = t - base
+    # |diff| <= qd * k, so |diff / k| <= qd (division rounds correctly): nearest
+    # rounding stays in range; floor(qd + u) is qd + 1 where fp32 rounds qd + u up
+    k = div_exact(_absmax(diff), qd).ceil_().clamp_(1, 255)
+    kf = k.unsqueeze(1)
+    d = diff / kf
+    if stochastic:
+        d.add_(torch.rand(d.shape, generator=generator, device=d.device)).floor_()
+        d.clamp_(-qd, qd)
+        # k = 1 keeps d = diff: floor(3 + u) is 4 where fp32 rounds 3 + u up
+        torch.where(kf > 1, d, diff, out=d)
+    else:
+        d.round_()
+    return d, k.to(torch.uint8), _far(base, d, kf, qc)
+
+
+def _far(base: torch.Tensor, d: torch.Tensor, kf: torch.Tensor, qc: int) -> torch.Tensor:
+    """c' = clamp(base + d * k), into `base`: the same ops on the owner and on every
+    holder. Products and sums are integers below 2^24, exact in fp32."""
+    return torch.addcmul(base, d, kf, out=base).clamp_(-qc, qc)
 
 
 def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_bits: int,
@@ -170,37 +202,30 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
     s_new, steps, d_data = _views(out, numel, delta_bits, block, extra)
     xb = _blocks(master, block)
     for r0, r1 in _chunks(numel // block, block, master.device):
-        # t: qwZ's codes of the master (quantize's arithmetic), kept in fp32
-        t = scratch_buffer("qwd_t", (r1 - r0) * block, master.device).view(r1 - r0, block)
+        shape = (r1 - r0, block)
+        # t: qwZ's codes of the master (quantize's arithmetic), in fp32 and as int8
+        t = scratch_buffer("qwd_t", shape[0] * block, master.device).view(shape)
         s_new[r0:r1] = sn = round_blocks(xb[r0:r1], qc, t)
-        base = _base(_codes(c_data, copy_bits, r0, r1, block, "qwd_c"), s_old[r0:r1], sn, qc)
-        diff = torch.sub(t, base, out=scratch_buffer("qwd_d", t.numel(), t.device).view(t.shape))
-        amax = torch.maximum(diff.amax(1), diff.amin(1).neg())
-        # |diff| <= qd * k, so |diff / k| <= qd (division rounds correctly): nearest
-        # rounding stays in range; floor(qd + u) is qd + 1 where fp32 rounds qd + u up
-        k = div_exact(amax, qd).ceil_().clamp_(1, 255)
-        steps[r0:r1] = k.to(torch.uint8)
-        rows = _far_rows(k)
-        if rows is not None:  # where k = 1, d = diff exactly and the copy becomes t
-            every = isinstance(rows, slice)
-            d = diff[rows]
-            d = torch.div(d, k[rows].unsqueeze(1),
-                          out=scratch_buffer("qwd_q", d.numel(), d.device).view(d.shape))
-            if stochastic:
-                d.add_(torch.rand(d.shape, generator=generator, device=d.device)).floor_()
-                d.clamp_(-qd, qd)
-                if every:  # k = 1 rows keep d = diff: floor(3 + u) is 4 where fp32
-                    # rounds 3 + u up
-                    torch.where((k > 1).unsqueeze(1), d, diff, out=d)
+        t8 = _scratch8("qwd_t8", shape, t.device).copy_(t)
+        c8 = _int8(c_data, copy_bits, r0, r1, block)
+        # the moves on the old grid, modulo 256: k = 0 wherever they fit
+        d8 = torch.sub(t8, c8, out=_scratch8("qwd_d8", shape, t.device))
+        k = ((d8.amax(1) > qd) | (d8.amin(1) < -qd)).to(torch.uint8)
+        rows = _rescaled_rows(k.bool())
+        if rows is not None:
+            d, kr, codes = _rescaled(t[rows], c8[rows].float(), s_old[r0:r1][rows], sn[rows],
+                                     qc, qd, stochastic, generator)
+            d, codes = d.to(torch.int8), codes.to(torch.int8)
+            if isinstance(rows, slice):  # all blocks: the direct ones chosen back
+                direct = (k == 0).unsqueeze(1)
+                torch.where(direct, d8, d, out=d8)
+                torch.where(direct, t8, codes, out=t8)
+                k = torch.where(k == 0, k, kr)
             else:
-                d.round_()
-            diff[rows] = d
-            if every:
-                _far(base, diff, k, rows, qc, out=t)
-            else:
-                t[rows] = _far(base, diff, k, rows, qc)
-        _store(diff, d_data, delta_bits, r0, r1, block)
-        _store(t, c_data, copy_bits, r0, r1, block)
+                d8[rows], k[rows], t8[rows] = d, kr, codes
+        steps[r0:r1] = k
+        _store(d8, d_data, delta_bits, r0, r1, block)
+        _store(t8, c_data, copy_bits, r0, r1, block)
     s_old.copy_(s_new)
 
 
@@ -212,17 +237,19 @@ def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, copy_bits: int
     extra = meta_bytes(numel, block) - numel // block * 4
     s_new, steps, d_data = _views(delta, numel, delta_bits, block, extra)
     for r0, r1 in _chunks(numel // block, block, copy.device):
-        base = _base(_codes(c_data, copy_bits, r0, r1, block, "qwd_c"), s_old[r0:r1],
-                     s_new[r0:r1], qc)
-        d = _codes(d_data, delta_bits, r0, r1, block, "qwd_d")  # fp32: a mixed add is slow
         k = steps[r0:r1]
-        rows = _far_rows(k)
+        rows = _rescaled_rows(k > 0)
+        codes = _int8(c_data, copy_bits, r0, r1, block)
+        moves = _int8(d_data, delta_bits, r0, r1, block)
+        if rows is not None:  # the rescaled blocks, from their old codes
+            base = _base(codes[rows].float(), s_old[r0:r1][rows], s_new[r0:r1][rows], qc)
+            far = _far(base, moves[rows].float(), k[rows].unsqueeze(1).float(), qc)
+            far = far.to(torch.int8)
+        codes.add_(moves)  # modulo 256, as the owner's: lands on t where k = 0
         if isinstance(rows, slice):
-            _far(base, d, k, rows, qc, out=base)
-        else:
-            far = _far(base, d, k, rows, qc) if rows is not None else None
-            base.add_(d)  # k = 1: t itself, in range
-            if far is not None:
-                base[rows] = far
-        _store(base, c_data, copy_bits, r0, r1, block)
+            torch.where((k == 0).unsqueeze(1), codes, far, out=codes)
+        elif rows is not None:
+            codes[rows] = far
+        if copy_bits != 8:  # INT8 codes are a view of the copy, moved in place
+            _store(codes, c_data, copy_bits, r0, r1, block)
     s_old.copy_(s_new)
