@@ -191,7 +191,7 @@ def check_quant(device: str) -> list[dict]:
 
 def check_qwd(device: str) -> dict:
     """qWD's code deltas on the device: 20 INT4 moves of a 1M-value shard (a tenth of
-    the blocks moving far, so both k = 1 and k > 1 run), the holder's copy bitwise the
+    the blocks moving far, so both formulas run), the holder's copy bitwise the
     owner's, and whether both are bitwise what the same ops give on the CPU; then 5
     INT3 moves rounded stochastically, owner = holder."""
     from zeropp import qwd

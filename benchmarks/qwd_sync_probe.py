@@ -1,8 +1,8 @@
 """qWD's encode + apply on a GPU with and without host syncs (run on a CUDA device).
 
-The CPU path finds the blocks with k > 1 (`nonzero`, `any`: each a host sync); the
-device path sends every block through the k > 1 formula, the same bits, no sync
-(qwd.py). Alone on an idle GPU a sync costs little; in training the GPU has work
+The CPU path finds the blocks whose moves on the old grid do not fit (`nonzero`,
+`any`: each a host sync); the device path sends every block through both formulas
+and keeps each block's own, the same bits, no sync (qwd.py). Alone on an idle GPU a sync costs little; in training the GPU has work
 queued (the forward's kernels), and a sync blocks the host until all of it is done,
 so the next kernels are not queued meanwhile. Measured both ways, per 442K-value
 shard (gpt-6x384 at 2x2), best of 20:
@@ -20,10 +20,10 @@ from zeropp import qwd
 from zeropp.quant import quantize
 
 
-def cpu_rule(k: torch.Tensor):
+def cpu_rule(need: torch.Tensor):
     """The CPU's choice of rows, on the device: a sync per call."""
-    rows = (k > 1).nonzero().squeeze(1)
-    return None if not len(rows) else slice(None) if 2 * len(rows) > len(k) else rows
+    rows = need.nonzero().squeeze(1)
+    return None if not len(rows) else slice(None) if 2 * len(rows) > len(need) else rows
 
 
 def main() -> None:
@@ -40,9 +40,9 @@ def main() -> None:
         qwd.encode(m2, c, out, copy_bits=8, delta_bits=4, block=block)
         qwd.apply(copy.clone(), out, numel=n, copy_bits=8, delta_bits=4, block=block)
 
-    device_rule = qwd._far_rows
+    device_rule = qwd._rescaled_rows
     for name, rule in (("device path (no sync)", device_rule), ("CPU rule (syncs)", cpu_rule)):
-        qwd._far_rows = rule
+        qwd._rescaled_rows = rule
         step()
         torch.cuda.synchronize()
         alone, queued = [], []
@@ -60,7 +60,7 @@ def main() -> None:
             torch.cuda.synchronize()
         print(f"{name}: alone {min(alone) * 1e3:.3f} ms, host held behind queued work "
               f"{min(queued) * 1e3:.3f} ms (median {sorted(queued)[10] * 1e3:.3f})", flush=True)
-    qwd._far_rows = device_rule
+    qwd._rescaled_rows = device_rule
 
 
 if __name__ == "__main__":

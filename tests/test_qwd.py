@@ -65,7 +65,7 @@ def _device_path(monkeypatch) -> None:
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochastic, path,
                                                                       bits, monkeypatch):
-    """k = 1 where every code moved by at most 7 (INT4) or 3 (INT3)."""
+    """Exact (k <= 1) where every code moved by at most 7 (INT4) or 3 (INT3)."""
     if path == "device":
         _device_path(monkeypatch)
     large, misses = 0, []
@@ -95,7 +95,7 @@ def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochast
 
 @pytest.mark.parametrize("bits", [4, 3], ids=["int4", "int3"])
 def test_the_device_path_sends_and_keeps_the_same_bytes_as_the_cpu_path(bits, monkeypatch):
-    """Nearest rounding: the sync-free path (all blocks through the k > 1 formula)
+    """Nearest rounding: the sync-free path (all blocks through both formulas)
     gives the CPU path's deltas (scales, steps, moves) and copies bit for bit, over 30
     steps and a jump."""
     cpu = _walk(30, False, bits)
