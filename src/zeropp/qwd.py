@@ -10,26 +10,25 @@ steps per optimizer step, so the move of its code is a small integer: INT4
 carries it exactly, and the holder's copy becomes t, bit for bit qwZ's INT8 of
 the master, at half of qwZ's bytes (and one scale per block, as before).
 
-Per block, with the holder's codes c at scale s, first on the old grid:
-    d = t - c  (int8, modulo 256)      # k = 0 if every |d| <= dmax (7 INT4, 3 INT3)
-    c' = c + d (int8, modulo 256) = t
-A scale moves a little each step (its block's largest weight moves), and the
-codes with it by at most about one; this fits in nearly every block (99.9% of
-them over 300 steps of `small` at lr 2e-3), and costs an int8 subtraction and
-add. The sum wraps exactly as the difference did, so even a code flipping from
--127 to 127 (d = -2) lands on t. Where a block does not fit, the old codes are
-first put on the new grid:
+Per block, with the holder's codes c at scale s:
     base = clamp(round(c * s / s'))    # the old codes on the new scale's grid
     diff = t - base                    # an integer in [-2 qmax, 2 qmax]
-    k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes
+    k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes (dmax 7 / 3)
     d    = round(diff / k)             # sent: s', k and d
     c'   = clamp(base + d * k)
-Such a block whose codes moved by at most dmax (k = 1) also lands exactly on t;
-a faster one (small weights that the optimizer moves by many of their steps)
-lands within k/2 codes of it, as an INT4 delta of the values would, and the
-rest is in the next step's diff (carried, not lost). Every holder and the owner
-run the same ops on the same integers and scales, so their copies stay bitwise
-identical; integer arithmetic in fp32 is exact below 2^24.
+A block whose codes all moved by at most dmax (k = 1: nearly every block) lands
+exactly on t; a faster one (small weights that the optimizer moves by many of
+their steps) lands within k/2 codes of it, as an INT4 delta of the values would,
+and the rest is in the next step's diff (carried, not lost). Every holder and
+the owner run the same float ops on the same integers and scales, so their
+copies stay bitwise identical; integer arithmetic in fp32 is exact below 2^24.
+
+Most blocks skip the rescaling (k = 0): since |t - base| <= |t - c| +
+qmax |1 - s/s'| + 1/2, a block where that bound is at most dmax gets k = 1 and t
+from the formula, and the moves on the old grid, d = t - c, land on t as well:
+an integer subtraction for the owner and an int8 add for every holder, the same
+copies bit for bit. A scale moves little per step, so this holds in most blocks
+(97% over 300 steps of `small` at lr 2e-3, 87% at the peak; qwd_moves.py).
 
 The copies cost the holder 1 byte per value (plus a scale per block) instead
 of 4 for fp32 copies and their INT8 payload, and no re-quantization per step.
@@ -38,14 +37,14 @@ INT3 moves (`weight_delta_bits=3`, dmax = 3) send a quarter fewer bytes; more
 blocks then take k > 1 (and land within a code of t), the rest still exactly.
 
 On a GPU the same bits come without host syncs: finding the rescaled blocks
-would sync, so there every block goes through both formulas and `torch.where`
-keeps each block's own (`_rescaled_rows`).
+would sync, so there every block goes through both ways and `torch.where` keeps
+each block's own (`_rescaled_rows`).
 
 [Note: delta wire format]
 One uint8 buffer per shard: [s' fp32 x nblocks | k uint8 x nblocks (0: moves on
 the old grid), padded to 4 bytes | d at `delta_bits` (INT4 packed as quant.py
-packs it, INT3 eight to three bytes), padded to 4 bytes]. The scales lead so that pieces cut from a gathered
-buffer keep them 4-byte aligned.
+packs it, INT3 eight to three bytes), padded to 4 bytes]. The scales lead so
+that pieces cut from a gathered buffer keep them 4-byte aligned.
 """
 
 from __future__ import annotations
@@ -113,10 +112,10 @@ def unpack_int3(packed: torch.Tensor) -> torch.Tensor:
     return (words.unsqueeze(1) >> shifts).bitwise_and_(7).sub_(4).reshape(-1)
 
 
-def _scratch8(slot: str, shape: tuple, device: torch.device) -> torch.Tensor:
-    """An int8 view of a reused scratch buffer (quant.scratch_buffer's, fp32)."""
+def _scratch16(slot: str, shape: tuple, device: torch.device) -> torch.Tensor:
+    """An int16 view of a reused scratch buffer (quant.scratch_buffer's, fp32)."""
     n = shape[0] * shape[1]
-    return scratch_buffer(slot, -(-n // 4), device).view(torch.int8)[:n].view(shape)
+    return scratch_buffer(slot, -(-n // 2), device).view(torch.int16)[:n].view(shape)
 
 
 def _store(codes: torch.Tensor, data: torch.Tensor, bits: int, r0: int, r1: int,
@@ -135,11 +134,16 @@ def _int8(data: torch.Tensor, bits: int, r0: int, r1: int, block: int) -> torch.
     return ints.view(r1 - r0, block)
 
 
-def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor, qmax: int) -> torch.Tensor:
-    """The old codes on the new grid, in place: clamp(round(c * s / s')). A block
-    without a usable ratio (a zero, subnormal or non-finite scale) starts from 0."""
+def _ratio(s_old: torch.Tensor, s_new: torch.Tensor) -> torch.Tensor:
+    """s / s' per block; 0 where it is not usable (a zero, subnormal or non-finite
+    scale): such a block starts from 0."""
     ratio = s_old / s_new
-    ratio = torch.where((s_new > 0) & torch.isfinite(ratio), ratio, 0.0)
+    return torch.where((s_new > 0) & torch.isfinite(ratio), ratio, 0.0)
+
+
+def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor, qmax: int) -> torch.Tensor:
+    """The old codes on the new grid, in place: clamp(round(c * s / s'))."""
+    ratio = _ratio(s_old, s_new)
     c.mul_(ratio.unsqueeze(1)).round_()
     # |c| <= qmax: only a grid that got finer (ratio > 1) can take it out of range.
     # On a device the test would cost a host sync, and the clamp is the identity on
@@ -203,29 +207,33 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
     xb = _blocks(master, block)
     for r0, r1 in _chunks(numel // block, block, master.device):
         shape = (r1 - r0, block)
-        # t: qwZ's codes of the master (quantize's arithmetic), in fp32 and as int8
+        # t: qwZ's codes of the master (quantize's arithmetic), in fp32 and int16
         t = scratch_buffer("qwd_t", shape[0] * block, master.device).view(shape)
         s_new[r0:r1] = sn = round_blocks(xb[r0:r1], qc, t)
-        t8 = _scratch8("qwd_t8", shape, t.device).copy_(t)
+        t16 = _scratch16("qwd_t16", shape, t.device).copy_(t)
         c8 = _int8(c_data, copy_bits, r0, r1, block)
-        # the moves on the old grid, modulo 256: k = 0 wherever they fit
-        d8 = torch.sub(t8, c8, out=_scratch8("qwd_d8", shape, t.device))
-        k = ((d8.amax(1) > qd) | (d8.amin(1) < -qd)).to(torch.uint8)
-        rows = _rescaled_rows(k.bool())
+        d16 = torch.sub(t16, c8, out=_scratch16("qwd_d16", shape, t.device))  # on the old grid
+        # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c and t in range): where
+        # that is at most dmax, the rescaled formula lands on t with k = 1, and so do
+        # the moves on the old grid (k = 0); fp32's error in c r is under 1e-5
+        ratio = _ratio(s_old[r0:r1], sn)
+        rescale = _absmax(d16) + qc * (1 - ratio).abs() > qd - 0.501  # NaN: rescaled
+        k = rescale.to(torch.uint8)
+        rows = _rescaled_rows(rescale)
         if rows is not None:
             d, kr, codes = _rescaled(t[rows], c8[rows].float(), s_old[r0:r1][rows], sn[rows],
                                      qc, qd, stochastic, generator)
-            d, codes = d.to(torch.int8), codes.to(torch.int8)
+            d, codes = d.to(torch.int16), codes.to(torch.int16)
             if isinstance(rows, slice):  # all blocks: the direct ones chosen back
                 direct = (k == 0).unsqueeze(1)
-                torch.where(direct, d8, d, out=d8)
-                torch.where(direct, t8, codes, out=t8)
+                torch.where(direct, d16, d, out=d16)
+                torch.where(direct, t16, codes, out=t16)
                 k = torch.where(k == 0, k, kr)
             else:
-                d8[rows], k[rows], t8[rows] = d, kr, codes
+                d16[rows], k[rows], t16[rows] = d, kr, codes
         steps[r0:r1] = k
-        _store(d8, d_data, delta_bits, r0, r1, block)
-        _store(t8, c_data, copy_bits, r0, r1, block)
+        _store(d16, d_data, delta_bits, r0, r1, block)
+        _store(t16, c_data, copy_bits, r0, r1, block)
     s_old.copy_(s_new)
 
 
@@ -245,7 +253,7 @@ def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, copy_bits: int
             base = _base(codes[rows].float(), s_old[r0:r1][rows], s_new[r0:r1][rows], qc)
             far = _far(base, moves[rows].float(), k[rows].unsqueeze(1).float(), qc)
             far = far.to(torch.int8)
-        codes.add_(moves)  # modulo 256, as the owner's: lands on t where k = 0
+        codes.add_(moves)  # k = 0: moves on the old grid, each landing on t
         if isinstance(rows, slice):
             torch.where((k == 0).unsqueeze(1), codes, far, out=codes)
         elif rows is not None:
