@@ -40,9 +40,9 @@ def main() -> None:
         qwd.encode(m2, c, out, copy_bits=8, delta_bits=4, block=block)
         qwd.apply(copy.clone(), out, numel=n, copy_bits=8, delta_bits=4, block=block)
 
-    device_rule = qwd._rescaled_rows
+    device_rule = qwd._rows
     for name, rule in (("device path (no sync)", device_rule), ("CPU rule (syncs)", cpu_rule)):
-        qwd._rescaled_rows = rule
+        qwd._rows = rule
         step()
         torch.cuda.synchronize()
         alone, queued = [], []
@@ -60,7 +60,7 @@ def main() -> None:
             torch.cuda.synchronize()
         print(f"{name}: alone {min(alone) * 1e3:.3f} ms, host held behind queued work "
               f"{min(queued) * 1e3:.3f} ms (median {sorted(queued)[10] * 1e3:.3f})", flush=True)
-    qwd._rescaled_rows = device_rule
+    qwd._rows = device_rule
 
 
 if __name__ == "__main__":

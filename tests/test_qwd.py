@@ -57,7 +57,7 @@ def _large(m: torch.Tensor, bits: int = 4) -> torch.Tensor:
 def _device_path(monkeypatch) -> None:
     """What a CUDA shard runs, here: every block through the rescaled formula, the
     direct ones chosen back (finding the rescaled blocks would sync the host)."""
-    monkeypatch.setattr(qwd, "_rescaled_rows", lambda need: slice(None))
+    monkeypatch.setattr(qwd, "_rows", lambda mask: slice(None))
 
 
 @pytest.mark.parametrize("bits", [4, 3], ids=["int4", "int3"])

@@ -38,7 +38,7 @@ blocks then take k > 1 (and land within a code of t), the rest still exactly.
 
 On a GPU the same bits come without host syncs: finding the rescaled blocks
 would sync, so there every block goes through both ways and `torch.where` keeps
-each block's own (`_rescaled_rows`).
+each block's own (`_rows`).
 
 [Note: delta wire format]
 One uint8 buffer per shard: [s' fp32 x nblocks | k uint8 x nblocks (0: moves on
@@ -112,10 +112,11 @@ def unpack_int3(packed: torch.Tensor) -> torch.Tensor:
     return (words.unsqueeze(1) >> shifts).bitwise_and_(7).sub_(4).reshape(-1)
 
 
-def _scratch16(slot: str, shape: tuple, device: torch.device) -> torch.Tensor:
-    """An int16 view of a reused scratch buffer (quant.scratch_buffer's, fp32)."""
-    n = shape[0] * shape[1]
-    return scratch_buffer(slot, -(-n // 2), device).view(torch.int16)[:n].view(shape)
+def _codes(data: torch.Tensor, bits: int, r0: int, r1: int, block: int,
+           slot: str) -> torch.Tensor:
+    """Blocks r0..r1 of a code array as fp32 integers (r1 - r0, block), in scratch."""
+    out = scratch_buffer(slot, (r1 - r0) * block, data.device).view(r1 - r0, block)
+    return out.copy_(_int8(data, bits, r0, r1, block))
 
 
 def _store(codes: torch.Tensor, data: torch.Tensor, bits: int, r0: int, r1: int,
@@ -155,42 +156,55 @@ def _absmax(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(x.amax(1), x.amin(1).neg())  # two fast reductions, NaN kept
 
 
-def _rescaled_rows(need: torch.Tensor):
-    """The blocks that take the rescaled formula (`need`, one bool per block): on the
-    CPU their indices (None if none), or all blocks (slice(None)) where that is most,
-    as it is on a device always, because finding them syncs the host. The others'
-    results are then chosen back by `torch.where`: the same bits either way."""
-    if need.is_cuda:
+def _rows(mask: torch.Tensor):
+    """The blocks of `mask` (one bool per block) that need more work: on the CPU
+    their indices (None if none), or all blocks (slice(None)) where that is most, as
+    on a device always, because finding them syncs the host. Work done on all blocks
+    gives the others' results unchanged or chosen back: the same bits either way."""
+    if mask.is_cuda:
         return slice(None)
-    rows = need.nonzero().squeeze(1)
-    return None if not len(rows) else slice(None) if 2 * len(rows) > len(need) else rows
+    rows = mask.nonzero().squeeze(1)
+    return None if not len(rows) else slice(None) if 2 * len(rows) > len(mask) else rows
 
 
-def _rescaled(t: torch.Tensor, c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,
-              qc: int, qd: int, stochastic: bool, generator: Optional[torch.Generator]):
-    """The owner's rescaled move of some blocks (new codes t, old codes c in fp32,
-    overwritten): (moves d, steps k >= 1 as uint8, the copy's new codes)."""
+def _formula(t: torch.Tensor, c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,
+             qc: int, qd: int, stochastic: bool, generator: Optional[torch.Generator],
+             diff_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The note's formula on some blocks, for the owner: t (qwZ's new codes) and c
+    (the old codes), fp32, both overwritten (c by base, t by c'). Returns the moves d
+    and the steps k (fp32)."""
     base = _base(c, s_old, s_new, qc)
-    diff = t - base
+    diff = torch.sub(t, base, out=diff_out)
     # |diff| <= qd * k, so |diff / k| <= qd (division rounds correctly): nearest
     # rounding stays in range; floor(qd + u) is qd + 1 where fp32 rounds qd + u up
     k = div_exact(_absmax(diff), qd).ceil_().clamp_(1, 255)
-    kf = k.unsqueeze(1)
-    d = diff / kf
-    if stochastic:
-        d.add_(torch.rand(d.shape, generator=generator, device=d.device)).floor_()
-        d.clamp_(-qd, qd)
-        # k = 1 keeps d = diff: floor(3 + u) is 4 where fp32 rounds 3 + u up
-        torch.where(kf > 1, d, diff, out=d)
-    else:
-        d.round_()
-    return d, k.to(torch.uint8), _far(base, d, kf, qc)
+    far = _rows(k > 1)
+    if far is not None:  # where k = 1, d = diff exactly and c' = t
+        every = isinstance(far, slice)
+        kf = k[far].unsqueeze(1)
+        d = torch.div(diff[far], kf,
+                      out=scratch_buffer("qwd_q", diff.numel(), t.device).view(diff.shape)
+                      if every else None)
+        if stochastic:
+            d.add_(torch.rand(d.shape, generator=generator, device=d.device)).floor_()
+            d.clamp_(-qd, qd)
+            if every:  # k = 1 keeps d = diff: floor(3 + u) is 4 where fp32 rounds 3 + u up
+                torch.where(kf > 1, d, diff, out=d)
+        else:
+            d.round_()
+        diff[far] = d
+        if every:
+            _far(base, diff, kf, qc, out=t)
+        else:
+            t[far] = _far(base[far], d, kf, qc)
+    return diff, k
 
 
-def _far(base: torch.Tensor, d: torch.Tensor, kf: torch.Tensor, qc: int) -> torch.Tensor:
-    """c' = clamp(base + d * k), into `base`: the same ops on the owner and on every
-    holder. Products and sums are integers below 2^24, exact in fp32."""
-    return torch.addcmul(base, d, kf, out=base).clamp_(-qc, qc)
+def _far(base: torch.Tensor, d: torch.Tensor, kf: torch.Tensor, qc: int,
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """c' = clamp(base + d * k), into `out` (default: `base`): the same ops on the
+    owner and on every holder. Products and sums are integers below 2^24, exact in fp32."""
+    return torch.addcmul(base, d, kf, out=base if out is None else out).clamp_(-qc, qc)
 
 
 def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_bits: int,
@@ -206,34 +220,35 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
     s_new, steps, d_data = _views(out, numel, delta_bits, block, extra)
     xb = _blocks(master, block)
     for r0, r1 in _chunks(numel // block, block, master.device):
-        shape = (r1 - r0, block)
-        # t: qwZ's codes of the master (quantize's arithmetic), in fp32 and int16
-        t = scratch_buffer("qwd_t", shape[0] * block, master.device).view(shape)
+        n = (r1 - r0) * block
+        # t: qwZ's codes of the master (quantize's arithmetic), kept in fp32
+        t = scratch_buffer("qwd_t", n, master.device).view(r1 - r0, block)
         s_new[r0:r1] = sn = round_blocks(xb[r0:r1], qc, t)
-        t16 = _scratch16("qwd_t16", shape, t.device).copy_(t)
-        c8 = _int8(c_data, copy_bits, r0, r1, block)
-        d16 = torch.sub(t16, c8, out=_scratch16("qwd_d16", shape, t.device))  # on the old grid
-        # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c and t in range): where
-        # that is at most dmax, the rescaled formula lands on t with k = 1, and so do
-        # the moves on the old grid (k = 0); fp32's error in c r is under 1e-5
-        ratio = _ratio(s_old[r0:r1], sn)
-        rescale = _absmax(d16) + qc * (1 - ratio).abs() > qd - 0.501  # NaN: rescaled
-        k = rescale.to(torch.uint8)
-        rows = _rescaled_rows(rescale)
-        if rows is not None:
-            d, kr, codes = _rescaled(t[rows], c8[rows].float(), s_old[r0:r1][rows], sn[rows],
-                                     qc, qd, stochastic, generator)
-            d, codes = d.to(torch.int16), codes.to(torch.int16)
-            if isinstance(rows, slice):  # all blocks: the direct ones chosen back
-                direct = (k == 0).unsqueeze(1)
-                torch.where(direct, d16, d, out=d16)
-                torch.where(direct, t16, codes, out=t16)
-                k = torch.where(k == 0, k, kr)
-            else:
-                d16[rows], k[rows], t16[rows] = d, kr, codes
+        c = _codes(c_data, copy_bits, r0, r1, block, "qwd_c")
+        moves = torch.sub(t, c, out=scratch_buffer("qwd_m", n, t.device).view(t.shape))
+        moved = _absmax(moves)  # on the old grid
+        # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c and t in range):
+        # where that is at most dmax the formula gives k = 1 and t, and so do the moves
+        # on the old grid (k = 0); fp32's error in c r is under 1e-5
+        k = torch.zeros(r1 - r0, dtype=torch.uint8, device=t.device)
+        rows = _rows(moved + qc * (1 - _ratio(s_old[r0:r1], sn)).abs() > qd - 0.501)
+        if rows is not None:  # the formula on the others (NaN included)
+            every = isinstance(rows, slice)
+            tr, cr = (t, c) if every else (t[rows], c[rows])
+            diff, kr = _formula(tr, cr, s_old[r0:r1][rows], sn[rows], qc, qd, stochastic,
+                                generator, scratch_buffer("qwd_d", n, t.device).view(t.shape)
+                                if every else None)
+            # k = 0 also where the formula lands on t (k = 1) and the moves on the old
+            # grid fit: the same choice on every path, and each holder's cheap add
+            direct = (kr == 1) & (moved[rows] <= qd)
+            chosen = torch.where(direct.unsqueeze(1), moves[rows], diff,
+                                 out=moves if every else None)
+            if not every:
+                moves[rows], t[rows] = chosen, tr
+            k[rows] = torch.where(direct, 0.0, kr).to(torch.uint8)
         steps[r0:r1] = k
-        _store(d16, d_data, delta_bits, r0, r1, block)
-        _store(t16, c_data, copy_bits, r0, r1, block)
+        _store(moves, d_data, delta_bits, r0, r1, block)
+        _store(t, c_data, copy_bits, r0, r1, block)
     s_old.copy_(s_new)
 
 
@@ -246,7 +261,7 @@ def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, copy_bits: int
     s_new, steps, d_data = _views(delta, numel, delta_bits, block, extra)
     for r0, r1 in _chunks(numel // block, block, copy.device):
         k = steps[r0:r1]
-        rows = _rescaled_rows(k > 0)
+        rows = _rows(k > 0)
         codes = _int8(c_data, copy_bits, r0, r1, block)
         moves = _int8(d_data, delta_bits, r0, r1, block)
         if rows is not None:  # the rescaled blocks, from their old codes
