@@ -241,10 +241,11 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
             # k = 0 also where the formula lands on t (k = 1) and the moves on the old
             # grid fit: the same choice on every path, and each holder's cheap add
             direct = (kr == 1) & (moved[rows] <= qd)
-            chosen = torch.where(direct.unsqueeze(1), moves[rows], diff,
-                                 out=moves if every else None)
-            if not every:
-                moves[rows], t[rows] = chosen, tr
+            if every:
+                torch.where(direct.unsqueeze(1), moves, diff, out=moves)
+            else:  # the direct rows hold their moves and t already
+                moves[rows[~direct]] = diff[~direct]
+                t[rows[kr > 1]] = tr[kr > 1]  # k = 1 rows: c' = t
             k[rows] = torch.where(direct, 0.0, kr).to(torch.uint8)
         steps[r0:r1] = k
         _store(moves, d_data, delta_bits, r0, r1, block)
