@@ -11,7 +11,7 @@ Per rank and step (mean of the four ranks), in CPU milliseconds:
   step, and inside them the weight path's quantization, dequantization and
   gather issue (zeropp.weights), whichever phase they ran in.
 
-    python benchmarks/cpu_attribution.py zeropp,zeropp-plus [--steps 12] [--reps 2]
+    python benchmarks/cpu_attribution.py zeropp,zeropp-plus [--steps 12] [--reps 2] [--warmup 3]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _timed(acc: dict, owner, name: str, key: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def work(preset: str, steps: int) -> dict[str, float]:
+def work(preset: str, steps: int, warmup: int = 3) -> dict[str, float]:
     torch.set_num_threads(1)
     acc: dict[str, float] = collections.defaultdict(float)
     _timed(acc, weights_mod, "quantize", "  weight path: quantize")
@@ -86,7 +86,7 @@ def work(preset: str, steps: int) -> dict[str, float]:
         phase("main: backward", loss.backward)
         phase("main: clip + optimizer step", lambda: (zeropp.clip_grad_norm_(model, 1.0),
                                                       opt.step(), opt.zero_grad()))
-    for _ in range(3):
+    for _ in range(warmup):
         step()
     acc.clear()
     dist.barrier()
@@ -107,12 +107,15 @@ def main() -> None:
     ap.add_argument("presets")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="steps before measuring (more: later training, where qWD's blocks "
+                         "move less; benchmarks/qwd_cost.py)")
     args = ap.parse_args()
     presets = args.presets.split(",")
     for rep in range(args.reps):
         table = {}
         for p in presets:
-            ranks = spawn(work, 4, 2, args=(p, args.steps), timeout=900)
+            ranks = spawn(work, 4, 2, args=(p, args.steps, args.warmup), timeout=900)
             keys = set().union(*ranks)
             table[p] = {k: sum(r.get(k, 0.0) for r in ranks) / len(ranks) for k in keys}
         keys = sorted(set().union(*table.values()))

@@ -4,7 +4,10 @@ drift (±20% by the hour here) hits both alike: gpt-6x384 (fp32, AdamW, batch
 s/step, the paired ratio to the first preset, CPU seconds per step summed over the
 four ranks (every thread) and minor page faults per step (all ranks), and the ranks' peak RSS.
 
-    python benchmarks/paired_step.py zeropp,zeropp-plus [steps] [LAYERSxWIDTH, default 6x384]
+    python benchmarks/paired_step.py zeropp,zeropp-plus [steps] [LAYERSxWIDTH, default 6x384] [warm-up steps, default 2]
+
+More warm-up steps measure later training: the first AdamW steps move every weight
+by about the lr, which costs qWD more than later steps do (benchmarks/qwd_cost.py).
 
 Each step clips gradients (`zeropp.clip_grad_norm_`, as `zeropp train` does; the
 bench worker does not), and each preset's model sees its own batches: the times
@@ -29,12 +32,13 @@ def _usage() -> tuple[float, int]:
     return r.ru_utime + r.ru_stime, r.ru_minflt
 
 
-def work(presets: list[str], steps: int, layers: int = 6, width: int = 384) -> tuple:
+def work(presets: list[str], steps: int, layers: int = 6, width: int = 384,
+         warmup: int = 2) -> tuple:
     torch.set_num_threads(1)
     runs = [sharded_gpt(p, layers, width) for p in presets]
     g = torch.Generator().manual_seed(dist.get_rank())
     out: list[list[tuple[float, float, int]]] = [[] for _ in presets]
-    for i in range(steps + 2):  # two warm-up steps each
+    for i in range(steps + warmup):  # warm-up steps first, each
         for k, (m, opt) in enumerate(runs):
             x = batch(g)
             dist.barrier()
@@ -43,7 +47,7 @@ def work(presets: list[str], steps: int, layers: int = 6, width: int = 384) -> t
             train_step(m, opt, x)
             dist.barrier()
             cpu1, flt1 = _usage()
-            if i >= 2:
+            if i >= warmup:
                 out[k].append((time.perf_counter() - t, cpu1 - cpu0, flt1 - flt0))
     return out, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -52,7 +56,8 @@ if __name__ == "__main__":
     presets = sys.argv[1].split(",")
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
     layers, width = (int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "6x384").split("x"))
-    got = spawn(work, 4, 2, args=(presets, steps, layers, width), timeout=3000)
+    warmup = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    got = spawn(work, 4, 2, args=(presets, steps, layers, width, warmup), timeout=3000)
     res = [r for r, _ in got]
     print(f"peak RSS per rank (all presets of the run): {max(m for _, m in got):.0f} MB")
     base = [t for t, _, _ in res[0][0]]
