@@ -174,6 +174,20 @@ def test_subnormals_stay_within_half_a_step():
         assert bool((err <= _elementwise_scale(q) / 2 + 1.5e-45).all())
 
 
+def test_a_block_below_the_normal_range_keeps_its_codes_in_range_and_signs():
+    """absmax / 127 subnormal: fp32 rounds it coarsely (134 * 2^-149 / 127 is 2^-149),
+    so x / scale was 134 and wrapped to -122 in int8, a sign flip. The scale is now
+    at least the smallest normal fp32: codes within [-127, 127], no sign flips."""
+    tiny = 2.0 ** -149
+    x = torch.tensor([134 * tiny, -90 * tiny, 3 * tiny, 0.0, 127 * tiny, -134 * tiny, 0.0, 1e-30])
+    for bits in (8, 4):
+        q = quantize(x, bits, 2)
+        codes = dequantize(q) / _elementwise_scale(q)
+        assert bool((codes.abs() <= {8: 127, 4: 7}[bits]).all())
+        assert bool((torch.sign(dequantize(q)) * torch.sign(x) >= 0).all())
+        assert bool((q.scales[:3] >= torch.finfo(torch.float32).smallest_normal).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs_come_back_in_their_dtype(dtype):
     x = torch.randn(500).to(dtype)

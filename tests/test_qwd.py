@@ -192,3 +192,29 @@ def test_moves_on_the_old_grid_change_no_bits_and_take_most_large_blocks(bits):
         large += int(big.sum())
         prev = owner
     assert direct >= 0.8 * large, (direct, large)
+
+
+@pytest.mark.parametrize("bits", [4, 8], ids=["int4", "int8"])
+@pytest.mark.parametrize("path", ["cpu", "device"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_master_keeps_holders_equal_and_they_recover(bad, path, bits, monkeypatch):
+    """One step with a NaN or inf weight (its block's scale is then non-finite), then
+    finite again: the holder's copy equals the owner's at every step (codes and
+    scales), and both are qwZ's INT8 of the master once it has been finite for a few
+    steps. Before, the NaN block took k = 0 and its moves converted to 0, so the
+    holder kept its codes while the owner stored others, for good with INT8 moves."""
+    if path == "device":
+        _device_path(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    m0 = torch.randn(NUMEL, generator=g) * 0.02
+    owner = quantize(m0, 8, BLOCK).to_bytes().clone()
+    holder = owner.clone()
+    for step in range(6):
+        m = m0 + 1e-4 * (step + 1)
+        if step == 0:
+            m[5] = bad
+        delta = torch.zeros(qwd.wire_bytes(NUMEL, 8, bits, BLOCK), dtype=torch.uint8)
+        qwd.encode(m, owner, delta, copy_bits=8, delta_bits=bits, block=BLOCK)
+        qwd.apply(holder, delta, numel=NUMEL, copy_bits=8, delta_bits=bits, block=BLOCK)
+        assert torch.equal(owner, holder), step
+    assert torch.equal(owner, quantize(m, 8, BLOCK).to_bytes())

@@ -34,9 +34,11 @@ from typing import Optional
 import torch
 
 _QMAX = {8: 127, 4: 7}
-# Smallest positive fp32 (subnormal): a non-zero block whose absmax / qmax
-# underflows to 0 gets this scale instead, so x / scale stays finite.
-_TINY = torch.finfo(torch.float32).smallest_normal * 2.0 ** -23
+# Smallest normal fp32: a non-zero block whose absmax / qmax is below it gets this
+# scale instead. A subnormal scale is rounded too coarsely (134 * 2^-149 / 127 is
+# 2^-149), so x / scale could leave [-qmax, qmax]; this one keeps every code in range
+# (|x| / scale <= qmax) and x / scale finite.
+_TINY = torch.finfo(torch.float32).smallest_normal
 
 
 @dataclass
@@ -194,7 +196,7 @@ def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *, stochastic: bo
     # vector_norm(ord=inf) is ~10x slower here. Both propagate NaN.
     absmax = torch.maximum(xc.amax(dim=1), xc.amin(dim=1).neg())
     s = div_exact(absmax, qmax)
-    s = torch.where((s == 0) & (absmax > 0), _TINY, s)
+    s = torch.where((s < _TINY) & (absmax > 0), _TINY, s)
     # Divide rather than multiply by 1/scale: a subnormal scale's inverse
     # overflows. An all-zero block divides by 1 and stays zero.
     torch.div(xc, torch.where(s > 0, s, 1.0).unsqueeze(1), out=v)

@@ -24,11 +24,13 @@ the owner run the same float ops on the same integers and scales, so their
 copies stay bitwise identical; integer arithmetic in fp32 is exact below 2^24.
 
 Most blocks skip the rescaling (k = 0): since |t - base| <= |t - c| +
-qmax |1 - s/s'| + 1/2, a block where that bound is at most dmax gets k = 1 and t
-from the formula, and the moves on the old grid, d = t - c, land on t as well:
+qmax |1 - s/s'| + 1/2, a block where that bound is under dmax + 1 gets k = 1 and
+t from the formula, and the moves on the old grid, d = t - c, land on t as well:
 an integer subtraction for the owner and an int8 add for every holder, the same
-copies bit for bit. A scale moves little per step, so this holds in most blocks
-(97% over 300 steps of `small` at lr 2e-3, 87% at the peak; qwd_moves.py).
+copies bit for bit. The owner runs the formula on the other blocks only, and also
+sends k = 0 where it gave k = 1 and t - c fits. A scale moves little per step, so
+most blocks take k = 0 (97% over 300 steps of `small` at lr 2e-3, 87% at the
+peak; benchmarks/qwd_moves.py).
 
 The copies cost the holder 1 byte per value (plus a scale per block) instead
 of 4 for fp32 copies and their INT8 payload, and no re-quantization per step.
@@ -224,15 +226,20 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
         # t: qwZ's codes of the master (quantize's arithmetic), kept in fp32
         t = scratch_buffer("qwd_t", n, master.device).view(r1 - r0, block)
         s_new[r0:r1] = sn = round_blocks(xb[r0:r1], qc, t)
+        if t.is_cuda or not bool(torch.isfinite(sn).all()):
+            # a non-finite master leaves t NaN (or unbounded: such a block divides by
+            # 1); its scale dequantizes to NaN whatever the codes, so any codes in range
+            # do, as long as owner and holders agree on them
+            t.nan_to_num_(0.0).clamp_(-qc, qc)
         c = _codes(c_data, copy_bits, r0, r1, block, "qwd_c")
         moves = torch.sub(t, c, out=scratch_buffer("qwd_m", n, t.device).view(t.shape))
         moved = _absmax(moves)  # on the old grid
-        # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c and t in range):
-        # where that is at most dmax the formula gives k = 1 and t, and so do the moves
-        # on the old grid (k = 0); fp32's error in c r is under 1e-5
+        # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c and t in range), an
+        # integer: where the bound is under dmax + 1 the formula gives k = 1 and t, and so
+        # do the moves on the old grid (k = 0); fp32's error in c r is under 1e-5
         k = torch.zeros(r1 - r0, dtype=torch.uint8, device=t.device)
-        rows = _rows(moved + qc * (1 - _ratio(s_old[r0:r1], sn)).abs() > qd - 0.501)
-        if rows is not None:  # the formula on the others (NaN included)
+        rows = _rows(~(moved + qc * (1 - _ratio(s_old[r0:r1], sn)).abs() <= qd + 0.499))
+        if rows is not None:  # the formula on the others
             every = isinstance(rows, slice)
             tr, cr = (t, c) if every else (t[rows], c[rows])
             diff, kr = _formula(tr, cr, s_old[r0:r1][rows], sn[rows], qc, qd, stochastic,
