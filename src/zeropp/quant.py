@@ -188,13 +188,18 @@ def div_exact(x: torch.Tensor, c: float) -> torch.Tensor:
                                         lambda d: torch.tensor(float(c), device=d)))
 
 
+def absmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """max |x| of each row of a 2-D tensor, NaN propagated."""
+    # max(amax, -amin): two fast reductions; |x| would need a temporary and
+    # vector_norm(ord=inf) is ~10x slower here. Both propagate NaN.
+    return torch.maximum(x.amax(dim=1), x.amin(dim=1).neg())
+
+
 def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *, stochastic: bool = False,
                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Each row's scale absmax / qmax (returned) and its values / scale, rounded into
     `v` (fp32, the rows' shape): the integers `quantize` stores."""
-    # max(amax, -amin): two fast reductions; |x| would need a temporary and
-    # vector_norm(ord=inf) is ~10x slower here. Both propagate NaN.
-    absmax = torch.maximum(xc.amax(dim=1), xc.amin(dim=1).neg())
+    absmax = absmax_rows(xc)
     s = div_exact(absmax, qmax)
     s = torch.where((s < _TINY) & (absmax > 0), _TINY, s)
     # Divide rather than multiply by 1/scale: a subnormal scale's inverse

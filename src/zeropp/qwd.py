@@ -16,12 +16,12 @@ Per block, with the holder's codes c at scale s:
     k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes (dmax 7 / 3)
     d    = round(diff / k)             # sent: s', k and d
     c'   = clamp(base + d * k)
-A block whose codes all moved by at most dmax (k = 1: nearly every block) lands
-exactly on t; a faster one (small weights that the optimizer moves by many of
-their steps) lands within k/2 codes of it, as an INT4 delta of the values would,
-and the rest is in the next step's diff (carried, not lost). Every holder and
-the owner run the same float ops on the same integers and scales, so their
-copies stay bitwise identical; integer arithmetic in fp32 is exact below 2^24.
+A block whose codes all moved by at most dmax (k = 1) lands exactly on t; a
+faster one (small weights that the optimizer moves by many of their steps) lands
+within k/2 codes of it, as an INT4 delta of the values would, and the rest is in
+the next step's diff (carried, not lost). Every holder and the owner run the same
+float ops on the same integers and scales, so their copies stay bitwise
+identical; integer arithmetic in fp32 is exact below 2^24.
 
 Most blocks skip the rescaling (k = 0): since |t - base| <= |t - c| +
 qmax |1 - s/s'| + 1/2, a block where that bound is under dmax + 1 gets k = 1 and
@@ -59,6 +59,7 @@ from .quant import (
     _QMAX,
     _blocks,
     _chunks,
+    absmax_rows,
     device_constant,
     div_exact,
     pack_int4,
@@ -154,10 +155,6 @@ def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor, qmax: int) 
     return c.clamp_(-qmax, qmax) if c.is_cuda or bool((ratio > 1).any()) else c
 
 
-def _absmax(x: torch.Tensor) -> torch.Tensor:
-    return torch.maximum(x.amax(1), x.amin(1).neg())  # two fast reductions, NaN kept
-
-
 def _rows(mask: torch.Tensor):
     """The blocks of `mask` (one bool per block) that need more work: on the CPU
     their indices (None if none), or all blocks (slice(None)) where that is most, as
@@ -179,7 +176,7 @@ def _formula(t: torch.Tensor, c: torch.Tensor, s_old: torch.Tensor, s_new: torch
     diff = torch.sub(t, base, out=diff_out)
     # |diff| <= qd * k, so |diff / k| <= qd (division rounds correctly): nearest
     # rounding stays in range; floor(qd + u) is qd + 1 where fp32 rounds qd + u up
-    k = div_exact(_absmax(diff), qd).ceil_().clamp_(1, 255)
+    k = div_exact(absmax_rows(diff), qd).ceil_().clamp_(1, 255)
     far = _rows(k > 1)
     if far is not None:  # where k = 1, d = diff exactly and c' = t
         every = isinstance(far, slice)
@@ -233,7 +230,7 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
             t.nan_to_num_(0.0).clamp_(-qc, qc)
         c = _codes(c_data, copy_bits, r0, r1, block, "qwd_c")
         moves = torch.sub(t, c, out=scratch_buffer("qwd_m", n, t.device).view(t.shape))
-        moved = _absmax(moves)  # on the old grid
+        moved = absmax_rows(moves)  # on the old grid
         # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c and t in range), an
         # integer: where the bound is under dmax + 1 the formula gives k = 1 and t, and so
         # do the moves on the old grid (k = 0); fp32's error in c r is under 1e-5
