@@ -219,42 +219,57 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
     s_new, steps, d_data = _views(out, numel, delta_bits, block, extra)
     xb = _blocks(master, block)
     for r0, r1 in _chunks(numel // block, block, master.device):
-        n = (r1 - r0) * block
-        # t: qwZ's codes of the master (quantize's arithmetic), kept in fp32
-        t = scratch_buffer("qwd_t", n, master.device).view(r1 - r0, block)
+        shape = (r1 - r0, block)
+        # t: qwZ's codes of the master (quantize's arithmetic), in fp32
+        t = scratch_buffer("qwd_t", shape[0] * block, master.device).view(shape)
         s_new[r0:r1] = sn = round_blocks(xb[r0:r1], qc, t)
         if t.is_cuda or not bool(torch.isfinite(sn).all()):
             # a non-finite master leaves t NaN (or unbounded: such a block divides by
             # 1); its scale dequantizes to NaN whatever the codes, so any codes in range
             # do, as long as owner and holders agree on them
             t.nan_to_num_(0.0).clamp_(-qc, qc)
-        c = _codes(c_data, copy_bits, r0, r1, block, "qwd_c")
-        moves = torch.sub(t, c, out=scratch_buffer("qwd_m", n, t.device).view(t.shape))
-        moved = absmax_rows(moves)  # on the old grid
+        # t and the moves on the old grid as int16: integers in [-2 qmax, 2 qmax],
+        # exact, and half the bytes of fp32 (int8 would wrap)
+        c8 = _int8(c_data, copy_bits, r0, r1, block)
+        t16 = _int16(t, "qwd_t16")
+        moves = _int16(c8, "qwd_m16")
+        torch.sub(t16, moves, out=moves)
+        moved = absmax_rows(moves)
         # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c and t in range), an
         # integer: where the bound is under dmax + 1 the formula gives k = 1 and t, and so
-        # do the moves on the old grid (k = 0); fp32's error in c r is under 1e-5
-        k = torch.zeros(r1 - r0, dtype=torch.uint8, device=t.device)
-        rows = _rows(~(moved + qc * (1 - _ratio(s_old[r0:r1], sn)).abs() <= qd + 0.499))
+        # do the moves on the old grid (k = 0); fp32's error in c r is under 1e-5. A
+        # zero or non-finite scale makes the bound inf or NaN: not under it.
+        rows = _rows(~(moved + qc * (1 - s_old[r0:r1] / sn).abs() <= qd + 0.499))
+        k = steps[r0:r1]
+        k.zero_()
         if rows is not None:  # the formula on the others
             every = isinstance(rows, slice)
-            tr, cr = (t, c) if every else (t[rows], c[rows])
+            cr = c8[rows].float() if not every else _codes(c_data, copy_bits, r0, r1, block,
+                                                            "qwd_c")
+            tr = t if every else t[rows]
             diff, kr = _formula(tr, cr, s_old[r0:r1][rows], sn[rows], qc, qd, stochastic,
-                                generator, scratch_buffer("qwd_d", n, t.device).view(t.shape)
+                                generator, scratch_buffer("qwd_d", t.numel(), t.device).view(shape)
                                 if every else None)
             # k = 0 also where the formula lands on t (k = 1) and the moves on the old
             # grid fit: the same choice on every path, and each holder's cheap add
             direct = (kr == 1) & (moved[rows] <= qd)
             if every:
-                torch.where(direct.unsqueeze(1), moves, diff, out=moves)
+                moves.copy_(torch.where(direct.unsqueeze(1), moves, diff))
+                t16.copy_(tr)
             else:  # the direct rows hold their moves and t already
-                moves[rows[~direct]] = diff[~direct]
-                t[rows[kr > 1]] = tr[kr > 1]  # k = 1 rows: c' = t
+                moves[rows[~direct]] = diff[~direct].to(torch.int16)
+                t16[rows[kr > 1]] = tr[kr > 1].to(torch.int16)  # k = 1 rows: c' = t
             k[rows] = torch.where(direct, 0.0, kr).to(torch.uint8)
-        steps[r0:r1] = k
         _store(moves, d_data, delta_bits, r0, r1, block)
-        _store(t, c_data, copy_bits, r0, r1, block)
+        _store(t16, c_data, copy_bits, r0, r1, block)
     s_old.copy_(s_new)
+
+
+def _int16(x: torch.Tensor, slot: str) -> torch.Tensor:
+    """x (integers within int16) as int16, in a scratch buffer of x's shape."""
+    n = x.numel()
+    buf = scratch_buffer(slot, (n + 1) // 2, x.device).view(torch.int16)[:n]
+    return buf.view(x.shape).copy_(x)
 
 
 def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, copy_bits: int,
