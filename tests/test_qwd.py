@@ -218,3 +218,19 @@ def test_a_non_finite_master_keeps_holders_equal_and_they_recover(bad, path, bit
         qwd.apply(holder, delta, numel=NUMEL, copy_bits=8, delta_bits=bits, block=BLOCK)
         assert torch.equal(owner, holder), step
     assert torch.equal(owner, quantize(m, 8, BLOCK).to_bytes())
+
+
+@pytest.mark.parametrize("bits", [4, 3], ids=["int4", "int3"])
+def test_the_delta_buffers_padding_is_zeros_not_the_buffers_old_bytes(bits):
+    """3 blocks of 8 values: the steps take 3 bytes (padded to 4) and INT3 moves 9
+    (padded to 12); a buffer full of 0xFF before the encode holds zeros there after,
+    so nothing the process held before travels to other ranks."""
+    numel, block = 24, 8
+    m = torch.linspace(-1, 1, numel)
+    copy = quantize(m, 8, block).to_bytes().clone()
+    out = torch.full((qwd.wire_bytes(numel, 8, bits, block),), 255, dtype=torch.uint8)
+    qwd.encode(m + 0.01, copy, out, copy_bits=8, delta_bits=bits, block=block)
+    nb, data = numel // block, numel * bits // 8
+    assert out[nb * 4 + nb:nb * 4 + 4].tolist() == [0]           # after the 3 steps
+    tail = out[nb * 4 + 4 + data:]
+    assert tail.numel() == (3 if bits == 3 else 0) and not tail.any()

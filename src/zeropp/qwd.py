@@ -217,8 +217,15 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
     s_old, _, c_data = _views(copy, numel, copy_bits, block)
     extra = meta_bytes(numel, block) - numel // block * 4
     s_new, steps, d_data = _views(out, numel, delta_bits, block, extra)
+    # the padding after the steps and after the moves: zeros, not whatever the
+    # buffer held (it goes to other processes, and byte comparisons see it)
+    nb, per = numel // block, block * delta_bits // 8
+    steps_pad, data_pad = out[nb * 5:nb * 4 + extra], d_data[nb * per:]
+    for pad in (steps_pad, data_pad):
+        if pad.numel():
+            pad.zero_()
     xb = _blocks(master, block)
-    for r0, r1 in _chunks(numel // block, block, master.device):
+    for r0, r1 in _chunks(nb, block, master.device):
         shape = (r1 - r0, block)
         # t: qwZ's codes of the master (quantize's arithmetic), in fp32
         t = scratch_buffer("qwd_t", shape[0] * block, master.device).view(shape)
