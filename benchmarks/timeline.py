@@ -5,10 +5,12 @@ Runs `zeropp bench`'s worker for one configuration (2 nodes x 2, gpt-6x384 by
 default) with timestamps patched around the places that wait: each unit's
 gather wait (forward and backward), each gradient hand-over to the reduce
 pipeline (and how long the hook blocked on a full pipeline), each reduction's
-two stages on their threads, the end of backward's compute and the drain. Prints
-the last timed step, times relative to its start.
+two stages on their threads, qWD's delta encode and issue (zeropp-plus), the end of
+backward's compute and the drain. Prints the last timed step of rank 0, or of every
+rank (`--all-ranks`: one clock, the machine's monotonic one, so a rank waiting on
+another shows as the other's lateness), times relative to rank 0's first event.
 
-    python benchmarks/timeline.py --config zeropp --inter-node 100mbit
+    python benchmarks/timeline.py --config zeropp --inter-node 100mbit [--all-ranks]
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ def _traced_worker(events_path: str, argv: list[str]) -> None:
          lambda s, a, t, e: ("reduce 2", a[0].label, t, e))
     wrap(shard_mod.Unit, "wait", lambda s, a, t, e: ("gather wait", s.label, t, e))
     wrap(shard_mod.ShardState, "end_backward", lambda s, a, t, e: ("drain", "", t, e))
+    import zeropp.weights as weights_mod
+    wrap(weights_mod.WeightPath, "_issue_delta",
+         lambda s, a, t, e: ("delta issue", s.flat.unit.label, t, e))
     from zeropp.bench import worker
     sys.argv = ["worker", *argv]
     worker.main()
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(events_path).write_text(json.dumps(events))
+    Path(f"{events_path}.{os.environ.get('RANK', '0')}").write_text(json.dumps(events))
 
 
 def main() -> None:
@@ -60,6 +64,7 @@ def main() -> None:
     p.add_argument("--config", default="zeropp")
     p.add_argument("--inter-node", default="100mbit")
     p.add_argument("--model", default="gpt-6x384")
+    p.add_argument("--all-ranks", action="store_true", help="every rank's events, not rank 0's")
     a = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from zeropp.bench.cluster import Cluster
@@ -76,15 +81,20 @@ def main() -> None:
                  for i in range(2)]
         for proc in procs:
             proc.wait(timeout=900)
-        if not os.path.exists(ev_path):
+        ranks = range(4) if a.all_ranks else range(1)
+        if not all(os.path.exists(f"{ev_path}.{r}") for r in ranks):
             sys.exit("timeline: the run failed:\n" + Path(tmp, "log0").read_text()[-3000:])
-        events = json.loads(Path(ev_path).read_text())
-    drains = [i for i, e in enumerate(events) if e[0] == "drain"]
-    step = events[drains[-2] + 1:drains[-1] + 1]  # the last step: after the previous drain
-    t0 = min(e[2] for e in step)
-    print(f"{a.config} at {a.inter_node}, rank 0, last step (seconds from its first event)")
-    for kind, label, t, end in sorted(step, key=lambda e: e[2]):
-        print(f"{kind:12s} {label:8s} {t - t0:7.3f} -> {end - t0:7.3f}  ({end - t:.3f})")
+        events = [json.loads(Path(f"{ev_path}.{r}").read_text()) for r in ranks]
+    t0 = None
+    print(f"{a.config} at {a.inter_node}, {'every rank' if a.all_ranks else 'rank 0'}, last "
+          "step (seconds from rank 0's first event)")
+    for r, evs in zip(ranks, events):
+        drains = [i for i, e in enumerate(evs) if e[0] == "drain"]
+        step = evs[drains[-2] + 1:drains[-1] + 1]  # the last step: after the previous drain
+        t0 = min(e[2] for e in step) if t0 is None else t0
+        for kind, label, t, end in sorted(step, key=lambda e: e[2]):
+            who = f"r{r} " if a.all_ranks else ""
+            print(f"{who}{kind:12s} {label:8s} {t - t0:7.3f} -> {end - t0:7.3f}  ({end - t:.3f})")
 
 
 if __name__ == "__main__":
