@@ -40,6 +40,7 @@ from .quant import release_scratch
 from .reduce import ReducePipeline
 from .stats import CommStats
 from .topology import Topology, get_topology, reduce_groups
+from .units import assign_params, unit_modules
 
 _WEIGHTLESS_BACKWARD = (nn.Embedding.forward, nn.EmbeddingBag.forward)
 
@@ -319,78 +320,6 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
                     and t.is_floating_point() and t.dtype != dtype else t, tree)
 
 
-# ---- building the units ------------------------------------------------------------
-def _unit_modules(model: nn.Module, unit_types: Optional[tuple]) -> dict[nn.Module, str]:
-    """Unit module -> name ("" for the root), in module order. Automatic units:
-    a transformers model's decoder layers (the classes its `_no_split_modules`
-    names) and its input embedding when the head does not share it, else the
-    entries of every nn.ModuleList."""
-    units = {model: ""}
-    if unit_types is None:
-        units.update(_untied_embeddings(model))
-        names = {c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or ())}
-        classes = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
-        unit_types = classes or None
-    for name, m in model.named_modules():
-        if m is model or m in units:
-            continue
-        if unit_types is not None:
-            if isinstance(m, unit_types):
-                units[m] = name
-        elif isinstance(m, nn.ModuleList):
-            for i, child in enumerate(m):
-                if child not in units and any(True for _ in child.parameters()):
-                    units[child] = f"{name}.{i}"
-    return units
-
-
-def _untied_embeddings(model: nn.Module) -> dict[nn.Module, str]:
-    """A transformers model's input embedding as a unit of its own when the output
-    head does not share its weight: it is then gathered only around the lookup
-    (and not for backward, see Unit), not for the whole step as a part of the root
-    (a 32k x 2048 vocabulary is 262 MB at fp32). The output head stays in the root:
-    fused losses (TRL's, Liger's) read `lm_head.weight` without calling lm_head."""
-    try:
-        inp = model.get_input_embeddings() if callable(
-            getattr(model, "get_input_embeddings", None)) else None
-        out = model.get_output_embeddings() if callable(
-            getattr(model, "get_output_embeddings", None)) else None
-    except (NotImplementedError, AttributeError):
-        return {}
-    if not isinstance(inp, nn.Module) or inp is model:
-        return {}
-    if isinstance(out, nn.Module) and {id(p) for p in inp.parameters()} & {
-            id(p) for p in out.parameters()}:
-        return {}  # tied: the weight serves both ends, it stays in the root
-    name = next((n for n, m in model.named_modules() if m is inp), None)
-    return {inp: name} if name else {}
-
-
-def _assign_params(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Module, list]:
-    """Each parameter goes to the innermost unit holding it; a parameter held by
-    several units (tied weights across units) goes to the root, which is
-    gathered whenever any unit runs."""
-    regs: dict[nn.Parameter, list] = {}
-
-    def walk(mod: nn.Module, prefix: str, unit: nn.Module) -> None:
-        unit = mod if mod in units else unit
-        for name, p in mod._parameters.items():
-            if p is not None:
-                regs.setdefault(p, []).append((mod, name, prefix + name, unit))
-        for cname, child in mod._modules.items():
-            if child is not None:
-                walk(child, f"{prefix}{cname}.", unit)
-
-    walk(model, "", model)
-    owned: dict[nn.Module, list] = {u: [] for u in units}
-    for p, rs in regs.items():
-        owners = {r[3] for r in rs}
-        owner = owners.pop() if len(owners) == 1 else model
-        regs_unique = list(dict.fromkeys((r[0], r[1]) for r in rs))
-        owned[owner].append((p, regs_unique, [r[2] for r in rs]))
-    return owned
-
-
 def _optimizer_step_hooks(state_ref: weakref.ref) -> tuple[Any, Any]:
     """Hooks around any optimizer step that updates this model's master shards
     (no engine object: global hooks filter by parameter). Before: a shard changed
@@ -465,7 +394,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     state = ShardState(cfg, topo)
     if any(p.is_meta for p in model.parameters()):
         defer_meta(model)  # then materialized one unit at a time, as deferred_init's
-    units = _unit_modules(model, unit_types)
+    units = unit_modules(model, unit_types)
     check_same_model(model, list(units.values()))  # one small all-gather; raises on all ranks
     sync = None
     if sync_module_states and topo.world_size > 1:
@@ -474,7 +403,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
         with torch.no_grad():
             for b in model.buffers():
                 dist.broadcast(b.data, src=0)
-    owned = _assign_params(model, units)
+    owned = assign_params(model, units)
     group_of = {id(p): k for k, ps in enumerate(param_groups or []) for p in ps}
     for plist in owned.values():
         for _, regs, _ in plist:
