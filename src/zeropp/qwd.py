@@ -261,7 +261,7 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
             # grid fit: the same choice on every path, and each holder's cheap add
             direct = (kr == 1) & (moved[rows] <= qd)
             if every:
-                moves.copy_(torch.where(direct.unsqueeze(1), moves, diff))
+                moves.copy_(torch.where(direct.unsqueeze(1), moves, diff, out=diff))
                 t16.copy_(tr)
             else:  # the direct rows hold their moves and t already
                 moves[rows[~direct]] = diff[~direct].to(torch.int16)
