@@ -244,9 +244,11 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
         moved = absmax_rows(moves)
         # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c and t in range), an
         # integer: where the bound is under dmax + 1 the formula gives k = 1 and t, and so
-        # do the moves on the old grid (k = 0); fp32's error in c r is under 1e-5. A
-        # zero or non-finite scale makes the bound inf or NaN: not under it.
-        rows = _rows(~(moved + qc * (1 - s_old[r0:r1] / sn).abs() <= qd + 0.499))
+        # do the moves on the old grid (k = 0); fp32's error in c r is under 1e-5. An
+        # unusable scale counts as ratio 0, as in `_base`: which rows take the formula
+        # decides how stochastic rounding draws its numbers (a zero block staying zero
+        # passes when dmax >= qmax)
+        rows = _rows(~(moved + qc * (1 - _ratio(s_old[r0:r1], sn)).abs() <= qd + 0.499))
         k = steps[r0:r1]
         k.zero_()
         if rows is not None:  # the formula on the others
