@@ -115,13 +115,6 @@ def unpack_int3(packed: torch.Tensor) -> torch.Tensor:
     return (words.unsqueeze(1) >> shifts).bitwise_and_(7).sub_(4).reshape(-1)
 
 
-def _codes(data: torch.Tensor, bits: int, r0: int, r1: int, block: int,
-           slot: str) -> torch.Tensor:
-    """Blocks r0..r1 of a code array as fp32 integers (r1 - r0, block), in scratch."""
-    out = scratch_buffer(slot, (r1 - r0) * block, data.device).view(r1 - r0, block)
-    return out.copy_(_int8(data, bits, r0, r1, block))
-
-
 def _store(codes: torch.Tensor, data: torch.Tensor, bits: int, r0: int, r1: int,
            block: int) -> None:
     per = block * bits // 8
@@ -238,8 +231,8 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
         # t and the moves on the old grid as int16: integers in [-2 qmax, 2 qmax],
         # exact, and half the bytes of fp32 (int8 would wrap)
         c8 = _int8(c_data, copy_bits, r0, r1, block)
-        t16 = _int16(t, "qwd_t16")
-        moves = _int16(c8, "qwd_m16")
+        t16 = _scratch_copy(t, torch.int16, "qwd_t16")
+        moves = _scratch_copy(c8, torch.int16, "qwd_m16")
         torch.sub(t16, moves, out=moves)
         moved = absmax_rows(moves)
         # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c and t in range), an
@@ -253,8 +246,7 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
         k.zero_()
         if rows is not None:  # the formula on the others
             every = isinstance(rows, slice)
-            cr = c8[rows].float() if not every else _codes(c_data, copy_bits, r0, r1, block,
-                                                            "qwd_c")
+            cr = _scratch_copy(c8, torch.float32, "qwd_c") if every else c8[rows].float()
             tr = t if every else t[rows]
             diff, kr = _formula(tr, cr, s_old[r0:r1][rows], sn[rows], qc, qd, stochastic,
                                 generator, scratch_buffer("qwd_d", t.numel(), t.device).view(shape)
@@ -274,10 +266,10 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
     s_old.copy_(s_new)
 
 
-def _int16(x: torch.Tensor, slot: str) -> torch.Tensor:
-    """x (integers within int16) as int16, in a scratch buffer of x's shape."""
+def _scratch_copy(x: torch.Tensor, dtype: torch.dtype, slot: str) -> torch.Tensor:
+    """x (integers that `dtype` holds exactly) as `dtype`, in a scratch buffer of x's shape."""
     n = x.numel()
-    buf = scratch_buffer(slot, (n + 1) // 2, x.device).view(torch.int16)[:n]
+    buf = scratch_buffer(slot, -(-n * dtype.itemsize // 4), x.device).view(dtype)[:n]
     return buf.view(x.shape).copy_(x)
 
 
