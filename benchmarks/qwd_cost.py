@@ -5,8 +5,9 @@ INT8 `quantize` of the same shard (what ZeRO++'s forward does instead), in two r
   steady   weights ~ N(0, 0.02) moved by N(0, 2e-4) per step (AdamW late in training:
            nearly every block's codes move by a few steps), 300 steps
   early    the first 12 AdamW steps (lr 1e-3) of gpt-6x384 from its initialization,
-           the bench's regime: every weight moves by about the lr, so a third of the
-           blocks need their old codes rescaled, a few percent move farther (k > 1)
+           the regime of paired_step.py and cpu_attribution.py (zeropp bench's lr is
+           1e-4): every weight moves by about the lr, so a third of the blocks need
+           their old codes rescaled, a few percent move farther (k > 1)
 
 Compare two trees by running it under each: `PYTHONPATH=<tree>/src python
 benchmarks/qwd_cost.py`. Timings are medians of the steps (steady) or totals over

@@ -1,5 +1,5 @@
 """How qWD's blocks move in real training: the share of blocks per step whose codes
-moved on the old grid (k = 0: an int8 subtraction and add), that needed the old
+moved on the old grid (k = 0: an integer subtraction, an int8 add), that needed the old
 codes rescaled to the new scale but still landed exactly (k = 1), and that moved
 farther than the delta carries (k > 1: within k/2 codes, the rest sent next time).
 

@@ -2,7 +2,8 @@
 
 The CPU path finds the blocks whose moves on the old grid do not fit (`nonzero`,
 `any`: each a host sync); the device path sends every block through both formulas
-and keeps each block's own, the same bits, no sync (qwd.py). Alone on an idle GPU a sync costs little; in training the GPU has work
+and keeps each block's own, the same bits, no sync (qwd.py). Alone on an idle GPU a
+sync costs little; in training the GPU has work
 queued (the forward's kernels), and a sync blocks the host until all of it is done,
 so the next kernels are not queued meanwhile. Measured both ways, per 442K-value
 shard (gpt-6x384 at 2x2), best of 20:

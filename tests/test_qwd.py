@@ -76,7 +76,7 @@ def test_holder_and_owner_copies_are_bitwise_equal_and_land_on_qwz_int8(stochast
         off = (mine.data.view(NB, BLOCK).int() - qwz.data.view(NB, BLOCK).int()).abs()
         off = off.amax(1)
         k = ks.int()
-        # k = 0 (every code moved by <= 7, modulo 256) or 1 (by <= 7 once the old codes
+        # k = 0 (every code moved by <= 7 on the old grid) or 1 (by <= 7 once the old codes
         # are rescaled): the copy is qwZ's INT8, bit for bit; else within half a step
         # (nearest) or a step (stochastic), the rest sent later
         assert bool((off[k <= 1] == 0).all()), (step, off, k)
