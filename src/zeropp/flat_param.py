@@ -315,14 +315,19 @@ class FlatParam:
             p.grad.add_(part)
 
     # ---- writes from outside the optimizer ------------------------------------
-    @torch.no_grad()
     def write_param(self, i: int, value: torch.Tensor) -> None:
         """Parameter i's full value `value`: this rank's slice into its master shard."""
-        info, lo = self.infos[i], self.rank * self.shard_numel
-        a, b = max(lo, info.offset), min(lo + self.shard_numel, info.offset + info.numel)
+        self.write_range(self.infos[i].offset, value)
+
+    @torch.no_grad()
+    def write_range(self, offset: int, value: torch.Tensor) -> None:
+        """`value` (flattened) is the flat buffer's elements from `offset` on: this
+        rank's slice of it into its master shard."""
+        lo, n = self.rank * self.shard_numel, value.numel()
+        a, b = max(lo, offset), min(lo + self.shard_numel, offset + n)
         if a >= b:
             return
-        piece = value.detach().reshape(-1)[a - info.offset:b - info.offset]
+        piece = value.detach().reshape(-1)[a - offset:b - offset]
         if not self.int_storage:
             self.primary_shard[a - lo:b - lo] = piece  # in place: bumps the version counter
             return
