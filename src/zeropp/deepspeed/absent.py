@@ -68,6 +68,11 @@ def _absent_type(name: str) -> type:
                            "__doc__": f"DeepSpeed's {name}: nothing here is an instance."})
 
 
+class ZeRORuntimeException(Exception):
+    """DeepSpeed's error for a ZeRO setup it rejects at run time; zeropp's
+    refusals of such setups are DeepSpeedConfigError (a config key) instead."""
+
+
 class OffloadDeviceEnum(str, enum.Enum):
     """DeepSpeed's offload devices; a config naming cpu or nvme is refused."""
     none = "none"
@@ -143,6 +148,8 @@ def namespaces(package: Any, version: str) -> dict[str, Any]:
         "deepspeed.runtime.zero.offload_config": package(
             "deepspeed.runtime.zero.offload_config", OffloadDeviceEnum=OffloadDeviceEnum,
             OffloadStateTypeEnum=OffloadStateTypeEnum),
+        "deepspeed.runtime.zero.utils": package("deepspeed.runtime.zero.utils",
+                                                ZeRORuntimeException=ZeRORuntimeException),
         "deepspeed.runtime.swap_tensor": package("deepspeed.runtime.swap_tensor",
                                                  MIN_SWAPPABLE_BYTES=1024 ** 2),
         "deepspeed.runtime.zero.stage3": package(
