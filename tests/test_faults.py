@@ -205,3 +205,35 @@ def test_a_lock_left_by_a_dead_launcher_is_taken_over(tmp_path):
                                                 "pid": int(p.stdout), "since": 0}))
     with RunLock(tmp_path):
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+
+
+def _rank_1_dies_at_step_3(a, cfg, run_dir: str, tokens: str, vocab: int) -> dict:
+    import torch.distributed as dist
+
+    from zeropp.launch import at_step
+    at_step(3)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # rank 0 gets gloo's "connection closed by peer" traceback here
+    raise AssertionError("unreachable")
+
+
+def test_a_crash_after_the_restarts_is_one_line_and_the_path_of_its_tracebacks(
+        tmp_path, capfd, monkeypatch):
+    """A world whose rank 1 always dies: one short restart line, then one line
+    naming rank, signal and step and RUN/failures.log, which holds both
+    attempts' tracebacks (gloo's text among them); status 1."""
+    import zeropp.cli
+    monkeypatch.setattr(zeropp.cli, "train_worker", _rank_1_dies_at_step_3)
+    run = tmp_path / "run"
+    rc = main(["train", "--model", "tiny", "--seq-len", "32", "--nproc", "2", "--node-size",
+               "1", "--max-restarts", "1", "--out", str(run)])
+    assert rc == 1
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("zeropp")]
+    assert lines == [
+        "zeropp: rank 1 died (killed by SIGKILL) at step 3; restarting all 2 workers "
+        "(restart 1 of 1)",
+        f"zeropp train failed after 1 restart(s): rank 1 died (killed by SIGKILL) at step 3; "
+        f"tracebacks in {run / 'failures.log'}"], lines
+    log = (run / "failures.log").read_text()
+    assert log.count("=== ") == 2 and "Traceback" in log
