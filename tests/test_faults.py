@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from cases import cli_error_line
 
+from zeropp.checkpoint_files import differences
 from zeropp.cli import main
 
 # 40 steps at W=4 as 2 x 2 (a world orphaned at step 16 would finish the run: the last
@@ -38,33 +38,6 @@ def _same_numbers(a: list[dict], b: list[dict]) -> bool:
     # (not the byte counts: the first step after a load counts no evaluation's refresh)
     keys = ("step", "train_loss", "grad_norm", "lr", "val_loss", "skipped")
     return [[r.get(k) for k in keys] for r in a] == [[r.get(k) for k in keys] for r in b]
-
-
-def same_rank_files(a: Path, b: Path) -> list[str]:
-    """What differs between two checkpoints' rank files: every tensor byte for
-    byte (master shards, optimizer state, torch RNG, data sampler) and the JSON
-    beside them, except Python's and NumPy's global RNG states (seeded from the
-    OS in each fork server or worker; training never draws from them) and the
-    `--resume` path the run was given."""
-    from safetensors import safe_open
-    diff = []
-    for name in json.loads((a / "manifest.json").read_text())["files"]:
-        with safe_open(a / name, "pt") as x, safe_open(b / name, "pt") as y:
-            if set(x.keys()) != set(y.keys()):
-                diff.append(f"{name}: tensor names")
-            for k in set(x.keys()) & set(y.keys()):
-                s, t = x.get_tensor(k), y.get_tensor(k)
-                if s.dtype != t.dtype or s.shape != t.shape or \
-                        s.reshape(-1).view(torch.uint8).tolist() != t.reshape(-1).view(
-                            torch.uint8).tolist():
-                    diff.append(f"{name}: {k}")
-            meta = [json.loads(m.metadata()["zeropp"]) for m in (x, y)]
-            for m in meta:
-                m.pop("python_rng", None), m.pop("numpy_rng", None)
-                m.get("extra", {}).get("train_args", {}).pop("resume", None)
-            if meta[0] != meta[1]:
-                diff.append(f"{name}: metadata")
-    return diff
 
 
 def _world(pgid: int) -> list[int]:
@@ -144,7 +117,7 @@ def test_the_same_command_after_a_kill_continues_the_run_bit_for_bit(killed, str
     assert _same_numbers(_rows(run), _rows(straight))
     left = sorted(x.name for x in (run / "checkpoints").glob("step_*"))
     assert set(killed["checkpoints"]) <= set(left), (killed["checkpoints"], left)
-    assert same_rank_files(run / LAST, straight / LAST) == []
+    assert differences(run / LAST, straight / LAST) == []
 
 
 def test_a_truncated_rank_file_in_the_newest_checkpoint_resumes_from_the_one_before(
@@ -173,7 +146,7 @@ def test_a_truncated_rank_file_in_the_newest_checkpoint_resumes_from_the_one_bef
     verify_checkpoint(run / "checkpoints" / "step_000016")  # saved again: it ran from step 8
     assert (run / "checkpoints" / "step_000016.damaged").is_dir()
     assert _same_numbers(_rows(run), _rows(straight))
-    assert same_rank_files(run / LAST, straight / LAST) == []
+    assert differences(run / LAST, straight / LAST) == []
 
 
 def test_a_damaged_checkpoint_named_by_resume_is_one_line_and_status_2(straight, tmp_path,

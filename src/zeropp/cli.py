@@ -219,7 +219,10 @@ def run_train(ns: argparse.Namespace) -> int:
         with RunLock(run_dir):
             if resume:
                 a.resume = verified_resume(a, resume)
-            elif not ns.compare and candidates(run_dir):
+            elif ns.compare and any(candidates(run_dir / n) for n, _ in runs):
+                raise UsageError(f"--out {run_dir} already holds runs of a comparison, which "
+                                 "is not resumed; choose another --out")
+            elif candidates(run_dir):
                 # The same command again (after a crash, a kill, a reboot): continue
                 # the run rather than start over its metrics and checkpoints.
                 try:

@@ -19,15 +19,16 @@ at once: restarting would meet it again.
 
 [Note: a world dies with its launcher]
 Under the fork server the workers are the server's children, not the
-launcher's, and nothing would tie them to it: a SIGKILLed launcher left a
-world training headless into its run directory. Each worker therefore ends
-itself when the launcher ends, by two routes: PR_SET_PDEATHSIG (SIGKILL from
-the kernel when its real parent exits: the launcher under "fork"; the server
-under "forkserver", which exits when the launcher's end of its pipe closes),
-and a thread waiting on a pidfd of the launcher itself (in case the server
-outlives it). The resource tracker exits when the last holder of its pipe
-does. A server started by pytest lives on when a worker dies: the ties point
-from the workers to the launcher, never back.
+launcher's, and nothing tied them to it: a SIGKILLed launcher left a world
+training headless into its run directory (the server itself lives on too:
+each worker holds the write end of the pipe whose EOF would stop it). So
+each worker waits, in a daemon thread, on a pidfd of the launcher and
+SIGKILLs itself when it exits; the server then sees EOF once the last worker
+is gone and exits, and the resource tracker when the last holder of its pipe
+does. Under "fork" the launcher is the real parent, and PR_SET_PDEATHSIG
+(set too) has the kernel kill the worker without needing its interpreter.
+A server started by pytest lives on when a worker dies: the ties point from
+the workers to the launcher, never back.
 """
 
 from __future__ import annotations
