@@ -5,12 +5,13 @@ never hurt, bit for bit.
     python benchmarks/soak.py --trials 24 --out /tmp/soak
 
 Kinds of hurt, taken in turn (presets alternate between trials):
-  worker            SIGKILL one worker at a random time
+  worker            SIGKILL one worker at a random time (once a random number of
+                    metrics rows is written)
   save:files        SIGKILL one worker while the ranks write a checkpoint's files
                     (`.step_N.partial` exists, no manifest yet)
   save:manifest     ... once the manifest is in `.step_N.partial` (before the rename)
   save:pointer      ... once step_N is in place but `latest` still names the one before
-  launcher          SIGKILL the launcher at a random time; its world must be gone in
+  launcher          SIGKILL the launcher at a random time (the same); its world must be gone in
                     5 s; then the same command again (it resumes the run)
   truncate          cut a rank file of the newest checkpoint in half, then SIGKILL a
                     worker: the restart must skip that checkpoint
@@ -107,12 +108,12 @@ def hurt(p: subprocess.Popen, run: Path, kind: str, a: argparse.Namespace,
     ck = run / "checkpoints"
     t_end = time.monotonic() + 300
     if kind in ("worker", "launcher"):
-        # somewhere in the run: after the first rows, before the last save
-        while not ((run / "metrics.jsonl").exists() and len(rows(run)) >= 2):
+        # at a random point of the run: once a random number of rows is written
+        target = rng.randrange(1, a.steps - 2)
+        while not ((run / "metrics.jsonl").exists() and len(rows(run)) >= target):
             if p.poll() is not None or time.monotonic() > t_end:
                 return {"note": "ended before the kill"}
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, a.spread))
+            time.sleep(0.002)
         if kind == "launcher":
             p.kill()
             t0 = time.monotonic()
@@ -213,8 +214,6 @@ def main() -> int:
     ap.add_argument("--presets", default="zero3,zeropp-plus")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--save-every", type=int, default=5)
-    ap.add_argument("--spread", type=float, default=2.0,
-                    help="seconds after the second row within which a random kill lands")
     ap.add_argument("--seed", type=int, default=43)
     ap.add_argument("--out", type=Path, default=Path("/tmp/zeropp-soak"))
     a = ap.parse_args()

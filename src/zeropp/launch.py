@@ -23,9 +23,10 @@ launcher's, and nothing tied them to it: a SIGKILLed launcher left a world
 training headless into its run directory (the server itself lives on too:
 each worker holds the write end of the pipe whose EOF would stop it). So
 each worker waits, in a daemon thread, on a pidfd of the launcher and
-SIGKILLs itself when it exits; the server then sees EOF once the last worker
-is gone and exits, and the resource tracker when the last holder of its pipe
-does. Under "fork" the launcher is the real parent, and PR_SET_PDEATHSIG
+SIGKILLs itself when it exits, and the server first: it served that launcher
+alone, and would otherwise exit only after its interpreter's shutdown with
+torch loaded (seconds on a busy machine). The resource tracker exits when the
+last holder of its pipe does. Under "fork" the launcher is the real parent, and PR_SET_PDEATHSIG
 (set too) has the kernel kill the worker without needing its interpreter.
 A server started by pytest lives on when a worker dies: the ties point from
 the workers to the launcher, never back.
@@ -100,14 +101,28 @@ def _die_with(launcher: int) -> None:
     except (AttributeError, OSError):
         fd = None  # no pidfds (not Linux >= 5.3): poll
 
+    # Our parent, when it is the launcher's own fork server (not one a worker reuses).
+    server = os.getppid() if _parent_of(os.getppid()) == launcher else None
+
     def watch() -> None:
         if fd is not None:
             select.select([fd], [], [])  # readable once the launcher has exited
         else:
             while _alive(launcher):
                 time.sleep(0.5)
+        if server is not None and os.getppid() == server:  # still ours: no pid reuse
+            os.kill(server, signal.SIGKILL)  # it served the dead launcher alone
         os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=watch, daemon=True, name="zeropp-launcher-watch").start()
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 def _alive(pid: int) -> bool:
