@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cases import cli_error_line
+from cases import cli_error_line, group_alive
 
 from zeropp.checkpoint_files import differences
 from zeropp.cli import main
@@ -38,20 +38,6 @@ def _same_numbers(a: list[dict], b: list[dict]) -> bool:
     # (not the byte counts: the first step after a load counts no evaluation's refresh)
     keys = ("step", "train_loss", "grad_norm", "lr", "val_loss", "skipped")
     return [[r.get(k) for k in keys] for r in a] == [[r.get(k) for k in keys] for r in b]
-
-
-def _world(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group: the launcher's world."""
-    alive = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(pid))
-    return alive
 
 
 def _snapshot(run: Path) -> dict:
@@ -84,16 +70,16 @@ def killed(tmp_path_factory) -> dict:
         p.kill()
         t0 = time.monotonic()
         p.wait(timeout=10)
-        while _world(p.pid) and time.monotonic() - t0 < 30:
+        while group_alive(p.pid) and time.monotonic() - t0 < 30:
             time.sleep(0.05)
         gone_s = time.monotonic() - t0
         before = _snapshot(run)
         time.sleep(2)
-        return {"run": run, "gone_s": gone_s, "left": _world(p.pid), "before": before,
+        return {"run": run, "gone_s": gone_s, "left": group_alive(p.pid), "before": before,
                 "after": _snapshot(run), "checkpoints": sorted(
                     x.name for x in (run / "checkpoints").glob("step_*"))}
     finally:
-        for pid in _world(p.pid):
+        for pid in group_alive(p.pid):
             os.kill(pid, signal.SIGKILL)
 
 

@@ -228,24 +228,14 @@ def test_sigkill_of_zeropp_launch_ends_its_world_within_5_s(tmp_path):
     file stops growing."""
     import signal
     import subprocess
-    from pathlib import Path
+
+    from cases import group_alive
     script, beat = tmp_path / "forever.py", tmp_path / "beat"
     script.write_text(_FOREVER)
     p = subprocess.Popen([sys.executable, "-m", "zeropp", "launch", "--nproc", "2",
                           str(script), str(beat)], stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True)
 
-    def world() -> list[int]:
-        alive = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[2]) == p.pid and fields[0] != "Z":
-                alive.append(int(pid))
-        return alive
     try:
         deadline = time.monotonic() + 120
         while not (beat.exists() and beat.read_text().count("\n") >= 4):
@@ -254,10 +244,10 @@ def test_sigkill_of_zeropp_launch_ends_its_world_within_5_s(tmp_path):
         p.kill()
         p.wait(timeout=10)
         time.sleep(5)
-        assert world() == []
+        assert group_alive(p.pid) == []
         size = beat.stat().st_size
         time.sleep(0.5)
         assert beat.stat().st_size == size
     finally:
-        for pid in world():
+        for pid in group_alive(p.pid):
             os.kill(pid, signal.SIGKILL)

@@ -108,7 +108,7 @@ def _die_with(launcher: int) -> None:
         if fd is not None:
             select.select([fd], [], [])  # readable once the launcher has exited
         else:
-            while _alive(launcher):
+            while pid_alive(launcher):
                 time.sleep(0.5)
         if server is not None and os.getppid() == server:  # still ours: no pid reuse
             os.kill(server, signal.SIGKILL)  # it served the dead launcher alone
@@ -125,7 +125,8 @@ def _parent_of(pid: int) -> Optional[int]:
     return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (a zombie counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

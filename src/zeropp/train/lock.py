@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..launch import pid_alive
+
 LOCK = ".lock"
 
 
@@ -34,16 +36,6 @@ def _owner(text: str) -> Optional[dict]:
     except ValueError:
         return None
     return owner if isinstance(owner, dict) else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _describe(owner: Optional[dict]) -> str:
@@ -69,7 +61,7 @@ class RunLock:
             owner = _owner(os.pread(fd, 4096, 0).decode(errors="replace"))
             if not held:  # no flock here: the pid inside decides
                 held = bool(owner and owner.get("host") == socket.gethostname()
-                            and owner.get("pid") != os.getpid() and _alive(owner["pid"]))
+                            and owner.get("pid") != os.getpid() and pid_alive(owner["pid"]))
             if held:
                 os.close(fd)
                 raise RunLocked(f"{self.path.parent} is in use by {_describe(owner)}; wait "
