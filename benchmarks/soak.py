@@ -2,7 +2,7 @@
 hurts it once, lets it recover, and compares the result with a run that was
 never hurt, bit for bit.
 
-    python benchmarks/soak.py --trials 24 --out /tmp/soak
+    python benchmarks/soak.py --trials 28 --steps 60 --out /tmp/soak
 
 Kinds of hurt, taken in turn (presets alternate between trials):
   worker            SIGKILL one worker at a random time (once a random number of
@@ -84,6 +84,14 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def written(run: Path) -> int:
+    """Complete metrics rows so far (the writer may be in the middle of one)."""
+    try:
+        return (run / "metrics.jsonl").read_text().count("\n")
+    except OSError:
+        return 0
+
+
 def stage(ck: Path, kind: str) -> bool:
     """Is a save at the stage `kind` aims at, right now?"""
     try:
@@ -110,7 +118,7 @@ def hurt(p: subprocess.Popen, run: Path, kind: str, a: argparse.Namespace,
     if kind in ("worker", "launcher"):
         # at a random point of the run: once a random number of rows is written
         target = rng.randrange(1, a.steps - 2)
-        while not ((run / "metrics.jsonl").exists() and len(rows(run)) >= target):
+        while written(run) < target:
             if p.poll() is not None or time.monotonic() > t_end:
                 return {"note": "ended before the kill"}
             time.sleep(0.002)
@@ -120,7 +128,7 @@ def hurt(p: subprocess.Popen, run: Path, kind: str, a: argparse.Namespace,
             p.wait()
             while session(p.pid) and time.monotonic() - t0 < 30:
                 time.sleep(0.02)
-            return {"at": len(rows(run)), "world_gone_s": time.monotonic() - t0}
+            return {"at": written(run), "world_gone_s": time.monotonic() - t0}
     elif kind.startswith("save:"):
         first = rng.randrange(1, a.steps // a.save_every - 1) * a.save_every
         while not (ck / f"step_{first:06d}").exists() or not stage(ck, kind):
@@ -145,7 +153,7 @@ def hurt(p: subprocess.Popen, run: Path, kind: str, a: argparse.Namespace,
         return {"note": "no worker to kill"}
     victim = rng.choice(ws)
     os.kill(victim, signal.SIGKILL)
-    done = {"at": len(rows(run)) if (run / "metrics.jsonl").exists() else 0}
+    done = {"at": written(run)}
     if kind in ("truncate", "delete"):
         done["damaged"] = damaged
     return done
@@ -227,7 +235,8 @@ def main() -> int:
         subprocess.run(command(a, preset, refs[preset]), check=True, capture_output=True)
     results = []
     for i in range(a.trials):
-        r = trial(a, i, KINDS[i % len(KINDS)], presets[i % len(presets)], refs[presets[i % len(presets)]], rng)
+        preset = presets[i % len(presets)]
+        r = trial(a, i, KINDS[i % len(KINDS)], preset, refs[preset], rng)
         results.append(r)
         print(json.dumps(r), flush=True)
     (a.out / "soak.json").write_text(json.dumps(results, indent=1))
