@@ -410,7 +410,8 @@ def run_launch(ns: argparse.Namespace) -> int:
     try:
         spawn(run_script, ns.nproc, ns.node_size,
               args=(ns.script, ns.args, [s.port for s in stores]),
-              timeout=ns.timeout, max_restarts=ns.max_restarts, preload=preload, start="fork")
+              timeout=ns.timeout, max_restarts=ns.max_restarts, preload=preload, start="fork",
+              verbose=ns.verbose)
     except PreloadError as e:  # a --preload that exists but raises when imported
         raise UsageError(f"--preload: {e}") from None
     return 0
@@ -479,6 +480,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     la.add_argument("--max-restarts", type=int, default=0,
                     help="restart the whole world this many times after a failure")
     la.add_argument("--timeout", type=float, default=None, help="seconds (default: none)")
+    la.add_argument("--verbose", action="store_true",
+                    help="restart lines carry the failing rank's last message line (gloo's)")
     la.add_argument("--preload", default="", metavar="MODULES",
                     help="comma-separated modules the script imports (e.g. transformers,trl), "
                          "imported once before the ranks fork instead of once per rank")
