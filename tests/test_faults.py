@@ -196,3 +196,25 @@ def test_a_crash_after_the_restarts_is_one_line_and_the_path_of_its_tracebacks(
         f"tracebacks in {run / 'failures.log'}"], lines
     log = (run / "failures.log").read_text()
     assert log.count("=== ") == 2 and "Traceback" in log
+
+
+def test_out_on_a_run_with_other_settings_is_refused_in_one_line(straight, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    before = _snapshot(run)
+    line = cli_error_line(["train", *CMD, "--seed", "1", "--out", str(run)], capsys)
+    assert line.startswith(f"zeropp train: --out {run} already holds a run that cannot be "
+                           "resumed with these options ("), line
+    assert "seed: 0 -> 1" in line and line.endswith("; choose another --out")
+    assert {k: v for k, v in _snapshot(run).items() if not k.endswith(".lock")} == \
+           {k: v for k, v in before.items() if not k.endswith(".lock")}  # nothing touched
+
+
+def test_compare_on_a_directory_holding_a_comparison_is_refused_in_one_line(straight,
+                                                                           tmp_path, capsys):
+    shutil.copytree(straight, tmp_path / "cmp" / "zero3")
+    line = cli_error_line(["train", *CMD, "--compare", "zero3,zeropp", "--out",
+                           str(tmp_path / "cmp")], capsys)
+    assert line == (f"zeropp train: --out {tmp_path / 'cmp'} already holds runs of a "
+                    "comparison, which is not resumed; choose another --out")
+    assert [r["step"] for r in _rows(tmp_path / "cmp" / "zero3")] == list(range(STEPS))
