@@ -17,11 +17,13 @@ module attributes carry `ds_status` (AVAILABLE while their unit is gathered).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..deferred import deferred_init
 from ..flat_param import ZeroParamStatus  # noqa: F401 - deepspeed.zero.ZeroParamStatus
@@ -98,7 +100,23 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
         from .compat import init_distributed
         init_distributed()
     with deferred_init():
-        yield
+        tagging = register_module_parameter_registration_hook(_tag_deferred)
+        try:
+            yield
+        finally:
+            tagging.remove()
+
+
+_ids = itertools.count()
+
+
+def _tag_deferred(module: Any, name: str, p: Any) -> None:
+    """A parameter built under Init carries DeepSpeed's ZeRO-3 attributes, as
+    DeepSpeed's do from construction (libraries test `hasattr(p, "ds_id")`): it
+    holds no values until `initialize` shards the model."""
+    if p is not None and not hasattr(p, "ds_id"):
+        p.ds_id, p.ds_status = next(_ids), ZeroParamStatus.NOT_AVAILABLE
+        p.ds_shape, p.ds_numel = p.shape, p.numel()
 
 
 def MiCS_Init(*args: Any, **kwargs: Any) -> Any:
