@@ -110,6 +110,10 @@ INTERNAL = [
      r"ds_secondary_tensor|ds_z3_leaf_module|ds_summary|ds_process_group|ds_param_alias)'",
      "a ZeRO-3 parameter's private partition bookkeeping (ds_tensor, ds_id, ...)"),
     (r"has no attribute '_\w+'", "a private attribute (leading underscore)"),
+    (r"'Parameter' object has no attribute '(all_gather_coalesced|all_gather|partition|"
+     r"partition_numel|padding_size|ds_summary|convert_to_zero_parameters|aligned_size)'",
+     "a ZeRO-3 parameter's DeepSpeed-internal methods (all_gather_coalesced, partition, ...); "
+     "the public way is deepspeed.zero.GatheredParameters"),
     (r"has no attribute '(fp32_partitioned_groups_flat|averaged_gradients|"
      r"fp16_partitioned_groups|ipg_\w+|param_coordinator|parameter_offload|"
      r"partition_count|bit16_groups|single_partition_of_fp32_groups|"
@@ -129,6 +133,15 @@ CUDA_ONLY = [
     r"bf16 is not supported", r"[Bb][Ff]16.*not supported", r"not enough GPUs",
     r"[Aa]ccelerator.*not (support|available)", r"requires? (a )?(cuda|gpu|accelerator)",
     r"xpu|hpu|npu|ROCm|rocm",
+]
+
+# Failures that come from the machine having no CUDA device (matched on the exception line).
+CUDA_FAIL = [
+    r"Torch not compiled with CUDA", r"CUDA (is not available|driver)", r"no CUDA GPUs",
+    r"NCCL", r"cuda(:\d)?\b.*(not available|unavailable)",
+    # unit/common.py's reduce_boolean_flags puts a tensor on current_device(): DeepSpeed's
+    # own CPU accelerator answers LOCAL_RANK there, which torch refuses as a device too.
+    r"Cannot access accelerator device when none is available|Invalid device string: '\d+'",
 ]
 
 # A whole file fails to import: the missing module or name.
@@ -183,6 +196,13 @@ _SPECIAL = {"__path__", "__file__", "__spec__", "__all__", "__wrapped__", "__loa
             "__set_name__", "__get__", "__len__", "__iter__", "__fspath__"}
 
 
+def _not_stubbed(name):
+    """Names Python and pytest probe for (fixtures, marks, dunders): not DeepSpeed's."""
+    return (name in _SPECIAL or name.startswith(("_pytest", "pytest"))
+            or (name.startswith("__") and name.endswith("__")
+                and name not in ("__compatible_ops__", "__version__")))
+
+
 def _log(kind, name):
     if _LOG:
         with open(_LOG, "a") as f:
@@ -191,8 +211,7 @@ def _log(kind, name):
 
 class _StubMeta(type):
     def __getattr__(cls, name):
-        if name in _SPECIAL or (name.startswith("__") and name.endswith("__")
-                                and name not in ("__compatible_ops__", "__version__")):
+        if _not_stubbed(name):
             raise AttributeError(name)
         return _stub(f"{cls._stub_name}.{name}")
 
@@ -215,8 +234,7 @@ def _stub(name):
 
 def _module_getattr(modname):
     def __getattr__(name):
-        if name in _SPECIAL or (name.startswith("__") and name.endswith("__")
-                                and name not in ("__compatible_ops__", "__version__")):
+        if _not_stubbed(name):
             raise AttributeError(name)
         return _stub(f"{modname}.{name}")
     return __getattr__
@@ -469,11 +487,17 @@ def remote_lines(text: str) -> str:
 
 
 def classify_failure(text: str, crash: str) -> tuple[str, str]:
-    """(category, detail) for a failed test."""
-    hay = crash + "\n" + text
+    """(category, detail) for a failed test. Matched against the exception's lines only
+    (pytest's traceback also prints the test's source, which names internals the failure
+    may have nothing to do with)."""
+    hay = "\n".join((crash, remote_lines(text), last_line(text)))
     m = re.search(r"harness stub: (\S+) is not in zeropp", hay)
     if m:
-        return "stub", m.group(1)
+        name = m.group(1)
+        m2, reason = first_match(INTERNAL, name)
+        if m2 or name.rsplit(".", 1)[-1].startswith("_"):
+            return "internal", reason or "a private name (leading underscore)"
+        return "stub", name
     m, what = first_match(REFUSED, hay)
     if m:
         what = what or m.group(1)
@@ -481,8 +505,8 @@ def classify_failure(text: str, crash: str) -> tuple[str, str]:
     m, reason = first_match(INTERNAL, hay)
     if m:
         return "internal", reason
-    for pat in CUDA_ONLY:
-        if re.search(pat, crash):
+    for pat in CUDA_FAIL:
+        if re.search(pat, hay):
             return "cuda-only", crash[:200]
     return "gap", ""
 
@@ -649,24 +673,28 @@ def report(a, sums: list[dict], ds_rev: str, elapsed: float) -> str:
     out.append("")
     if a.stub_missing:
         out.append("### Stubbed names: tests that called each (module-level use in parentheses)\n")
-        calls = Counter(t["detail"] for s in sums for t in s["tests"].values()
+        calls = Counter(t["detail"].split("[")[0] for s in sums for t in s["tests"].values()
                         if t["cat"] == "stub")
         used = defaultdict(set)
         for s in sums:
             for ln in s["stubs"]:
                 kind, _, name = ln.partition(" ")
-                if kind in ("module", "name"):
+                name = name.split("[")[0]
+                if kind in ("module", "name") and "_pytest" not in name:
                     used[name].add(s["file"].replace("unit/", ""))
         for name in sorted(set(calls) | set(used), key=lambda n: (-calls.get(n, 0), n)):
             out.append(f"- `{name}`: {calls.get(name, 0)} tests"
                        + (f" (files: {', '.join(sorted(used[name]))})" if name in used else ""))
         out.append("")
-    for cat in ("refused", "internal"):
+    for cat in ("refused", "internal", "cuda-only", "skipped"):
         items = [(tid, t) for s in sums for tid, t in s["tests"].items() if t["cat"] == cat]
         if items:
             out.append(f"### {cat} ({len(items)}), by reason\n")
-            by = Counter(t["detail"] for _, t in items)
-            out += [f"- {n}× {d}" for d, n in by.most_common()]
+            by = Counter((t.get("detail") or t.get("line") or "")[:160] for _, t in items)
+            for d, n in by.most_common():
+                ex = next(tid for tid, t in items
+                          if (t.get("detail") or t.get("line") or "")[:160] == d)
+                out.append(f"- {n}× {d} (e.g. `{ex}`)")
             out.append("")
     return "\n".join(out)
 
@@ -694,6 +722,8 @@ def main(argv=None) -> int:
                     help="DS_UNITTEST_TIMEOUT: DeepSpeed's own per-test hang limit (s)")
     ap.add_argument("--file-timeout", type=int, default=1800, help="per file, all attempts (s)")
     ap.add_argument("--max-restarts", type=int, default=4, help="re-runs of a file after hangs")
+    ap.add_argument("--resummarize", action="store_true",
+                    help="only write --out again from --workdir's logs")
     ap.add_argument("--stub-missing", action="store_true",
                     help="probe: stub every DeepSpeed name the alias lacks (not the result)")
     a = ap.parse_args(argv)
@@ -712,6 +742,14 @@ def main(argv=None) -> int:
                           "sys.exit(u.find_spec('deepspeed') is not None)"])
     if chk.returncode != 0:
         sys.exit(f"{a.python}: the real DeepSpeed is importable; use an environment without it")
+    if a.resummarize:  # the report again from a finished run's logs (rules changed)
+        runs = [json.loads(p.read_text()) for p in sorted(logdir.glob("*.run.json"),
+                                                          key=lambda p: p.stat().st_mtime)]
+        sums = [summarize(r) for r in runs]
+        Path(a.out).write_text(report(a, sums, ds_commit(a.deepspeed),
+                                      sum(s["wall"] for s in sums)))
+        print(f"wrote {a.out} from {len(sums)} files in {logdir}")
+        return 0
     files = a.files or DEFAULT_FILES
     if files == ["all"]:
         files = sorted(str(p.relative_to(tests)) for d in ALL_DIRS
