@@ -126,6 +126,19 @@ INTERNAL = [
      "a DeepSpeed-internal ZeRO module"),
 ]
 
+# A bare `assert` on DeepSpeed's internals: (pattern on the asserted source line, reason).
+INTERNAL_ASSERTS = [
+    (r"\bds_id\b", "DeepSpeed's per-parameter id (ds_id) as the mark of a partitioned param"),
+    (r"\bds_tensor\b|\bds_grads_remaining\b|\bds_persist\b",
+     "a ZeRO-3 parameter's private partition bookkeeping (ds_tensor, ...)"),
+    (r"ZeROOrderedDict|_parameters\b", "DeepSpeed's ZeROOrderedDict / a module's _parameters"),
+    (r"pre_bwd_fn|post_bwd_fn|_backward_hooks|__dict__",
+     "the implementation of DeepSpeed's ZeRO-3 module hooks (wrapper attributes)"),
+    (r"\.optimizer\.\w+|engine\.optimizer\b",
+     "the engine's optimizer object (DeepSpeed's ZeRO optimizer class)"),
+    (r"\b_\w+\(|\._\w+", "a private attribute (leading underscore)"),
+]
+
 # Skips and failures that come from the machine having no CUDA device.
 CUDA_ONLY = [
     r"only supported in accelerator environments", r"[Cc][Uu][Dd][Aa]", r"\bGPU", r"NCCL",
@@ -229,7 +242,12 @@ class _StubMeta(type):
 def _stub(name):
     _log("name", name)
     return _StubMeta(name.rsplit(".", 1)[-1].split("[")[0] or "stub", (),
-                     {"_stub_name": name, "__module__": "zeropp_dsconf_stub"})
+                     {"_stub_name": name, "__module__": "zeropp_dsconf_stubs"})
+
+
+# A stub in a test's parameters travels to DistributedTest's workers by pickle: by name.
+import copyreg
+copyreg.pickle(_StubMeta, lambda cls: (_stub, (cls._stub_name,)))
 
 
 def _module_getattr(modname):
@@ -486,12 +504,29 @@ def remote_lines(text: str) -> str:
     return m[-1][:400] if m else ""
 
 
+def where(text: str) -> str:
+    """The last frame in DeepSpeed's test tree: `unit/x.py:N: code`."""
+    frames = re.findall(r'File "[^"]*?(unit/[\w/]+\.py)", line (\d+), in \w+\n\s+([^\n]*)', text)
+    if frames:
+        f, n, code = frames[-1]
+        return f"{f}:{n}: {code.strip()[:200]}"
+    frames = re.findall(r"\n(\S*?(unit/[\w/]+\.py):(\d+): (?:in \w+|\w+))", text)
+    if frames:
+        _, f, n = frames[-1]
+        src = re.findall(r"\n>\s+([^\n]+)", text)
+        return f"{f}:{n}" + (f": {src[-1].strip()[:200]}" if src else "")
+    return ""
+
+
 def classify_failure(text: str, crash: str) -> tuple[str, str]:
     """(category, detail) for a failed test. Matched against the exception's lines only
     (pytest's traceback also prints the test's source, which names internals the failure
     may have nothing to do with)."""
     hay = "\n".join((crash, remote_lines(text), last_line(text)))
     m = re.search(r"harness stub: (\S+) is not in zeropp", hay)
+    if not m and "zeropp_dsconf_stub" in hay:  # an old run: stubs did not pickle
+        return "stub", "(a stubbed value in the test's parameters: " + \
+            (re.findall(r"zeropp_dsconf_stubs?\.(\w+)", hay) or ["?"])[0] + ")"
     if m:
         name = m.group(1)
         m2, reason = first_match(INTERNAL, name)
@@ -505,6 +540,11 @@ def classify_failure(text: str, crash: str) -> tuple[str, str]:
     m, reason = first_match(INTERNAL, hay)
     if m:
         return "internal", reason
+    if re.search(r"^AssertionError\s*$|^(AssertionError: )?assert ", last_line(text), re.M):
+        # a bare assert: what it checked is the test's source line
+        m, reason = first_match(INTERNAL_ASSERTS, where(text))
+        if m:
+            return "internal", reason
     for pat in CUDA_FAIL:
         if re.search(pat, hay):
             return "cuda-only", crash[:200]
@@ -559,9 +599,12 @@ def summarize(run: dict) -> dict:
             text, crash = p.get("text", ""), p.get("crash", "")
             cat, detail = classify_failure(text, crash)
             line = remote_lines(text) or last_line(text) or crash
+            if re.fullmatch(r"(AssertionError|assert .*|AssertionError: assert .*)", line):
+                line = f"{line} at {where(text)}"
             if p["when"] != "call":
                 line = f"[{p['when']}] {line}"
-            res[tid] = {"cat": cat, "detail": detail, "line": line, "text": text}
+            res[tid] = {"cat": cat, "detail": detail, "line": line, "text": text,
+                        "where": where(text)}
         elif skipped:
             r = skipped[0].get("reason") or skipped[0].get("xfail", "")
             if skipped[0].get("xfail"):
@@ -669,7 +712,8 @@ def report(a, sums: list[dict], ds_rev: str, elapsed: float) -> str:
     for cause, items in sorted(groups.items(), key=lambda kv: -len(kv[1])):
         out.append(f"- **{len(items)}×** `{cause}`")
         for tid, t in items:
-            out.append(f"  - `{tid}`: `{t['line']}`")
+            at = f" ({t['where']})" if t.get("where") and t["where"] not in t["line"] else ""
+            out.append(f"  - `{tid}`: `{t['line']}`{at}")
     out.append("")
     if a.stub_missing:
         out.append("### Stubbed names: tests that called each (module-level use in parentheses)\n")
@@ -743,8 +787,9 @@ def main(argv=None) -> int:
     if chk.returncode != 0:
         sys.exit(f"{a.python}: the real DeepSpeed is importable; use an environment without it")
     if a.resummarize:  # the report again from a finished run's logs (rules changed)
-        runs = [json.loads(p.read_text()) for p in sorted(logdir.glob("*.run.json"),
-                                                          key=lambda p: p.stat().st_mtime)]
+        runs = [json.loads(p.read_text()) for p in logdir.glob("*.run.json")]
+        order = {f: i for i, f in enumerate(DEFAULT_FILES)}
+        runs.sort(key=lambda r: (order.get(r["file"], len(order)), r["file"]))
         sums = [summarize(r) for r in runs]
         Path(a.out).write_text(report(a, sums, ds_commit(a.deepspeed),
                                       sum(s["wall"] for s in sums)))
