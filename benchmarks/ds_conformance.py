@@ -336,6 +336,26 @@ def pytest_configure(config):
         _w(ev="alias_error", text=f"{type(e).__name__}: {e}")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    # --sample N: at most N parametrizations of each test function, evenly spread
+    n = int(os.environ.get("ZEROPP_DSCONF_SAMPLE", "0"))
+    if n <= 0:
+        return
+    by = {}
+    for it in items:
+        by.setdefault(it.nodeid.split("[")[0], []).append(it)
+    keep = set()
+    for group in by.values():
+        k = len(group)
+        idx = {0} if n == 1 else {round(j * (k - 1) / (n - 1)) for j in range(min(n, k))}
+        keep |= {id(group[i]) for i in idx}
+    dropped = [it for it in items if id(it) not in keep]
+    items[:] = [it for it in items if id(it) in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        _w(ev="sampled_out", ids=[it.nodeid for it in dropped])
+
+
 def pytest_collection_finish(session):
     _w(ev="collected", ids=[i.nodeid for i in session.items])
 
@@ -436,6 +456,8 @@ def run_file(a, tests: Path, harness: Path, rel: str, logdir: Path) -> dict:
         stublog.unlink(missing_ok=True)
         if a.stub_missing:
             env["ZEROPP_DSCONF_STUBLOG"] = str(stublog)
+        if a.sample:
+            env["ZEROPP_DSCONF_SAMPLE"] = str(a.sample)
         cmd = [a.python, "-m", "pytest", rel, "-v", "-rA", "-p", "no:cacheprovider",
                "-p", "zeropp_dsconf_plugin", "--color=no", "-W", "ignore::DeprecationWarning"]
         for nid in sorted(done | set(hangs)):
@@ -587,6 +609,9 @@ def summarize(run: dict) -> dict:
             tests.setdefault(e["id"], {"phases": []})["phases"].append(e)
     hangs = [e["id"] for e in evs if e["ev"] == "hang"]
     collect_errors = [e for e in evs if e["ev"] == "collect_error"]
+    stubbed = sorted({ln.split(" ", 1)[1].split("[")[0] for e in evs if e["ev"] == "stubs"
+                      for ln in e["lines"] if ln.startswith(("name ", "module "))
+                      and "_pytest" not in ln}, key=len, reverse=True)
     for tid, t in tests.items():
         if tid in hangs:
             res[tid] = {"cat": "hang", "line": "no result within the timeout; killed"}
@@ -598,6 +623,12 @@ def summarize(run: dict) -> dict:
             p = next((p for p in failed if p["when"] == "call"), failed[0])
             text, crash = p.get("text", ""), p.get("crash", "")
             cat, detail = classify_failure(text, crash)
+            code = where(text)
+            if cat == "gap" and stubbed:  # the failing line uses a stubbed name (probe)
+                hit = next((n for n in stubbed if re.search(
+                    r"\b" + re.escape(n.rsplit(".", 1)[-1]) + r"\b", code)), None)
+                if hit:
+                    cat, detail = "stub", hit
             line = remote_lines(text) or last_line(text) or crash
             if re.fullmatch(r"(AssertionError|assert .*|AssertionError: assert .*)", line):
                 line = f"{line} at {where(text)}"
@@ -616,6 +647,7 @@ def summarize(run: dict) -> dict:
         else:
             res[tid] = {"cat": "hang", "line": "started, never reported (process ended)"}
     notrun = [i for i in run["collected"] if i not in res]
+    sampled = sorted({i for e in evs if e["ev"] == "sampled_out" for i in e["ids"]})
     imp = None
     if collect_errors and not tests:
         text = collect_errors[0]["text"]
@@ -630,7 +662,7 @@ def summarize(run: dict) -> dict:
     shim = any(e["ev"] == "shim" for e in evs)
     wall = next((e["wall"] for e in evs if e["ev"] == "file_done"), 0)
     return {"file": rel, "tests": res, "notrun": notrun, "import": imp, "wall": wall,
-            "alias_error": alias_err, "shim": shim, "stubs": stubs,
+            "alias_error": alias_err, "shim": shim, "stubs": stubs, "sampled": sampled,
             "file_timeout": any(e["ev"] == "file_timeout" for e in evs)}
 
 
@@ -683,9 +715,13 @@ def report(a, sums: list[dict], ds_rev: str, elapsed: float) -> str:
         else:
             imp = "ok"
         extra = f" (+{len(s['notrun'])} not run)" if s["notrun"] else ""
+        if s.get("sampled"):
+            extra += f" (+{len(s['sampled'])} sampled out)"
+            tot["sampled"] += len(s["sampled"])
         out.append(f"| {s['file'].replace('unit/', '')} | {n}{extra} | "
                    + " | ".join(str(c.get(k, 0)) for k in cols) + f" | {imp} |")
-    out.append(f"| **all {len(sums)} files** | {tot['tests']} | "
+    out.append(f"| **all {len(sums)} files** | {tot['tests']}"
+               + (f" (+{tot['sampled']} sampled out)" if tot["sampled"] else "") + " | "
                + " | ".join(f"**{tot.get(k, 0)}**" for k in cols)
                + f" | {tot['import_fail']} fail |")
     out.append("")
@@ -766,6 +802,8 @@ def main(argv=None) -> int:
                     help="DS_UNITTEST_TIMEOUT: DeepSpeed's own per-test hang limit (s)")
     ap.add_argument("--file-timeout", type=int, default=1800, help="per file, all attempts (s)")
     ap.add_argument("--max-restarts", type=int, default=4, help="re-runs of a file after hangs")
+    ap.add_argument("--sample", type=int, default=0,
+                    help="run at most N parametrizations of each test function (0: all)")
     ap.add_argument("--resummarize", action="store_true",
                     help="only write --out again from --workdir's logs")
     ap.add_argument("--stub-missing", action="store_true",
