@@ -126,7 +126,7 @@ def test_a_refused_key_ends_the_script_with_one_line_not_a_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=tmp_path)
     assert r.returncode == 1 and r.stderr.strip() == (
-        "ValueError: DeepSpeed config: zero_optimization.offload_optimizer.device='cpu' is not "
+        "DeepSpeedConfigError: DeepSpeed config: zero_optimization.offload_optimizer.device='cpu' is not "
         "supported (zeropp has no ZeRO-Offload); allowed: \"none\"")
 
 

@@ -11,6 +11,7 @@ from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from .checkpoint_files import CheckpointError
 from .config import Config
 from .deepspeed import (
+    DeepSpeedConfigError,
     DeepSpeedEngine,
     accelerator,
     add_config_arguments,
@@ -32,7 +33,8 @@ __all__ = ["Config", "Topology", "get_topology", "shard", "clip_grad_norm_", "co
            "reset_comm_stats", "refresh", "gathered", "full_state_dict", "save_checkpoint",
            "load_checkpoint", "CheckpointError", "initialize", "init_distributed",
            "add_config_arguments", "DeepSpeedEngine", "zero", "comm", "accelerator",
-           "install_as_deepspeed", "get_accelerator", "memory_stats", "deferred_init"]
+           "install_as_deepspeed", "get_accelerator", "memory_stats", "deferred_init",
+           "DeepSpeedConfigError"]
 __version__ = "0.1.0"
 
 # `from zeropp.accelerator import get_accelerator` (as scripts write it for deepspeed):

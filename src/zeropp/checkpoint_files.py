@@ -317,18 +317,24 @@ def param_index(man: dict) -> dict[str, tuple[dict, dict]]:
 
 
 # ---- consolidation and export -------------------------------------------------------
-def consolidate(path: os.PathLike, *, optimizer_state: bool = False) -> dict[str, torch.Tensor]:
+def consolidate(path: os.PathLike, *, optimizer_state: bool = False,
+                trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The full tensors of a checkpoint, by original name, read from its files
     alone: parameters (fp32) and buffers; with `optimizer_state`, instead
-    "<name>/<key>" for each sharded optimizer-state tensor (e.g. exp_avg)."""
+    "<name>/<key>" for each sharded optimizer-state tensor (e.g. exp_avg). Tied
+    names share one tensor, as in the model's own state dict. `trainable_only`:
+    frozen parameters left out."""
     path = resolve(path)
-    return _consolidate(Reader(path, read_manifest(path)), optimizer_state)
+    return _consolidate(Reader(path, read_manifest(path)), optimizer_state, trainable_only)
 
 
-def _consolidate(rd: Reader, optimizer_state: bool) -> dict[str, torch.Tensor]:
+def _consolidate(rd: Reader, optimizer_state: bool,
+                 trainable_only: bool = False) -> dict[str, torch.Tensor]:
     man = rd.man
     out: dict[str, torch.Tensor] = {}
     for f in man["flats"]:
+        if trainable_only and not f["trainable"]:
+            continue
         keys = [f"model/{f['name']}"]
         if optimizer_state:
             st = (man.get("optimizer") or {}).get("state", {}).get(f["name"], {})
@@ -337,9 +343,9 @@ def _consolidate(rd: Reader, optimizer_state: bool) -> dict[str, torch.Tensor]:
             flat = rd.values(f, key, 0, f["numel"])
             suffix = "" if key.startswith("model/") else "/" + key.rsplit("/", 1)[1]
             for p in f["params"]:
-                t = flat[p["offset"]:p["offset"] + math.prod(p["shape"])].view(p["shape"])
+                t = flat[p["offset"]:p["offset"] + math.prod(p["shape"])].view(p["shape"]).clone()
                 for n in p["names"]:
-                    out[n + suffix] = t.clone()
+                    out[n + suffix] = t
     if not optimizer_state:
         for name in man.get("buffers", {}):
             out[name] = rd.get(0, f"buffer/{name}")

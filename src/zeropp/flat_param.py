@@ -50,7 +50,7 @@ from .collectives import Comm, Pending, dequantize_gathered
 from .config import Config
 from .deferred import materialize, release
 from .qgz import inter_node_codec, qgz_inter_encode, qgz_inter_exchange, qgz_intra_hop
-from .quant import quantize
+from .quant import QTensor, dequantize, quantize
 from .topology import Topology
 from .weights import WeightPath
 
@@ -90,6 +90,7 @@ class FlatParam:
         self.meter: Any = None  # its model's memory.GatherMeter (set by the Unit)
         self.trainable, self.compute_dtype = trainable, compute_dtype
         self.world_size = w = topo.world_size
+        self.rank = topo.rank
         self.infos: list[ParamInfo] = []
         offset = 0
         for p, regs, fqns in params:
@@ -312,6 +313,50 @@ class FlatParam:
             p.grad = part
         else:
             p.grad.add_(part)
+
+    # ---- writes from outside the optimizer ------------------------------------
+    def write_param(self, i: int, value: torch.Tensor) -> None:
+        """Parameter i's full value `value`: this rank's slice into its master shard."""
+        self.write_range(self.infos[i].offset, value)
+
+    @torch.no_grad()
+    def write_range(self, offset: int, value: torch.Tensor) -> None:
+        """`value` (flattened) is the flat buffer's elements from `offset` on: this
+        rank's slice of it into its master shard."""
+        lo, n = self.rank * self.shard_numel, value.numel()
+        a, b = max(lo, offset), min(lo + self.shard_numel, offset + n)
+        if a >= b:
+            return
+        piece = value.detach().reshape(-1)[a - offset:b - offset]
+        if not self.int_storage:
+            self.primary_shard[a - lo:b - lo] = piece  # in place: bumps the version counter
+            return
+        changed = torch.zeros(self.shard_numel, dtype=torch.bool, device=piece.device)
+        changed[a - lo:b - lo] = True
+        values = torch.zeros(self.shard_numel, dtype=torch.float32, device=piece.device)
+        values[a - lo:b - lo] = piece
+        self.write_shard(values, changed)
+
+    @torch.no_grad()
+    def write_shard(self, values: torch.Tensor, changed: torch.Tensor) -> None:
+        """`values[changed]` into this rank's master shard (`changed`: a mask over it)."""
+        p = self.primary_shard
+        if not self.int_storage:
+            p[changed] = values[changed].to(p.dtype)  # in place: bumps the version counter
+            return
+        # Frozen weights stored as integer wire bytes: requantize, then keep the new
+        # bytes only in blocks with an edit (the others stay exactly as they were).
+        old = QTensor.from_bytes(p.detach(), (self.shard_numel,), torch.float32,
+                                 self.weight_bits, self.block)
+        cur = dequantize(old, torch.float32)
+        cur[changed] = values[changed].float()
+        new = quantize(cur, self.weight_bits, self.block)
+        blocks = changed.view(-1, self.block).any(dim=1)
+        nb = blocks.numel()
+        scales = torch.where(blocks, new.scales, old.scales)
+        data = torch.where(blocks[:, None], new.data.view(torch.uint8).view(nb, -1),
+                           old.data.view(torch.uint8).view(nb, -1))
+        p.copy_(torch.cat([scales.view(torch.uint8), data.reshape(-1)]))
 
     # ---- consolidation -------------------------------------------------------
     def layout(self) -> dict:

@@ -35,7 +35,7 @@ from torch import nn
 
 from .config import _is_int
 from .flat_param import FlatParam
-from .quant import QTensor, dequantize, quantize
+from .guards import all_gather_bytes
 from .shard import ShardState, Unit, _in_backward, get_state
 
 
@@ -108,10 +108,13 @@ def gathered(model: nn.Module, *, writable: bool = False,
         _release(pinned, chosen)  # e.g. out of memory for the snapshot: nothing stays pinned
         raise
     st.gathered_depth += 1
-    ok = False
+    error: Optional[str] = None  # this rank's exception inside the context, in one line
+    peer_error = ""
     try:
         yield model
-        ok = True
+    except BaseException as e:
+        error = " ".join(f"{type(e).__name__}: {e}".split()) or type(e).__name__
+        raise
     finally:
         st.gathered_depth -= 1
         try:
@@ -119,13 +122,20 @@ def gathered(model: nn.Module, *, writable: bool = False,
                 # Every rank writes back or none does (one rank's exception must not
                 # leave the shards half edited), and every rank drops the secondaries
                 # of these units, so their next gathers take the same route everywhere.
-                if _all_ok(st, ok):
+                # A rank that left normally raises its peer's error: it would otherwise
+                # go on alone into its next collective and wait there for ever.
+                if _all_ok(st, error is None):
                     _write_back(st, snapshots, modifier_rank)
+                else:
+                    peer_error = _first_error(error)
                 for f in snapshots:
                     f.weights.invalidate()
         finally:
             snapshots.clear()
             _release(pinned, chosen)
+    if peer_error and error is None:
+        raise RuntimeError(f"zeropp.gathered: {peer_error} inside the context; every rank's "
+                           "edits were discarded")
 
 
 def _release(pinned: list[Unit], chosen: list[Unit]) -> None:
@@ -141,6 +151,13 @@ def _all_ok(st: ShardState, ok: bool) -> bool:
     st.comm.unit = "<all: gathered exit>"
     return bool(st.comm.all_reduce(flag, op="all_reduce/gathered",
                                    reduce_op=torch.distributed.ReduceOp.MIN)[0] == 1.0)
+
+
+def _first_error(error: Optional[str]) -> str:
+    """Collective: 'rank r raised ...' for the lowest rank that left by an exception."""
+    msgs = all_gather_bytes((error or "").encode())
+    r = next(r for r, m in enumerate(msgs) if m)
+    return f"rank {r} raised {msgs[r].decode(errors='replace')}"
 
 
 def _state(model: nn.Module) -> ShardState:
@@ -201,29 +218,10 @@ def _write_back(st: ShardState, snapshots: dict[FlatParam, torch.Tensor],
             changed = _bits(mine) != _bits(before[lo:lo + f.shard_numel])
             changed[f.shard_valid:] = False  # padding stays zero
             if changed.any():
-                _write_shard(f, mine, changed)
+                f.write_shard(mine, changed)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of `t`: a bitwise comparison (NaN == NaN, -0.0 != 0.0)."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
                   [t.element_size()])
-
-
-def _write_shard(f: FlatParam, values: torch.Tensor, changed: torch.Tensor) -> None:
-    p = f.primary_shard
-    if not f.int_storage:
-        p[changed] = values[changed].to(p.dtype)  # in place: bumps the version counter
-        return
-    # Frozen weights stored as integer wire bytes: requantize, then keep the new
-    # bytes only in blocks with an edit (the others stay exactly as they were).
-    old = QTensor.from_bytes(p.detach(), (f.shard_numel,), torch.float32, f.weight_bits, f.block)
-    cur = dequantize(old, torch.float32)
-    cur[changed] = values[changed].float()
-    new = quantize(cur, f.weight_bits, f.block)
-    blocks = changed.view(-1, f.block).any(dim=1)
-    nb = blocks.numel()
-    scales = torch.where(blocks, new.scales, old.scales)
-    data = torch.where(blocks[:, None], new.data.view(torch.uint8).view(nb, -1),
-                       old.data.view(torch.uint8).view(nb, -1))
-    p.copy_(torch.cat([scales.view(torch.uint8), data.reshape(-1)]))

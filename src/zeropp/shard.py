@@ -38,6 +38,7 @@ from .guards import check_same_model, forget_parameters
 from .memory import GatherMeter, mmap_threshold_for, release_freed_host_memory
 from .quant import release_scratch
 from .reduce import ReducePipeline
+from .state_dict import install as install_state_dict_hooks
 from .stats import CommStats
 from .topology import Topology, get_topology, reduce_groups
 from .units import assign_params, unit_modules
@@ -405,6 +406,8 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
                 dist.broadcast(b.data, src=0)
     owned = assign_params(model, units)
     group_of = {id(p): k for k, ps in enumerate(param_groups or []) for p in ps}
+    order = {m: list(m._parameters) for plist in owned.values() for _, regs, _ in plist
+             for m, _ in regs}  # for the state dict's key order
     for plist in owned.values():
         for _, regs, _ in plist:
             for m, attr in regs:
@@ -427,6 +430,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
         mod.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
         mod.register_forward_hook(unit.post_forward)
         state.units.append(unit)
+    install_state_dict_hooks(state.units, order)
     model._zeropp_state = state
     state.root_ref = weakref.ref(model)
     pre, post = _optimizer_step_hooks(weakref.ref(state))

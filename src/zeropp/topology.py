@@ -136,7 +136,8 @@ def get_topology(node_size: Optional[int] = None) -> Topology:
     """The topology of the current default process group (built once per layout).
 
     `node_size` None reads LOCAL_WORLD_SIZE, which torchrun and zeropp's own
-    launcher set; without it all ranks are taken to share one node.
+    launcher set (or LOCAL_SIZE, DeepSpeed's launcher's); without either all
+    ranks are taken to share one node.
     """
     if not dist.is_available() or not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -146,7 +147,8 @@ def get_topology(node_size: Optional[int] = None) -> Topology:
         return Topology(world_size=1, rank=0, node_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
     if node_size is None:
-        node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        node_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+                        or world)
     if node_size < 1 or world % node_size != 0:
         raise ValueError(
             f"zeropp: node_size={node_size} must divide the world size {world} "

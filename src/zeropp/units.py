@@ -29,7 +29,20 @@ def unit_modules(model: nn.Module, unit_types: Optional[tuple]) -> dict[nn.Modul
             for i, child in enumerate(m):
                 if child not in units and any(True for _ in child.parameters()):
                     units[child] = f"{name}.{i}"
-    return units
+    return _leaf_units(model, units)
+
+
+def _leaf_units(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Module, str]:
+    """A module flagged as a ZeRO-3 leaf (`deepspeed.utils.set_z3_leaf_modules`: a MoE
+    block whose experts run in any order, or not at all on some rank) is one unit, and
+    nothing inside it is: it is gathered and reduced whole, on every rank alike."""
+    leaves = [m for m in model.modules() if m is not model and getattr(m, "_z3_leaf", False)]
+    if not leaves:
+        return units
+    inside = {id(x) for leaf in leaves for x in leaf.modules() if x is not leaf}
+    keep = {id(m) for m in units} | {id(m) for m in leaves}
+    return {m: name for name, m in model.named_modules()
+            if id(m) in keep and id(m) not in inside and (m is model or name)}
 
 
 def _untied_embeddings(model: nn.Module) -> dict[nn.Module, str]:

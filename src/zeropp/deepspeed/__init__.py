@@ -7,7 +7,9 @@ accelerate and TRL after `zeropp.install_as_deepspeed()` (alias.py).
   engine.py        DeepSpeedEngine: backward / step / accumulation / checkpoints
   config.py        a ds_config.json with DeepSpeed's semantics
   lr_schedules.py  WarmupLR, WarmupDecayLR, WarmupCosineLR
-  zero.py          GatheredParameters, Init, ZeroParamStatus
+  zero.py          GatheredParameters, Init, ZeroParamStatus, unwrap_model_for_generation
+  utils.py         deepspeed.utils: logging, leaf-module flags, the tensor-fragment API
+                   (tensor_fragment.py), zero_to_fp32 (zero_to_fp32.py)
   accelerator.py   get_accelerator(): CUDA or CPU
   comm.py          deepspeed.comm over torch.distributed
   alias.py         install_as_deepspeed(): `import deepspeed` answers with these
@@ -16,7 +18,8 @@ accelerate and TRL after `zeropp.install_as_deepspeed()` (alias.py).
 from . import accelerator, comm, lr_schedules, zero
 from .accelerator import get_accelerator
 from .compat import add_config_arguments, init_distributed, initialize
+from .config import DeepSpeedConfigError
 from .engine import DeepSpeedEngine
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero",
-           "comm", "accelerator", "lr_schedules", "get_accelerator"]
+           "comm", "accelerator", "lr_schedules", "get_accelerator", "DeepSpeedConfigError"]

@@ -125,7 +125,9 @@ class Accelerator:
     def device_count(self) -> int:
         if self._cuda:
             return torch.cuda.device_count()
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # as DeepSpeed's CPU accelerator
+        # DeepSpeed's CPU accelerator reads its launcher's LOCAL_SIZE; torchrun sets
+        # LOCAL_WORLD_SIZE.
+        return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1")
 
     def synchronize(self, device_index: Optional[int] = None) -> None:
         if self._cuda:

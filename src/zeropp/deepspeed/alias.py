@@ -27,7 +27,6 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
-import logging
 import sys
 import types
 from pathlib import Path
@@ -44,6 +43,9 @@ NAMES = {
     "deepspeed.zero": "zeropp.deepspeed.zero",
     "deepspeed.runtime.engine": "zeropp.deepspeed.engine",
     "deepspeed.runtime.lr_schedules": "zeropp.deepspeed.lr_schedules",
+    "deepspeed.utils": "zeropp.deepspeed.utils",
+    "deepspeed.utils.zero_to_fp32": "zeropp.deepspeed.zero_to_fp32",
+    "deepspeed.utils.tensor_fragment": "zeropp.deepspeed.tensor_fragment",
 }
 
 # DeepSpeed features zeropp leaves out, for the refusal's message.
@@ -174,10 +176,9 @@ def _namespaces() -> dict[str, types.ModuleType]:
     import torch
 
     from . import accelerator, engine, lr_schedules, zero
-    from . import comm as ds_comm
+    from .config import DeepSpeedConfigError
     top = importlib.import_module("zeropp.deepspeed")
     public = {k: getattr(top, k) for k in top.__all__}
-    logger = logging.getLogger("zeropp.deepspeed")
     return {
         "deepspeed": _package("deepspeed", __doc__="zeropp standing in for DeepSpeed",
                               __version__=DEEPSPEED_VERSION, **public,
@@ -187,10 +188,13 @@ def _namespaces() -> dict[str, types.ModuleType]:
                                                       "tensor parallelism")),
         "deepspeed.runtime": _package("deepspeed.runtime", DeepSpeedEngine=engine.DeepSpeedEngine,
                                       lr_schedules=lr_schedules),
-        "deepspeed.runtime.zero": _package("deepspeed.runtime.zero",
-                                           ZeroParamStatus=zero.ZeroParamStatus,
-                                           GatheredParameters=zero.GatheredParameters,
-                                           Init=zero.Init),
+        "deepspeed.runtime.zero": _package(
+            "deepspeed.runtime.zero", ZeroParamStatus=zero.ZeroParamStatus,
+            GatheredParameters=zero.GatheredParameters, Init=zero.Init,
+            MiCS_Init=zero.MiCS_Init,
+            unwrap_model_for_generation=zero.unwrap_model_for_generation),
+        "deepspeed.runtime.config": _package("deepspeed.runtime.config",
+                                             DeepSpeedConfigError=DeepSpeedConfigError),
         # transformers swaps `zero_wrapper_for_fp_tensor_constructor` around its
         # zero.Init; zeropp's Init wraps nothing, so the wrapper is never called.
         "deepspeed.runtime.zero.partition_parameters": _package(
@@ -208,10 +212,6 @@ def _namespaces() -> dict[str, types.ModuleType]:
         "deepspeed.moe.layer": _package("deepspeed.moe.layer",
                                         MoE=_not_here("deepspeed.moe.layer.MoE",
                                                       "Mixture-of-Experts")),
-        "deepspeed.utils": _package("deepspeed.utils", logger=logger,
-                                    log_dist=_log_dist(logger, ds_comm),
-                                    is_initialized=ds_comm.is_initialized,
-                                    set_z3_leaf_modules=_set_z3_leaf_modules),
     }
 
 
@@ -224,33 +224,7 @@ def _no_moe_groups(param_groups: Any, max_group_size: Any = None) -> Any:
     return list(param_groups) if isinstance(param_groups, (list, tuple)) else param_groups
 
 
-def _set_z3_leaf_modules(model: Any, leaf_module_classes: Any,
-                         raise_if_not_found: bool = True) -> list:
-    """DeepSpeed gathers a "leaf" module (a MoE block) whole instead of per
-    submodule; a zeropp unit is always gathered whole, so nothing changes. Returns
-    the matching modules, and raises when there are none, as DeepSpeed does."""
-    classes = tuple(c for c in leaf_module_classes if isinstance(c, type))
-    names = {c for c in leaf_module_classes if isinstance(c, str)}
-    found = [m for m in model.modules() if isinstance(m, classes) or type(m).__name__ in names]
-    if not found and raise_if_not_found:
-        raise ValueError(f"set_z3_leaf_modules: no module of {list(leaf_module_classes)} "
-                         "in the model")
-    return found
-
-
 def _not_here(name: str, what: str) -> Any:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"zeropp: {name} ({what}) is not part of zeropp")
     return refuse
-
-
-def _log_dist(logger: logging.Logger, comm: Any) -> Any:
-    def log_dist(message: str, ranks: Any = None, level: int = logging.INFO) -> None:
-        """DeepSpeed's log_dist: log on the ranks listed ([-1]: all); before the
-        process group exists, always."""
-        ranks = list(ranks or [])
-        show = not comm.is_initialized() or (bool(ranks) and ranks[0] == -1) \
-            or comm.get_rank() in ranks
-        if show:
-            logger.log(level, f"[Rank {comm.get_rank()}] {message}")
-    return log_dist

@@ -22,9 +22,11 @@ groups / the optimizer, as in DeepSpeed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import os
 import warnings
+import weakref
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any, Optional
@@ -51,25 +53,34 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                      dist_init_required: Optional[bool] = None, config: Any = None,
                      rank: int = -1, world_size: int = -1) -> None:
     """Initialize torch.distributed from the launcher's environment (RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or as one process when there is
-    none; a no-op when already initialized. Backend: NCCL with CUDA, else gloo."""
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), from `init_method` with `rank` and
+    `world_size` when given (DeepSpeed's own test launcher: file://), or as one
+    process when there is none; a no-op when already initialized. Backend: NCCL
+    with CUDA, else gloo."""
     if dist.is_initialized():
         return
     if dist_init_required is False:
         raise RuntimeError("zeropp.init_distributed: dist_init_required=False but "
                            "torch.distributed is not initialized")
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    explicit = rank >= 0 and world_size > 0
+    if not explicit and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
         if rank > 0 or world_size > 1:
             raise RuntimeError("zeropp.init_distributed: no launcher environment (RANK, "
-                               "WORLD_SIZE); start with torchrun or `zeropp launch`")
+                               "WORLD_SIZE) and not both rank= and world_size=; start with "
+                               "torchrun or `zeropp launch`")
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    if explicit:  # what the rest of zeropp reads (topology, devices), as a launcher sets it
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+        os.environ.setdefault("LOCAL_RANK", str(rank))
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    where = {"rank": rank, "world_size": world_size} if explicit else {}
     dist.init_process_group(backend, init_method=init_method,
-                            timeout=timeout or timedelta(minutes=10))
+                            timeout=timeout or timedelta(minutes=10), **where)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -104,12 +115,15 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     try:
         ds = ds_config.parse(config, dist.get_world_size())
     except ValueError as e:  # a key to fix in the config: one line, not a traceback per rank
-        raise one_line(e) from None
+        raise one_line(ds_config.DeepSpeedConfigError(str(e))) from None
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
               if dist.get_backend() == "nccl" else torch.device("cpu"))
-    if hasattr(model, "_zeropp_state") or any(hasattr(m, "_zeropp_unit") for m in model.modules()):
-        raise ValueError("zeropp.initialize: this model is already sharded (zeropp.shard); pass "
-                         "the unsharded model: initialize shards it")
+    if hasattr(model, "_zeropp_state"):
+        return _initialize_again(model, ds, optimizer, model_parameters, lr_scheduler,
+                                 training_data, collate_fn, device)
+    if any(hasattr(m, "_zeropp_unit") for m in model.modules()):
+        raise ValueError("zeropp.initialize: a submodule of this model is already sharded; "
+                         "pass the whole model")
     groups = _param_groups(model, model_parameters, optimizer)
     if device.type != "cpu" and any(map(is_deferred, model.parameters())):
         raise one_line(ValueError(
@@ -120,6 +134,31 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     module = shard(model, ds.zero, param_groups=[g["params"] for g in groups],
                    sync_module_states=True)
     opt = _optimizer(module, groups, optimizer, ds)
+    sched = _scheduler(opt, optimizer, lr_scheduler, ds)
+    loader = _dataloader(training_data, ds, collate_fn)
+    engine = DeepSpeedEngine(module, ds, opt, sched, loader, device)
+    _zero3_attributes(module, opt)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _initialize_again(module: nn.Module, ds: ds_config.DSConfig, optimizer: Any,
+                      model_parameters: Any, lr_scheduler: Any, training_data: Any,
+                      collate_fn: Any, device: torch.device) -> tuple:
+    """`initialize` of a model sharded before (by an earlier `initialize`, as DeepSpeed
+    allows, or by zeropp.shard): a new engine, optimizer and schedule over the same
+    shards, which keep their values. The ZeRO settings must be the ones it has."""
+    st = get_state(module)
+    if st.cfg != ds.zero:
+        diff = [f"{k.name}: {getattr(st.cfg, k.name)!r} -> {getattr(ds.zero, k.name)!r}"
+                for k in dataclasses.fields(st.cfg)
+                if getattr(st.cfg, k.name) != getattr(ds.zero, k.name)]
+        raise one_line(ds_config.DeepSpeedConfigError(
+            "zeropp.initialize: this model is already sharded with other ZeRO settings ("
+            + "; ".join(diff) + "); initialize an unsharded model to change them"))
+    # Param groups over the shards (what module.parameters() yields now).
+    groups = _param_groups(module, model_parameters, optimizer)
+    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups]
+    opt = _optimizer_over(groups, optimizer, ds)
     sched = _scheduler(opt, optimizer, lr_scheduler, ds)
     loader = _dataloader(training_data, ds, collate_fn)
     engine = DeepSpeedEngine(module, ds, opt, sched, loader, device)
@@ -151,6 +190,10 @@ def _zero3_attributes(module: nn.Module, opt: Any) -> None:
         p = f.primary_shard
         p.ds_active_sub_modules = set()
         p.ds_status, p.ds_id = ZeroParamStatus.NOT_AVAILABLE, f.name
+        # What DeepSpeed's parameters say of themselves: the full (flat) shape, and
+        # this rank's partition (the tensor-fragment API's local piece).
+        p.ds_shape, p.ds_numel, p.ds_tensor = torch.Size([f.numel]), f.numel, p
+        p._zeropp_optimizer = weakref.ref(opt) if opt is not None else None
     module.ds_external_parameters = lambda: []
 
 
@@ -193,12 +236,8 @@ def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any) -> li
             if id(p) in seen:
                 raise ValueError("zeropp.initialize: a parameter appears in two param groups")
             seen.add(id(p))
-    names = {id(p): n for n, p in model.named_parameters()}
-    left = [names[id(p)] for p in model.parameters() if p.requires_grad and id(p) not in seen]
-    if left:
-        raise ValueError(f"zeropp.initialize: {len(left)} trainable parameters are in no param "
-                         f"group (e.g. {left[0]!r}); freeze them (requires_grad=False) or pass "
-                         "them in model_parameters")
+    # Trainable parameters in no group are accepted, as DeepSpeed accepts them: their
+    # gradients are reduced, and no optimizer steps them.
     return groups
 
 
@@ -215,7 +254,13 @@ def _shard_groups(module: nn.Module, groups: list[dict]) -> list[dict]:
 
 def _optimizer(module: nn.Module, groups: list[dict], client: Any,
                ds: ds_config.DSConfig) -> Optional[torch.optim.Optimizer]:
-    sgroups = _shard_groups(module, groups)
+    return _optimizer_over(_shard_groups(module, groups), client, ds)
+
+
+def _optimizer_over(sgroups: list[dict], client: Any,
+                    ds: ds_config.DSConfig) -> Optional[torch.optim.Optimizer]:
+    """The optimizer over these groups of master shards: the client's, rebuilt, or
+    the config's."""
     if client is not None:
         if ds.optimizer is not None:
             warnings.warn("zeropp.initialize: the config's optimizer section is ignored: a "

@@ -29,12 +29,12 @@ from ..config import Config, _is_int, _load_ds
 KNOWN = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
          "optimizer", "scheduler", "gradient_clipping", "fp16", "bf16", "bfloat16",
          "steps_per_print", "zero_optimization", "zeropp", "dataloader_drop_last",
-         "zero_allow_untested_optimizer"}
+         "zero_allow_untested_optimizer", "managed_gradient_accumulation", "checkpoint"}
 # DeepSpeed keys that change nothing here (logging, timers, kernels zeropp does not use).
 IGNORED = {"wall_clock_breakdown", "memory_breakdown", "prescale_gradients",
            "gradient_predivide_factor", "communication_data_type", "flops_profiler",
            "tensorboard", "wandb", "csv_monitor", "comms_logger", "log_level", "activation_checkpointing",
-           "checkpoint", "dump_state", "seed"}
+           "dump_state", "seed"}
 ZERO_IGNORED = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size",
                 "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                 "stage3_max_live_parameters", "stage3_max_reuse_distance",
@@ -42,7 +42,8 @@ ZERO_IGNORED = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size",
                 "sub_group_size", "allgather_bucket_size", "round_robin_gradients",
                 "zero_quantized_nontrainable_weights_bits", "allgather_partitions",
                 "reduce_scatter", "cpu_offload", "load_from_fp32_weights",
-                "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1"}
+                "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1",
+                "mics_shard_size", "mics_hierarchical_params_gather"}
 OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 # Sections that turn on a DeepSpeed feature zeropp does not have: present (pipeline,
 # moe), a size above 1 (tensor / sequence parallelism), or "enabled": true (the rest,
@@ -58,6 +59,13 @@ FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_
              "fp16_master_weights_and_grads"}
 BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow",
              "bf16_master_weights_and_grads", "bf16_optimizer_states"}
+
+
+class DeepSpeedConfigError(ValueError):
+    """A DeepSpeed config zeropp cannot run (DeepSpeed's name for it); a ValueError."""
+
+
+TAG_VALIDATION = ("warn", "fail", "ignore")
 
 
 @dataclass
@@ -85,6 +93,8 @@ class DSConfig:
     skip_non_finite: bool = True            # bf16.check_grad_overflow (and always for fp16)
     steps_per_print: Optional[int] = None
     drop_last: bool = False
+    managed_accumulation: bool = True       # False: every step() is a boundary (the caller's)
+    tag_validation: str = "warn"            # checkpoint.tag_validation, lower case
     raw: dict = field(default_factory=dict)
 
 
@@ -178,6 +188,11 @@ def _fp16(sec: Optional[dict]) -> Optional[LossScaling]:
 def _refuse_unsupported(ds: dict) -> None:
     """DeepSpeed features zeropp does not have: one line naming the key."""
     zo = ds.get("zero_optimization")
+    if isinstance(zo, dict) and zo.get("mics_shard_size", -1) not in (-1, 0, None):
+        raise ValueError(f"DeepSpeed config: zero_optimization.mics_shard_size="
+                         f"{zo['mics_shard_size']!r} is not supported (MiCS is not part of "
+                         "zeropp; its hierarchical gather and hpZ cover the same ground); "
+                         "allowed: -1")
     if isinstance(zo, dict) and zo.get("cpu_offload") not in (None, False):
         raise ValueError("DeepSpeed config: zero_optimization.cpu_offload=true is not supported "
                          "(zeropp has no ZeRO-Offload); allowed: false")
@@ -323,6 +338,13 @@ def parse(config: Any, world: int) -> DSConfig:
         skip = bf16["check_grad_overflow"]
         if not isinstance(skip, bool):
             raise _err("bf16.check_grad_overflow", skip, "true or false")
+    managed = ds.get("managed_gradient_accumulation", True)
+    if not isinstance(managed, bool):
+        raise _err("managed_gradient_accumulation", managed, "true or false")
+    ck = _section(ds, "checkpoint") or {}
+    tag = ck.get("tag_validation", "Warn")
+    if not (isinstance(tag, str) and tag.lower() in TAG_VALIDATION):
+        raise _err("checkpoint.tag_validation", tag, "Warn, Fail or Ignore")
     if unknown:
         warnings.warn("zeropp.initialize: unknown DeepSpeed config keys, ignored: "
                       + ", ".join(unknown), stacklevel=3)
@@ -331,4 +353,5 @@ def parse(config: Any, world: int) -> DSConfig:
                     scheduler=_typed("scheduler", _section(ds, "scheduler")),
                     gradient_clipping=float(clip), fp16=_fp16(fp16),
                     bf16=bool(bf16 and bf16.get("enabled")), skip_non_finite=skip,
-                    steps_per_print=spp, drop_last=drop, raw=ds)
+                    steps_per_print=spp, drop_last=drop, managed_accumulation=managed,
+                    tag_validation=tag.lower(), raw=ds)

@@ -29,10 +29,16 @@ from torch import nn
 
 from ..checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from ..checkpoint_files import CheckpointError
-from ..guards import agree
+from ..guards import agree, all_gather_bytes
 from ..optim import clip_grad_norm_
 from ..shard import get_state
 from .config import DSConfig, LossScaling
+
+
+class EngineAssertionError(ValueError, AssertionError):
+    """A misuse DeepSpeed reports with an assert (a non-scalar loss to scale, ranks
+    saving under different checkpoint tags): a ValueError, and an AssertionError for
+    code written against DeepSpeed."""
 
 
 class LossScaler:
@@ -102,6 +108,9 @@ class DeepSpeedEngine(nn.Module):
         self._step_applied = False
         self._global_grad_norm: Optional[float] = None
         self._boundary: Optional[bool] = None
+        self._scaled = False  # a loss went through scale() and awaits its backward
+        if optimizer is not None:  # DeepSpeed's optimizers say whether they need scale()
+            optimizer.needs_scaler = lambda: self.loss_scaler is not None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -110,7 +119,11 @@ class DeepSpeedEngine(nn.Module):
             return getattr(self.module, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if (self.loss_scaler is not None and isinstance(out, torch.Tensor)
+                and out.numel() == 1 and out.requires_grad):
+            out.register_hook(self._check_scaled)
+        return out
 
     # ---- the config's numbers ----------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -198,6 +211,8 @@ class DeepSpeedEngine(nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary is not None:
             return self._boundary
+        if not self._config.managed_accumulation:  # the caller's step() is the boundary
+            return True
         return (self.micro_steps + 1) % self._config.grad_accum == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -208,6 +223,17 @@ class DeepSpeedEngine(nn.Module):
             raise RuntimeError(f"zeropp engine.{what}(): no optimizer; pass one to "
                                "zeropp.initialize or add an \"optimizer\" section to the config")
 
+    def scale(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """The loss as `backward` differentiates it: divided by
+        gradient_accumulation_steps, times the fp16 loss scale; for a backward the
+        caller runs (`engine.scale(loss).backward()`)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise EngineAssertionError("zeropp engine.scale(loss): loss must be a scalar tensor")
+        if scale_wrt_gas and self._config.grad_accum > 1:
+            loss = loss / self._config.grad_accum
+        self._scaled = True
+        return loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of `loss` / gradient_accumulation_steps (times the fp16 loss
@@ -215,11 +241,18 @@ class DeepSpeedEngine(nn.Module):
         self._need_optimizer("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("zeropp engine.backward(loss): loss must be a scalar tensor")
-        if scale_wrt_gas and self._config.grad_accum > 1:
-            loss = loss / self._config.grad_accum
-        scaled = loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
-        scaled.backward(retain_graph=retain_graph)
-        return loss
+        self.scale(loss, scale_wrt_gas).backward(retain_graph=retain_graph)
+        return loss / self._config.grad_accum if scale_wrt_gas and self._config.grad_accum > 1 \
+            else loss
+
+    def _check_scaled(self, grad: torch.Tensor) -> None:
+        """Hook on a loss the engine's forward returned under fp16: its backward must
+        go through `backward` or `scale` (an unscaled fp16 gradient underflows)."""
+        if not self._scaled:
+            raise RuntimeError("zeropp engine: Loss scaling is required with fp16: call "
+                               "engine.backward(loss) or engine.scale(loss).backward(), not "
+                               "loss.backward()")
+        self._scaled = False
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """Count a micro-step; at an accumulation boundary, update (see the module
@@ -260,6 +293,8 @@ class DeepSpeedEngine(nn.Module):
             self.loss_scaler.update(overflow)
         self.optimizer.overflow = overflow  # DeepSpeed's optimizers say so (accelerate reads it)
         self.optimizer.zero_grad(set_to_none=True)
+        for p in self.module.parameters():  # trainable ones in no param group too
+            p.grad = None
         self._global_grad_norm = norm
         self._step_applied = not overflow
         spp = self._config.steps_per_print
@@ -305,7 +340,7 @@ class DeepSpeedEngine(nn.Module):
         as DeepSpeed ZeRO-3 keeps it, returned to that rank by load_checkpoint."""
         if not save_dir:
             raise ValueError("zeropp engine.save_checkpoint: save_dir is empty")
-        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        tag = self._agreed_tag(str(tag if tag is not None else f"global_step{self.global_steps}"))
         client_state = dict(client_state or {})
         extras: dict[str, Any] = {
             "ds_engine": {"global_steps": self.global_steps, "global_samples": self.global_samples,
@@ -328,6 +363,21 @@ class DeepSpeedEngine(nn.Module):
                     err = f"writing {Path(save_dir) / 'latest'}: {e}"
             agree(err, CheckpointError)  # every rank raises it, none waits forever
         return True
+
+    def _agreed_tag(self, tag: str) -> str:
+        """Collective: the tag every rank saves under. Ranks passing different tags is
+        `checkpoint.tag_validation`'s case: Fail raises on every rank, Warn warns, and
+        both Warn and Ignore save under rank 0's tag (a checkpoint is one directory)."""
+        tags = [t.decode() for t in all_gather_bytes(tag.encode())]
+        if len(set(tags)) == 1:
+            return tag
+        msg = ("zeropp engine.save_checkpoint: the ranks pass different tags ("
+               + ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags)) + ")")
+        if self._config.tag_validation == "fail":
+            raise EngineAssertionError(msg + "; checkpoint.tag_validation is Fail")
+        if self._config.tag_validation == "warn":
+            warnings.warn(msg + f"; saving under rank 0's, {tags[0]!r}", stacklevel=3)
+        return tags[0]
 
     def load_checkpoint(self, load_dir: os.PathLike, tag: Any = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,

@@ -9,6 +9,9 @@ DeepSpeed does for non-ZeRO parameters. `Init()` is `zeropp.deferred_init()`
 (a model built inside is materialized one unit at a time when it is sharded).
 `ZeroParamStatus`: DeepSpeed's enum of a ZeRO-3 parameter's state; zeropp's
 module attributes carry `ds_status` (AVAILABLE while their unit is gathered).
+`unwrap_model_for_generation(engine)`: every unit gathered for the duration
+(`zeropp.gathered`); zeropp's hooks do no collective then, so none is removed.
+`MiCS_Init` is refused: MiCS is not part of zeropp.
 """
 
 from __future__ import annotations
@@ -91,8 +94,28 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     if not enabled or _caller_package() == "transformers":
         yield
         return
+    if not torch.distributed.is_initialized():  # as DeepSpeed's Init does
+        from .compat import init_distributed
+        init_distributed()
     with deferred_init():
         yield
+
+
+def MiCS_Init(*args: Any, **kwargs: Any) -> Any:
+    """DeepSpeed's MiCS partitioning: not part of zeropp (refused in one line)."""
+    from ..guards import one_line
+    raise one_line(NotImplementedError(
+        "zeropp: deepspeed.zero.MiCS_Init (MiCS) is not supported; use deepspeed.zero.Init, "
+        "and zero_hpz_partition_size for a node-local secondary partition"))
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
+    """The model with every unit gathered for the duration (one gather per unit, not
+    one per token); `model`: an engine or a sharded module. Call it on every rank."""
+    module = getattr(model, "module", model)
+    with gathered(module):
+        yield model
 
 
 def register_external_parameter(module: Any, parameter: Any) -> None:

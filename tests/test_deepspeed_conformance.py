@@ -1,0 +1,296 @@
+"""DeepSpeed's public ZeRO-3 API as its own unit tests use it (issue 42): the
+tensor-fragment API, `zero_to_fp32` over zeropp checkpoints, the leaf-module
+flags, `init_distributed(init_method, rank, world_size)`, checkpoint tag
+validation, the user-driven backward (`engine.scale`, `needs_scaler`,
+`managed_gradient_accumulation`), a second `initialize` of one model, param
+groups that leave trainable parameters out, and the one-line refusals (MiCS).
+Worlds of 2 ranks; the model is cases.py's FrozenMLP (frozen layers included)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import batch, build, loss_of
+from torch import nn
+
+import zeropp
+from zeropp.deepspeed import utils as ds_utils
+from zeropp.deepspeed import zero_to_fp32
+from zeropp.launch import spawn
+from zeropp.units import unit_modules
+
+
+def _config(**extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3}, **extra}
+
+
+def _step(engine, k: int) -> torch.Tensor:
+    x, y = batch("mlp", k, 0, dist.get_world_size(), dist.get_rank())
+    loss = loss_of("mlp", engine, x, y)
+    engine.backward(loss)
+    return loss
+
+
+# ---- the tensor-fragment API ----------------------------------------------------------
+def _fragments() -> dict:
+    engine, _, _, _ = zeropp.initialize(model=build("mlp"), config=_config())
+    mlp = engine.module
+    out: dict = {}
+    full = zeropp.full_state_dict(mlp, all_ranks=True)
+    w = mlp.layers[0].weight
+    out["get_param"] = torch.equal(ds_utils.safe_get_full_fp32_param(w), full["layers.0.weight"])
+    out["frozen_is_none"] = (ds_utils.safe_get_full_fp32_param(mlp.layers[1].weight) is None
+                             and ds_utils.safe_get_full_grad(mlp.layers[1].weight) is None)
+    out["no_grad_before_backward"] = ds_utils.safe_get_full_grad(w) is None
+    _step(engine, 0)
+    # The full gradient of the master shard is every rank's local gradient, in rank order.
+    shard = next(p for p in mlp.parameters() if p.requires_grad)
+    g = ds_utils.safe_get_full_grad(shard)
+    pieces = [torch.empty_like(shard.grad) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, shard.grad)
+    out["grad_is_ranks_pieces"] = torch.equal(g, torch.cat(pieces)[:g.numel()])
+    out["ds_shape"] = tuple(shard.ds_shape) == tuple(g.shape) and shard.ds_numel == g.numel()
+    value = torch.arange(w.numel(), dtype=torch.float32).view(w.shape) / 7
+    ds_utils.safe_set_full_grad(w, value)
+    out["set_grad"] = torch.equal(ds_utils.safe_get_full_grad(w), value)
+    ds_utils.safe_update_full_grad_vectorized([w], lambda old, p: old * 0 + 5)
+    out["update_grad"] = ds_utils.safe_get_full_grad(w).eq(5).all().item()
+    engine.step()
+    ds_utils.safe_set_full_fp32_param(w, value)
+    out["set_param"] = torch.equal(ds_utils.safe_get_full_fp32_param(w), value)
+    with zeropp.zero.GatheredParameters(w):
+        out["forward_sees_set_param"] = torch.equal(mlp.layers[0].weight, value)
+    avg = ds_utils.safe_get_full_optimizer_state(w, "exp_avg")
+    ds_utils.safe_set_full_optimizer_state(w, value * 3, "exp_avg")
+    out["optimizer_state"] = (avg is not None and avg.shape == w.shape and torch.equal(
+        ds_utils.safe_get_full_optimizer_state(w, "exp_avg"), value * 3))
+    local = ds_utils.safe_get_local_fp32_param(shard)
+    ds_utils.safe_set_local_fp32_param(shard, local + 1)
+    out["local"] = torch.equal(ds_utils.safe_get_local_fp32_param(shard), local + 1)
+    return out
+
+
+def test_tensor_fragment_api_reads_and_writes_full_and_local_values_at_w2():
+    for r in spawn(_fragments, 2, timeout=180):
+        assert r == {k: True for k in r}, r
+
+
+# ---- zero_to_fp32, tag validation, a second initialize ---------------------------------
+def _checkpoints(tmp: str) -> dict:
+    rank = dist.get_rank()
+    engine, _, _, _ = zeropp.initialize(model=build("gpt"), config=_config(
+        checkpoint={"tag_validation": "Fail"}))
+    out: dict = {}
+    _step_gpt(engine)
+    engine.step()
+    engine.save_checkpoint(tmp)
+    full = zeropp.full_state_dict(engine.module, all_ranks=True)
+    sd = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(tmp)
+    out["zero_to_fp32_bitwise"] = sorted(sd) == sorted(full) and all(
+        torch.equal(sd[k], full[k]) for k in full)
+    out["tied_once"] = sd["lm_head.weight"] is sd["wte.weight"]
+    if rank == 0:
+        zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(tmp, f"{tmp}/fp32")
+    dist.barrier()
+    plain = build("gpt")
+    plain.load_state_dict(torch.load(f"{tmp}/fp32/pytorch_model.bin"))
+    out["converted_loads"] = all(torch.equal(plain.state_dict()[k], full[k]) for k in full)
+    try:
+        engine.save_checkpoint(tmp, tag=f"tag-{rank}")
+        out["fail_tag"] = None
+    except AssertionError as e:
+        out["fail_tag"] = str(e)
+    # A second initialize of the same (sharded) model: a new engine over its shards.
+    again, _, _, _ = zeropp.initialize(model=engine.module, config=_config())
+    out["again_keeps_weights"] = all(
+        torch.equal(v, full[k]) for k, v in zeropp.full_state_dict(again.module,
+                                                                   all_ranks=True).items())
+    _step_gpt(again)
+    again.step()
+    out["again_steps"] = again.global_steps == 1
+    try:
+        zeropp.initialize(model=engine.module, config=_config(
+            zero_optimization={"stage": 3, "zero_quantized_weights": True}))
+        out["other_settings"] = None
+    except zeropp.DeepSpeedConfigError as e:
+        out["other_settings"] = str(e)
+    warn_engine, _, _, _ = zeropp.initialize(model=build("gpt"), config=_config())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_engine.save_checkpoint(tmp, tag=f"w-{rank}")
+    out["warn_tag"] = (os.path.isdir(f"{tmp}/w-0") and not os.path.exists(f"{tmp}/w-1")
+                       and any("different tags" in str(w.message) for w in caught))
+    return out
+
+
+def _step_gpt(engine) -> None:
+    x, y = batch("gpt", 0, 0, dist.get_world_size(), dist.get_rank())
+    engine.backward(loss_of("gpt", engine, x, y))
+
+
+def test_zero_to_fp32_tag_validation_and_a_second_initialize_at_w2(tmp_path):
+    res = spawn(_checkpoints, 2, args=(str(tmp_path),), timeout=240)
+    for r in res:
+        assert r["zero_to_fp32_bitwise"] and r["tied_once"] and r["converted_loads"]
+        assert "different tags" in r["fail_tag"] and "tag_validation is Fail" in r["fail_tag"]
+        assert r["again_keeps_weights"] and r["again_steps"]
+        assert "already sharded with other ZeRO settings" in r["other_settings"]
+        assert "quantized_weights: False -> True" in r["other_settings"]
+        assert r["warn_tag"]
+
+
+# ---- the user-driven backward, accumulation the caller manages, param groups -----------
+def _user_backward() -> dict:
+    out: dict = {}
+    cfg = _config(gradient_accumulation_steps=2)
+    a, _, _, _ = zeropp.initialize(model=build("mlp"), config=cfg)
+    b, _, _, _ = zeropp.initialize(model=build("mlp"), config=cfg)
+    x, y = batch("mlp", 0, 0, dist.get_world_size(), dist.get_rank())
+    a.backward(loss_of("mlp", a, x, y))
+    b.scale(loss_of("mlp", b, x, y)).backward()
+    out["scale_equals_backward"] = all(
+        torch.equal(p.grad, q.grad) for p, q in zip(a.module.parameters(), b.module.parameters())
+        if p.grad is not None)
+    out["needs_scaler_fp32"] = a.optimizer.needs_scaler() is False
+    try:
+        a.scale(torch.ones(3, requires_grad=True))
+        out["non_scalar"] = None
+    except AssertionError as e:
+        out["non_scalar"] = str(e)
+    un, _, _, _ = zeropp.initialize(model=build("mlp"), config=_config(
+        gradient_accumulation_steps=4, managed_gradient_accumulation=False))
+    applied = []
+    for k in range(3):
+        _step(un, k)
+        un.step()
+        applied.append(un.was_step_applied())
+    out["unmanaged_every_step"] = applied == [True, True, True] and un.global_steps == 3
+    # Param groups that leave a trainable parameter out: it is simply not stepped.
+    model = build("mlp")
+    groups = [{"params": [model.layers[0].weight, model.layers[0].bias]}]
+    part, _, _, _ = zeropp.initialize(model=model, model_parameters=groups, config=_config())
+    before = zeropp.full_state_dict(part.module, all_ranks=True)
+    _step(part, 0)
+    part.step()
+    after = zeropp.full_state_dict(part.module, all_ranks=True)
+    out["left_out_not_stepped"] = (torch.equal(before["layers.2.weight"], after["layers.2.weight"])
+                                   and not torch.equal(before["layers.0.weight"],
+                                                       after["layers.0.weight"]))
+    return out
+
+
+def test_user_backward_unmanaged_accumulation_and_partial_param_groups_at_w2():
+    for r in spawn(_user_backward, 2, timeout=180):
+        assert "scalar tensor" in r.pop("non_scalar")
+        assert r == {k: True for k in r}, r
+
+
+def _fp16_direct_backward() -> str:
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = build("mlp")
+
+        def forward(self, x, y):
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+    engine, _, _, _ = zeropp.initialize(model=Wrapped(), config=_config(
+        fp16={"enabled": True, "initial_scale_power": 8}))
+    x, y = batch("mlp", 0, 0, dist.get_world_size(), dist.get_rank())
+    loss = engine(x, y)
+    try:
+        loss.backward()
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_fp16_loss_backward_without_scale_is_refused_at_w2():
+    for msg in spawn(_fp16_direct_backward, 2, timeout=180):
+        assert "Loss scaling is required" in msg
+
+
+# ---- launch, accelerator, refusals ----------------------------------------------------
+def _init_file(tmp: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(k, None)
+    zeropp.init_distributed("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world)
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item()}
+
+
+def test_init_distributed_honours_init_method_rank_and_world_size(tmp_path):
+    res = spawn(_init_file, 2, args=(str(tmp_path),), timeout=120)
+    assert res == [{"rank": 0, "world": 2, "sum": 3.0}, {"rank": 1, "world": 2, "sum": 3.0}]
+
+
+def test_cpu_accelerator_device_count_reads_deepspeeds_local_size(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert zeropp.get_accelerator().device_count() == (
+        torch.cuda.device_count() if torch.cuda.is_available() else 4)
+
+
+def test_mics_is_refused_in_one_line():
+    from zeropp.deepspeed import config as ds_config
+    with pytest.raises(ValueError, match="mics_shard_size=2 is not supported"):
+        ds_config.parse(_config(zero_optimization={"stage": 3, "mics_shard_size": 2}), 2)
+    with pytest.raises(NotImplementedError, match="MiCS_Init"):
+        zeropp.zero.MiCS_Init()
+    with pytest.raises(ValueError, match="checkpoint.tag_validation='foo' is invalid"):
+        ds_config.parse(_config(checkpoint={"tag_validation": "foo"}), 2)
+
+
+def test_zero_init_initializes_torch_distributed_as_deepspeeds_does():
+    code = ("import torch.distributed as dist, zeropp\n"
+            "with zeropp.zero.Init():\n    pass\n"
+            "print(dist.is_initialized(), dist.get_world_size())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["MASTER_PORT"] = "0"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.stdout.split() == ["True", "1"], r.stderr[-2000:]
+
+
+# ---- leaf modules ----------------------------------------------------------------------
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+
+class _MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Experts(), _Experts()])
+
+
+def test_leaf_flags_by_class_name_and_suffix_and_a_leaf_is_one_unit():
+    model = _MoE()
+    assert len(unit_modules(model, None)) == 1 + 2 + 6  # root, blocks, experts
+    found = ds_utils.set_z3_leaf_modules(model, [f"{__name__}._Experts"])
+    assert found == [model.blocks[0], model.blocks[1]]
+    assert ds_utils.get_z3_leaf_modules(model) == found and ds_utils.z3_leaf_module(found[0])
+    # Each leaf is one unit; its experts are not units of their own.
+    assert list(unit_modules(model, None).values()) == ["", "blocks.0", "blocks.1"]
+    ds_utils.unset_z3_leaf_modules(model, [_Experts])
+    assert ds_utils.get_z3_leaf_modules(model) == []
+    mods, missing = ds_utils.set_z3_leaf_modules_by_name(model, ["blocks.1", "nope"],
+                                                         raise_if_not_found=False)
+    assert mods == [model.blocks[1]] and missing == ["nope"]
+    mods, missing = ds_utils.set_z3_leaf_modules_by_suffix(model, ["experts.2"])
+    assert len(mods) == 2 and missing == []
+    with pytest.raises(ValueError, match="No modules named"):
+        ds_utils.set_z3_leaf_modules_by_name(model, ["nope"])
