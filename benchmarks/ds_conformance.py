@@ -174,6 +174,11 @@ SITECUSTOMIZE = r'''
 import os, sys
 if os.environ.get("ZEROPP_DSCONF") == "1":
     import importlib.abc
+    # LOCAL_SIZE is for the pytest process (DistributedTest reads the device count there);
+    # in a worker, only DeepSpeed's _dist_run sets it (as its launcher would), so a serial
+    # test (set_dist_env = False) does not see 4 ranks per node in a world of 1.
+    if os.environ.get("ZEROPP_DSCONF_PYTEST_PID", str(os.getpid())) != str(os.getpid()):
+        os.environ.pop("LOCAL_SIZE", None)
 
     class _ZeroppAsDeepSpeed(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path=None, target=None):
@@ -316,6 +321,7 @@ def _w(**kw):
 
 
 def pytest_configure(config):
+    os.environ["ZEROPP_DSCONF_PYTEST_PID"] = str(os.getpid())
     try:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
