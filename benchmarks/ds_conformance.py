@@ -494,7 +494,10 @@ def run_file(a, tests: Path, harness: Path, rel: str, logdir: Path) -> dict:
         hung = [i for i in started if i not in finished]
         if hung:
             hangs.append(hung[-1])
-            events.append(dict(ev="hang", id=hung[-1], timed_out=timed_out, attempt=attempt))
+            ran = time.time() - next((e["t"] for e in evs if e["ev"] == "start"
+                                      and e["id"] == hung[-1]), time.time())
+            events.append(dict(ev="hang", id=hung[-1], timed_out=timed_out, attempt=attempt,
+                               cut=timed_out and ran < a.test_timeout))
         elif timed_out:  # killed before a test started (collection or startup hung)
             events.append(dict(ev="file_timeout", attempt=attempt))
             break
@@ -502,7 +505,8 @@ def run_file(a, tests: Path, harness: Path, rel: str, logdir: Path) -> dict:
         if not hung or not left:
             break
     events.append(dict(ev="file_done", wall=round(time.time() - start, 1)))
-    return {"file": rel, "events": events, "collected": collected}
+    return {"file": rel, "events": events, "collected": collected,
+            "test_timeout": a.test_timeout}
 
 
 # ---- classification ------------------------------------------------------------------------
@@ -613,11 +617,25 @@ def summarize(run: dict) -> dict:
             tests.setdefault(e["id"], {"phases": []})
         elif e["ev"] == "report":
             tests.setdefault(e["id"], {"phases": []})["phases"].append(e)
-    hangs = [e["id"] for e in evs if e["ev"] == "hang"]
+    # A test still running when the per-file timeout struck, for less than DeepSpeed's own
+    # hang limit (DS_UNITTEST_TIMEOUT), was cut off, not hung: it counts as not run.
+    limit = run.get("test_timeout", 240)
+    starts = {(e["id"], e.get("attempt")): e.get("t", 0) for e in evs if e["ev"] == "start"}
+    t_end = {}
+    for e in evs:
+        if "t" in e:
+            t_end[e.get("attempt")] = max(t_end.get(e.get("attempt"), 0), e["t"])
+    cut = {e["id"] for e in evs if e["ev"] == "hang" and e.get("timed_out")
+           and e.get("cut", (run.get("killed_at", {}).get(str(e["attempt"]),
+                                                          t_end.get(e["attempt"], 0))
+                             - starts.get((e["id"], e["attempt"]), 0)) < limit)}
+    hangs = [e["id"] for e in evs if e["ev"] == "hang" and e["id"] not in cut]
     collect_errors = [e for e in evs if e["ev"] == "collect_error"]
     stubbed = sorted({ln.split(" ", 1)[1].split("[")[0] for e in evs if e["ev"] == "stubs"
                       for ln in e["lines"] if ln.startswith(("name ", "module "))
                       and "_pytest" not in ln}, key=len, reverse=True)
+    for tid in cut:
+        tests.pop(tid, None)
     for tid, t in tests.items():
         if tid in hangs:
             res[tid] = {"cat": "hang", "line": "no result within the timeout; killed"}
