@@ -155,6 +155,8 @@ CUDA_FAIL = [
     # unit/common.py's reduce_boolean_flags puts a tensor on current_device(): DeepSpeed's
     # own CPU accelerator answers LOCAL_RANK there, which torch refuses as a device too.
     r"Cannot access accelerator device when none is available|Invalid device string: '\d+'",
+    # a DDP baseline built with device_ids=[rank]: GPU modules only
+    r"DistributedDataParallel device_ids and output_device arguments only work with",
 ]
 
 # A whole file fails to import: the missing module or name.
@@ -556,9 +558,9 @@ def classify_failure(text: str, crash: str) -> tuple[str, str]:
     may have nothing to do with)."""
     hay = "\n".join((crash, remote_lines(text), last_line(text)))
     m = re.search(r"harness stub: (\S+) is not in zeropp", hay)
-    if not m and "zeropp_dsconf_stub" in hay:  # an old run: stubs did not pickle
+    if not m and ("zeropp_dsconf_stub" in hay or "_StubMeta" in hay):  # a stub used as a value
         return "stub", "(a stubbed value in the test's parameters: " + \
-            (re.findall(r"zeropp_dsconf_stubs?\.(\w+)", hay) or ["?"])[0] + ")"
+            (re.findall(r"zeropp_dsconf_stubs?\.(\w+)", hay) or ["a value"])[0] + ")"
     if m:
         name = m.group(1)
         m2, reason = first_match(INTERNAL, name)
