@@ -418,6 +418,15 @@ def ds_commit(src: str) -> str:
         return "?"
 
 
+_CHILD: list = [None]  # the pytest now running (its own session): ended with the driver
+
+
+def _on_term(signum, frame):
+    if _CHILD[0] is not None:
+        kill_group(_CHILD[0])
+    sys.exit(128 + signum)
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -476,6 +485,7 @@ def run_file(a, tests: Path, harness: Path, rel: str, logdir: Path) -> dict:
         with open(logdir / f"{stem}.{attempt}.log", "w") as log:
             proc = subprocess.Popen(cmd, cwd=tests, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+            _CHILD[0] = proc
             timed_out = False
             try:
                 proc.wait(timeout=budget)
@@ -836,6 +846,8 @@ def main(argv=None) -> int:
                     help="probe: stub every DeepSpeed name the alias lacks (not the result)")
     a = ap.parse_args(argv)
 
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGINT, _on_term)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="ds_conformance_"))
     work.mkdir(parents=True, exist_ok=True)
     harness = work / "harness"
