@@ -294,3 +294,21 @@ def test_leaf_flags_by_class_name_and_suffix_and_a_leaf_is_one_unit():
     assert len(mods) == 2 and missing == []
     with pytest.raises(ValueError, match="No modules named"):
         ds_utils.set_z3_leaf_modules_by_name(model, ["nope"])
+
+
+# ---- initialize inside an open zero.Init() --------------------------------------------
+def _initialize_inside_init() -> dict:
+    whole = build("gpt").state_dict()
+    with zeropp.zero.Init():
+        engine, _, _, _ = zeropp.initialize(model=build("gpt"), config=_config())
+        before = zeropp.full_state_dict(engine.module, all_ranks=True)
+        _step_gpt(engine)  # the engine trains inside the context too
+        engine.step()
+    after = zeropp.full_state_dict(engine.module, all_ranks=True)
+    return {"built_as_whole": all(torch.equal(before[k], whole[k]) for k in whole),
+            "stepped": not torch.equal(after["h.0.mlp.fc.weight"], whole["h.0.mlp.fc.weight"])}
+
+
+def test_initialize_inside_an_open_zero_init_materializes_the_build_so_far_at_w2():
+    for r in spawn(_initialize_inside_init, 2, timeout=180):
+        assert r == {"built_as_whole": True, "stepped": True}

@@ -31,6 +31,13 @@ def _loss(model, step: int = 0) -> float:
         return loss_of("gpt", model, x, y).item()
 
 
+def _loss_of_twin(name: str, preset: str, sd: dict) -> float:
+    """The loss of a fresh model loaded with `sd` before sharding."""
+    twin = build(name)
+    twin.load_state_dict(sd)
+    return _loss(zeropp.shard(twin, named(preset, 2, collective_timeout=60)))
+
+
 def _train_step(model, opt, step: int) -> None:
     x, y = batch("gpt", step, 0, dist.get_world_size(), dist.get_rank())
     loss_of("gpt", model, x, y).backward()
@@ -63,10 +70,7 @@ def _shard_semantics(name: str, preset: str) -> dict:
     model.load_state_dict(loaded)
     out["load_all_ranks"] = _equal(zeropp.full_state_dict(model, all_ranks=True), loaded)
     if name == "gpt":
-        twin = build(name)
-        twin.load_state_dict(loaded)
-        twin = zeropp.shard(twin, named(preset, 2))
-        out["loss_after_load"] = (_loss(model), _loss(twin))
+        out["loss_after_load"] = (_loss(model), _loss_of_twin(name, preset, loaded))
     # Rank 0 alone loads inside GatheredParameters(modifier_rank=0).
     loaded2 = {k: v * 2 if v.is_floating_point() else v for k, v in reference.items()}
     with zeropp.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
@@ -74,18 +78,13 @@ def _shard_semantics(name: str, preset: str) -> dict:
             model.load_state_dict(loaded2)
     out["load_rank0"] = _equal(zeropp.full_state_dict(model, all_ranks=True), loaded2)
     if name == "gpt":
-        twin = build(name)
-        twin.load_state_dict(loaded2)
-        twin = zeropp.shard(twin, named(preset, 2))
-        out["loss_after_rank0_load"] = (_loss(model), _loss(twin))
+        out["loss_after_rank0_load"] = (_loss(model), _loss_of_twin(name, preset, loaded2))
         # One small parameter, on the ranks whose shards hold it: every rank still
         # refreshes that unit's copies (else routes would differ across ranks).
         partial = {"ln_f.weight": torch.full((32,), 0.5)}
         model.load_state_dict(partial, strict=False)
-        twin = build(name)
-        twin.load_state_dict({**loaded2, **partial})
-        twin = zeropp.shard(twin, named(preset, 2, collective_timeout=60))
-        out["loss_after_partial_load"] = (_loss(model), _loss(twin))
+        out["loss_after_partial_load"] = (_loss(model),
+                                          _loss_of_twin(name, preset, {**loaded2, **partial}))
         loaded2.update(partial)
     # A wrong key on rank 0: every rank raises; the others name rank 0 in one line.
     try:

@@ -204,19 +204,58 @@ def deferred_init() -> Iterator[None]:
     values: do not run it. Buffers and tensors that are not parameters are built
     as usual."""
     rec = _Recorder()
-    handle = register_module_parameter_registration_hook(rec.register)
+    rec.handle = register_module_parameter_registration_hook(rec.register)
+    _OPEN.append(rec)
     try:
         with _recording(rec):
             yield
     finally:
-        handle.remove()
+        _OPEN.remove(rec)
+        rec.handle.remove()
         _close(rec)
+
+
+_OPEN: list = []  # the recorders of the deferred_init() contexts open now, innermost last
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Run the body as if no deferred_init() context were open: `shard` (or
+    DeepSpeed's `initialize`) called inside `with zero.Init():` materializes the
+    model as built so far, and its own tensors and parameters are not recorded."""
+    if not _OPEN:
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+    for rec in _OPEN:
+        _snapshot(rec)
+        rec.handle.remove()
+    patched = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name, fn in _OPEN[0].originals.items():  # the outermost context saved torch's own
+        setattr(nn.init, name, fn)
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        for name, fn in patched.items():
+            setattr(nn.init, name, fn)
+        for rec in _OPEN:
+            rec.handle = register_module_parameter_registration_hook(rec.register)
+
+
+def _snapshot(rec: _Recorder) -> None:
+    """The build so far is the build: versions as they are now (as at the close)."""
+    for ref in rec.by_ptr.values():
+        p = ref()
+        if is_deferred(p):
+            _record(p).version = p._version
 
 
 @contextlib.contextmanager
 def _recording(rec: _Recorder) -> Iterator[None]:
     release_freed_host_memory()  # freed scratch chunks must not be reused as parameters
     originals = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    rec.originals = originals
     try:
         for name, fn in originals.items():
             setattr(nn.init, name, rec.init_function(fn))
@@ -231,10 +270,7 @@ def _close(rec: _Recorder) -> None:
     """The build is over: from now on a parameter's version must not move, and a
     module that runs with a parameter still unwritten is refused."""
     global _guard
-    for ref in rec.by_ptr.values():
-        p = ref()
-        if is_deferred(p):
-            _record(p).version = p._version
+    _snapshot(rec)
     if _DEFERRED and _guard is None:
         _guard = register_module_forward_pre_hook(_refuse_unmaterialized)
 

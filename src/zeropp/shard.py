@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import Comm
 from .config import Config
-from .deferred import defer_meta
+from .deferred import defer_meta, paused
 from .flat_param import FlatParam
 from .guards import check_same_model, forget_parameters
 from .memory import GatherMeter, mmap_threshold_for, release_freed_host_memory
@@ -378,6 +378,12 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     deferred.defer_meta) is materialized here, one unit at a time: no rank ever
     holds more than one unit's full weights.
     """
+    with paused():  # called inside an open deferred_init() / zero.Init(): nothing recorded
+        return _shard(model, cfg, unit_types, param_groups, sync_module_states)
+
+
+def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
+           param_groups: Optional[list], sync_module_states: bool) -> nn.Module:
     cfg = cfg if cfg is not None else Config()
     if not isinstance(cfg, Config):
         raise TypeError(f"zeropp.shard: cfg must be a zeropp.Config, got {type(cfg).__name__}")

@@ -48,7 +48,8 @@ NAMES = {
     "deepspeed.utils.tensor_fragment": "zeropp.deepspeed.tensor_fragment",
 }
 
-# DeepSpeed features zeropp leaves out, for the refusal's message.
+# DeepSpeed features zeropp leaves out, for the refusal's message (the few names of
+# them that scripts import at module level are importable: absent.py).
 NOT_HERE = {
     "deepspeed.moe": "Mixture-of-Experts",  # but for the two names in _namespaces
     "deepspeed.pipe": "pipeline parallelism",
@@ -57,7 +58,6 @@ NOT_HERE = {
     "deepspeed.ops": "DeepSpeed's compiled ops (use torch.optim)",
     "deepspeed.compression": "model compression",
     "deepspeed.sequence": "sequence parallelism (Ulysses)",
-    "deepspeed.runtime.zero.offload_config": "ZeRO-Offload",
 }
 
 # Libraries whose DeepSpeed detection is fixed when they are imported.
@@ -175,7 +175,7 @@ def _namespaces() -> dict[str, types.ModuleType]:
     """DeepSpeed's package levels and the names the libraries import from them."""
     import torch
 
-    from . import accelerator, engine, lr_schedules, zero
+    from . import absent, accelerator, engine, lr_schedules, zero
     from .config import DeepSpeedConfigError
     top = importlib.import_module("zeropp.deepspeed")
     public = {k: getattr(top, k) for k in top.__all__}
@@ -212,6 +212,9 @@ def _namespaces() -> dict[str, types.ModuleType]:
         "deepspeed.moe.layer": _package("deepspeed.moe.layer",
                                         MoE=_not_here("deepspeed.moe.layer.MoE",
                                                       "Mixture-of-Experts")),
+        # Importable, refused when used (absent.py): pipeline classes, op builders,
+        # DeepSpeed's optimizer types, offload enums, version info.
+        **absent.namespaces(_package, DEEPSPEED_VERSION),
     }
 
 

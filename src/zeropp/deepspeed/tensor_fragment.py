@@ -69,12 +69,18 @@ def _local_range(f: FlatParam, i: Optional[int]) -> tuple[int, int]:
     return (a - lo, b - lo) if a < b else (0, 0)
 
 
-def _write_full(f: FlatParam, i: Optional[int], shard: torch.Tensor, value: torch.Tensor) -> None:
-    """This rank's slice of the full `value` into the shard-sized `shard`."""
+def _full_span(f: FlatParam, i: Optional[int], value: torch.Tensor) -> tuple[int, int]:
+    """(offset, numel) of the parameter, checking that `value` is its full size."""
     off, n, shape = _span(f, i)
     if value.numel() != n:
         raise ValueError(f"deepspeed.utils: a value of shape {tuple(value.shape)} for a "
                          f"parameter of shape {tuple(shape)}")
+    return off, n
+
+
+def _write_full(f: FlatParam, i: Optional[int], shard: torch.Tensor, value: torch.Tensor) -> None:
+    """This rank's slice of the full `value` into the shard-sized `shard`."""
+    off, n = _full_span(f, i, value)
     lo = f.rank * f.shard_numel
     a, b = max(lo, off), min(lo + f.shard_numel, off + n)
     if a < b:
@@ -90,6 +96,14 @@ def _optimizer_state(f: FlatParam, key: str) -> Optional[torch.Tensor]:
                          "optimizer from deepspeed.initialize (zeropp.initialize)")
     state = opt.state.get(f.primary_shard, {}).get(key)
     return state if isinstance(state, torch.Tensor) and state.dim() == 1 else None
+
+
+def _settable_state(f: FlatParam, key: str) -> torch.Tensor:
+    state = _optimizer_state(f, key) if f.trainable else None
+    if state is None:
+        raise ValueError(f"deepspeed.utils: no optimizer state {key!r} for this parameter "
+                         "(frozen, or before the first step)")
+    return state
 
 
 def _grad(f: FlatParam, create: bool = False) -> Optional[torch.Tensor]:
@@ -128,11 +142,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the parameter's fp32 master value to the full `value` (the same on
     every rank; call it on every rank)."""
     f, i = _locate(param)
-    off, n, shape = _span(f, i)
-    if value.numel() != n:
-        raise ValueError(f"deepspeed.utils.safe_set_full_fp32_param: a value of shape "
-                         f"{tuple(value.shape)} for a parameter of shape {tuple(shape)}")
-    f.write_range(off, value)
+    f.write_range(_full_span(f, i, value)[0], value)
     f.weights.invalidate()
 
 
@@ -147,11 +157,7 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor,
                                   optim_state_key: str) -> None:
     """Set the parameter's optimizer state `optim_state_key` to the full `value`."""
     f, i = _locate(param)
-    state = _optimizer_state(f, optim_state_key) if f.trainable else None
-    if state is None:
-        raise ValueError(f"deepspeed.utils.safe_set_full_optimizer_state: no optimizer state "
-                         f"{optim_state_key!r} for this parameter (before the first step?)")
-    _write_full(f, i, state, value)
+    _write_full(f, i, _settable_state(f, optim_state_key), value)
 
 
 def safe_update_full_grad_vectorized(param_list: list, update_func: Callable) -> None:
@@ -217,8 +223,4 @@ def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor,
                                    optim_state_key: str) -> None:
     f, i = _locate(param)
-    state = _optimizer_state(f, optim_state_key) if f.trainable else None
-    if state is None:
-        raise ValueError(f"deepspeed.utils.safe_set_local_optimizer_state: no optimizer state "
-                         f"{optim_state_key!r} for this parameter (before the first step?)")
-    _set_local(f, i, state, value)
+    _set_local(f, i, _settable_state(f, optim_state_key), value)
