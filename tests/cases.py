@@ -1,10 +1,13 @@
 """Models, data and the training loop shared by the tests: the distributed run
 (inside spawned workers) and the single-process reference run the same code.
-Also the in-process check of the CLI's one-line errors."""
+Also the in-process check of the CLI's one-line errors, and what is left of a
+launcher's process group."""
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -157,3 +160,18 @@ def failed_run(out: str, err: str, keep: int = 3000) -> str:
     crash = text.find("Fatal Python error")
     head = f"{text[crash:crash + keep]}\n[...]\n" if 0 <= crash < len(text) - keep else ""
     return head + text[-keep:]
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group: what is left of the world
+    of a launcher started with start_new_session=True."""
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(pid))
+    return alive

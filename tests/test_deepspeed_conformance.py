@@ -312,3 +312,37 @@ def _initialize_inside_init() -> dict:
 def test_initialize_inside_an_open_zero_init_materializes_the_build_so_far_at_w2():
     for r in spawn(_initialize_inside_init, 2, timeout=180):
         assert r == {"built_as_whole": True, "stepped": True}
+
+
+def _tagged_under_init() -> tuple:
+    from zeropp.deferred import materialize
+    with zeropp.zero.Init(), zeropp.zero.Init():  # nested, as DeepSpeed's tests build
+        layer = nn.Linear(4, 3)
+    w = layer.weight
+    return (type(w.ds_id).__name__, w.ds_status.name, tuple(w.ds_shape), w.ds_numel,
+            tuple(materialize(w).shape))  # still the deferred build, values on demand
+
+
+def test_parameters_built_under_zero_init_carry_deepspeeds_zero3_attributes():
+    # In a worker (a process group exists): Init would start one in the test process.
+    assert spawn(_tagged_under_init, 1, timeout=120) == [
+        ("int", "NOT_AVAILABLE", (3, 4), 12, (3, 4))]
+
+
+def _gather_before_initialize() -> dict:
+    torch.manual_seed(3)
+    whole = nn.Linear(4, 2).weight.detach().clone()
+    torch.manual_seed(3)
+    with zeropp.zero.Init():
+        layer = nn.Linear(4, 2)
+    with zeropp.zero.GatheredParameters(layer.weight, modifier_rank=1):
+        inside = (layer.weight.ds_status.name, torch.equal(layer.weight, whole))
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                layer.weight.zero_()
+    return {"inside": inside, "after_edit": layer.weight.eq(0).all().item()}
+
+
+def test_gathered_parameters_before_initialize_has_the_build_and_modifier_edits_reach_all():
+    for r in spawn(_gather_before_initialize, 2, timeout=120):
+        assert r == {"inside": ("AVAILABLE", True), "after_edit": True}

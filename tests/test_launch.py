@@ -173,3 +173,83 @@ def test_a_rank_exiting_right_after_a_gloo_collective_does_not_abort(tmp_path):
         r = subprocess.run([sys.executable, str(script), str(tmp_path / f"init{k}")],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _dies_at_step_3():
+    from zeropp.launch import at_step
+    at_step(3)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), 9)
+    dist.barrier()  # rank 0 meets gloo's "connection closed by peer" here
+
+
+def test_a_restart_is_announced_in_one_short_line_and_every_failure_is_logged(tmp_path,
+                                                                              capfd):
+    log = tmp_path / "failures.log"
+    with pytest.raises(WorkerError) as e:
+        spawn(_dies_at_step_3, 2, timeout=120, max_restarts=1, log=str(log))
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("zeropp:")]
+    assert err == ["zeropp: rank 1 died (killed by SIGKILL) at step 3; restarting all 2 "
+                   "workers (restart 1 of 1)"], err
+    assert e.value.short == "rank 1 died (killed by SIGKILL) at step 3"
+    assert log.read_text().count("=== ") == 2  # both attempts, with their tracebacks
+
+
+def _refuses_to_restart():
+    from zeropp.launch import no_restart
+    if dist.get_rank() == 0:
+        raise no_restart(ValueError("a checkpoint no restart can read"))
+    dist.barrier()
+
+
+def test_an_error_marked_no_restart_ends_the_run_without_spending_restarts(capfd):
+    with pytest.raises(WorkerError) as e:
+        spawn(_refuses_to_restart, 2, timeout=120, max_restarts=2)
+    assert e.value.fatal
+    assert e.value.short == "rank 0 raised ValueError: a checkpoint no restart can read"
+    assert "restarting" not in capfd.readouterr().err
+
+
+_FOREVER = """
+import os, sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+while True:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{dist.get_rank()}\\n")
+    time.sleep(0.05)
+"""
+
+
+def test_sigkill_of_zeropp_launch_ends_its_world_within_5_s(tmp_path):
+    """Under `zeropp launch` the ranks are the launcher's own children (start="fork"):
+    a SIGKILLed launcher leaves no process of its session within 5 s, and the ranks'
+    file stops growing."""
+    import signal
+    import subprocess
+
+    from cases import group_alive
+    script, beat = tmp_path / "forever.py", tmp_path / "beat"
+    script.write_text(_FOREVER)
+    p = subprocess.Popen([sys.executable, "-m", "zeropp", "launch", "--nproc", "2",
+                          str(script), str(beat)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+
+    try:
+        deadline = time.monotonic() + 120
+        while not (beat.exists() and beat.read_text().count("\n") >= 4):
+            assert p.poll() is None and time.monotonic() < deadline, "never started"
+            time.sleep(0.05)
+        p.kill()
+        t0 = time.monotonic()
+        p.wait(timeout=10)
+        while group_alive(p.pid) and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert group_alive(p.pid) == []
+        size = beat.stat().st_size
+        time.sleep(0.5)
+        assert beat.stat().st_size == size
+    finally:
+        for pid in group_alive(p.pid):
+            os.kill(pid, signal.SIGKILL)

@@ -93,3 +93,39 @@ def test_latest_ignores_a_pointer_outside_the_run_and_falls_back_to_the_newest(t
     assert resume.latest(tmp_path).name == "step_000010"
     ptr.write_text("step_000099\n")  # named but gone
     assert resume.latest(tmp_path).name == "step_000010"
+
+
+def _damage_then_die(a: TrainArgs, cfg, run_dir: str, tokens: str, vocab: int,
+                     after: str) -> dict:
+    """train_worker, but on the first attempt rank 1 cuts its own file of checkpoint
+    `after` in half as soon as that is the run's latest, then SIGKILLs itself."""
+    ckpt = Path(run_dir) / "checkpoints"
+    if torch.distributed.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        def watch() -> None:
+            while not ((ckpt / "latest").exists()
+                       and (ckpt / "latest").read_text().strip() == after):
+                time.sleep(0.002)
+            f = ckpt / after / "rank00001.safetensors"
+            os.truncate(f, f.stat().st_size // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=watch, daemon=True).start()
+    return train_worker(a, cfg, run_dir, tokens, vocab)
+
+
+def test_a_restart_skips_a_damaged_newest_checkpoint_without_spending_a_restart(tmp_path,
+                                                                                capfd):
+    """Rank 1 dies right after cutting its file of step_000010: the one restart
+    finds step_000010 damaged, sets it aside as step_000010.damaged, resumes from
+    step_000005 and ends with the same losses, every step once."""
+    a = TrainArgs(model="tiny", seq_len=32, batch=4, steps=20, save_every=5, eval_every=10,
+                  eval_batches=2, keep_checkpoints=3)
+    calm, crash = calm_and_crash(tmp_path, a, named("zeropp", 2), _damage_then_die,
+                                 "step_000010")
+    err = capfd.readouterr().err
+    assert err.count("restarting all 4 workers") == 1, err
+    assert crash["start_step"] == 5
+    assert (tmp_path / "crash" / "checkpoints" / "step_000010.damaged").is_dir()
+    assert [r["step"] for r in crash["history"]] == list(range(20))
+    assert [(r["train_loss"], r["grad_norm"]) for r in crash["history"]] == \
+           [(r["train_loss"], r["grad_norm"]) for r in calm["history"]]
+    assert [r["step"] for r in _rows(tmp_path / "crash")] == list(range(20))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cases import cli_error_line
+from cases import cli_error_line, group_alive
 
 from zeropp.cli import main
 
@@ -118,20 +118,6 @@ def test_non_finite_steps_are_skipped_counted_and_the_run_goes_on(tmp_path):
     assert "step skipped" in r.stdout
 
 
-def _group_alive(pgid: int) -> list[int]:
-    alive = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                alive.append(int(pid))
-    return alive
-
-
 def test_ctrl_c_stops_every_worker_within_seconds(tmp_path):
     out = tmp_path / "int"
     p = subprocess.Popen([sys.executable, "-m", "zeropp", "train", *SMALL, "--steps", "100000",
@@ -149,7 +135,7 @@ def test_ctrl_c_stops_every_worker_within_seconds(tmp_path):
         assert time.monotonic() - t0 < 10
         assert p.returncode == 130 and "interrupted" in err
         time.sleep(1)
-        assert _group_alive(p.pid) == [], "processes left behind"
+        assert group_alive(p.pid) == [], "processes left behind"
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)

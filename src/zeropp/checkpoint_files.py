@@ -386,3 +386,44 @@ def export(ckpt: os.PathLike, out: os.PathLike, *, dtype: Optional[torch.dtype] 
         written.append(out / "config.json")
     fsync_dir(out)
     return written
+
+
+# ---- comparison ---------------------------------------------------------------------
+# Global RNG states that fork servers and forked workers seed from the OS, which a
+# training loop that draws only from torch generators never uses, and the path a
+# run was resumed from: equal runs may differ in them.
+INCIDENTAL = ("python_rng", "numpy_rng")
+
+
+def differences(a: os.PathLike, b: os.PathLike) -> list[str]:
+    """What differs between two checkpoints of the same world size, rank file by
+    rank file (each verified first): every tensor byte for byte (master shards,
+    optimizer state, torch RNG states, per-rank extras such as a data sampler)
+    and the JSON metadata beside them, less INCIDENTAL and a `resume` entry of
+    the `train_args` extra. [] means the two are bit for bit the same run."""
+    a, b = resolve(a), resolve(b)
+    ma, mb = read_manifest(a), read_manifest(b)
+    if sorted(ma["files"]) != sorted(mb["files"]):
+        return ["rank files"]
+    out = []
+    for name in sorted(ma["files"]):
+        verify(a / name, ma["files"][name])
+        verify(b / name, mb["files"][name])
+        x, y = _RankFile(a / name), _RankFile(b / name)
+        if sorted(x.keys()) != sorted(y.keys()):
+            out.append(f"{name}: tensor names")
+        for k in sorted(set(x.keys()) & set(y.keys())):
+            s, t = x.get_tensor(k), y.get_tensor(k)
+            if s.dtype != t.dtype or s.shape != t.shape or not torch.equal(
+                    s.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)):
+                out.append(f"{name}: {k}")
+        meta = []
+        for f in (x, y):
+            m = json.loads(f.metadata().get("zeropp", "{}"))
+            for key in INCIDENTAL:
+                m.pop(key, None)
+            m.get("extra", {}).get("train_args", {}).pop("resume", None)
+            meta.append(m)
+        if meta[0] != meta[1]:
+            out.append(f"{name}: metadata")
+    return out

@@ -2,7 +2,12 @@
 `torchrun ... -m zeropp.train` with the same options, see train/__main__.py), and
 `zeropp plan`: the cost model of each configuration on a cluster you describe.
 
-Bad input ends in one line on stderr and exit status 2, before any worker starts.
+Bad input ends in one line on stderr and exit status 2, before any worker starts;
+so does a run directory another live `zeropp train` owns (train/lock.py), and a
+checkpoint to resume from that does not verify. A run directory given to
+`--out` that already holds checkpoints is resumed (one line says so), never
+started again over its metrics. A crash after the restarts ends in one line
+and the path of RUN/failures.log, which holds every attempt's tracebacks.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from .checkpoint_files import CheckpointError, read_manifest
 from .config import NAMED, SWITCHES, is_named, named
 from .launch import WorkerError, spawn
 from .train.data import DataError
+from .train.lock import RunLock, RunLocked
 from .train.loop import TrainArgs, prepare_tokens, train_worker
 from .train.model import PRESETS
 from .train.report import plot, summarize, table
-from .train.resume import check_same_run, run_dir_of
+from .train.resume import candidates, check_same_run, resume_point, run_dir_of
 from .train.resume import find as find_checkpoint
 from .train.tokenizer import TokenizerError
 
@@ -69,14 +75,17 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-restarts", type=int, default=0,
                    help="restart all workers up to N times after a crash, resuming from the "
                         "last checkpoint (as torchrun's --max-restarts)")
+    g.add_argument("--verbose", action="store_true",
+                   help="restart lines carry the failing rank's last message line (gloo's)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save-every", type=int, default=d.save_every,
                    help=f"steps between checkpoints in RUN/checkpoints (0: only the last; "
                         f"default {d.save_every})")
     g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
     g.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue from a checkpoint, or from a run directory's latest one "
-                        "(model, optimizer, LR schedule, data position, RNG)")
+                   help="continue from a checkpoint, or from a run directory's newest one "
+                        "that verifies (model, optimizer, LR schedule, data position, RNG); "
+                        "--out on a directory holding a run resumes it too")
     g = p.add_argument_group("data and model")
     g.add_argument("--data", default=None, help="a UTF-8 text file (default: Shakespeare)")
     g.add_argument("--tokenizer", default=d.tokenizer, choices=["bytes", "bpe"])
@@ -137,6 +146,25 @@ def configs_from(ns: argparse.Namespace) -> list[tuple[str, zeropp.Config]]:
         raise UsageError(str(e)) from None
 
 
+def _say(line: str) -> None:
+    print(f"zeropp train: {line}", file=sys.stderr, flush=True)
+
+
+def verified_resume(a: TrainArgs, path: str, keep: bool = False) -> str:
+    """The checkpoint `--resume path` continues from (see resume.resume_point),
+    checked to be this run's; raises UsageError."""
+    try:
+        ck = resume_point(path, _say, keep)
+        saved = read_manifest(ck).get("extra", {}).get("train_args")
+        if saved is None:
+            raise CheckpointError(f"--resume {ck}: not written by `zeropp train` (no "
+                                  "train_args); resume it from your own loop")
+        check_same_run(saved, dataclasses.asdict(a), ck)
+        return str(ck)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+
+
 def train_args_from(ns: argparse.Namespace) -> TrainArgs:
     a = TrainArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainArgs)})
     if a.model not in PRESETS:
@@ -147,17 +175,8 @@ def train_args_from(ns: argparse.Namespace) -> TrainArgs:
             raise UsageError(f"--{k.replace('_', '-')} must be at least 1, got {getattr(a, k)}")
     if a.save_every < 0:
         raise UsageError(f"--save-every must be 0 or more, got {a.save_every}")
-    if a.resume:
-        try:
-            ck = find_checkpoint(a.resume)
-            saved = read_manifest(ck).get("extra", {}).get("train_args")
-            if saved is None:
-                raise CheckpointError(f"--resume {ck}: not written by `zeropp train` (no "
-                                      "train_args); resume it from your own loop")
-            check_same_run(saved, dataclasses.asdict(a), ck)
-            a.resume = str(ck)
-        except CheckpointError as e:
-            raise UsageError(str(e)) from None
+    if a.resume:  # (torchrun: every rank checks; only `zeropp train` sets damaged ones aside)
+        a.resume = verified_resume(a, a.resume, keep=True)
     if a.hf_model:
         try:
             import transformers  # noqa: F401
@@ -180,21 +199,54 @@ def run_train(ns: argparse.Namespace) -> int:
         raise UsageError(f"--max-restarts must be 0 or more, got {ns.max_restarts}")
     if ns.resume and ns.compare:
         raise UsageError("--resume continues one run; it cannot be combined with --compare")
+    resume, ns.resume = ns.resume, None  # chosen below, once the run directory is ours
     a = train_args_from(ns)
     runs = configs_from(ns)
-    default_out = run_dir_of(Path(a.resume)) if a.resume else f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    if resume:
+        try:
+            default_out = run_dir_of(find_checkpoint(resume))
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
+    else:
+        default_out = Path(f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = Path(ns.out or default_out)
     try:
         ids, vocab = prepare_tokens(a, CACHE)
     except (DataError, TokenizerError) as e:
         raise UsageError(str(e)) from None
     run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with RunLock(run_dir):
+            if resume:
+                a.resume = verified_resume(a, resume)
+            elif ns.compare and any(candidates(run_dir / n) for n, _ in runs):
+                raise UsageError(f"--out {run_dir} already holds runs of a comparison, which "
+                                 "is not resumed; choose another --out")
+            elif candidates(run_dir):
+                # The same command again (after a crash, a kill, a reboot): continue
+                # the run rather than start over its metrics and checkpoints.
+                try:
+                    a.resume = verified_resume(a, str(run_dir))
+                except UsageError as e:
+                    raise UsageError(f"--out {run_dir} already holds a run that cannot be "
+                                     f"resumed with these options ({e}); choose another --out"
+                                     ) from None
+                _say(f"{run_dir} already holds this run: resuming it from "
+                     f"{Path(a.resume).name} (another --out starts a new one)")
+            return _train(ns, a, runs, run_dir, ids, vocab)
+    except RunLocked as e:
+        raise UsageError(str(e)) from None
+
+
+def _train(ns: argparse.Namespace, a: TrainArgs, runs: list, run_dir: Path,
+           ids: torch.Tensor, vocab: int) -> int:
     tokens_file = run_dir / "tokens.pt"
     torch.save(ids.to(torch.int32), tokens_file)
     print(f"zeropp train: {len(ids):,} tokens (vocab {vocab}), {ns.nproc} ranks as "
           f"{ns.nproc // ns.node_size} nodes x {ns.node_size}, model {a.hf_model or a.model}, "
           f"{a.steps} steps; run directory {run_dir}", flush=True)
     rows, curves = [], {}
+    log = run_dir / "failures.log"
     for name, cfg in runs:
         sub = run_dir / name if ns.compare else run_dir
         sub.mkdir(parents=True, exist_ok=True)
@@ -202,9 +254,19 @@ def run_train(ns: argparse.Namespace) -> int:
         if ns.compare:
             print(f"--- {name}: qwZ={cfg.quantized_weights} hpZ={cfg.hpz_partition_size} "
                   f"qgZ={cfg.quantized_gradients}", flush=True)
-        out = spawn(train_worker, ns.nproc, ns.node_size,
-                    args=(a, cfg, str(sub), str(tokens_file), vocab), timeout=None,
-                    pg_timeout=1800, max_restarts=ns.max_restarts)[0]
+        try:
+            out = spawn(train_worker, ns.nproc, ns.node_size,
+                        args=(a, cfg, str(sub), str(tokens_file), vocab), timeout=None,
+                        pg_timeout=1800, max_restarts=ns.max_restarts, verbose=ns.verbose,
+                        log=str(log))[0]
+        except WorkerError as e:
+            tokens_file.unlink(missing_ok=True)
+            if e.fatal:  # the workers' bad input (a checkpoint that does not load)
+                raise UsageError(e.short.split(": ", 1)[-1]) from None
+            after = f" after {ns.max_restarts} restart(s)" if ns.max_restarts else ""
+            print(f"zeropp train failed{after}: {e.short}; tracebacks in {log}",
+                  file=sys.stderr, flush=True)
+            return 1
         rows.append(summarize(name, out))
         curves[name] = out["history"]
         (sub / "summary.json").write_text(json.dumps(rows[-1], indent=2))
@@ -348,7 +410,8 @@ def run_launch(ns: argparse.Namespace) -> int:
     try:
         spawn(run_script, ns.nproc, ns.node_size,
               args=(ns.script, ns.args, [s.port for s in stores]),
-              timeout=ns.timeout, max_restarts=ns.max_restarts, preload=preload, start="fork")
+              timeout=ns.timeout, max_restarts=ns.max_restarts, preload=preload, start="fork",
+              verbose=ns.verbose)
     except PreloadError as e:  # a --preload that exists but raises when imported
         raise UsageError(f"--preload: {e}") from None
     return 0
@@ -417,6 +480,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     la.add_argument("--max-restarts", type=int, default=0,
                     help="restart the whole world this many times after a failure")
     la.add_argument("--timeout", type=float, default=None, help="seconds (default: none)")
+    la.add_argument("--verbose", action="store_true",
+                    help="restart lines carry the failing rank's last message line (gloo's)")
     la.add_argument("--preload", default="", metavar="MODULES",
                     help="comma-separated modules the script imports (e.g. transformers,trl), "
                          "imported once before the ranks fork instead of once per rank")

@@ -13,19 +13,38 @@ stack to stderr, kills them all and raises.
 Restarts (`max_restarts`, as torchrun's): after a failure every worker is
 stopped and the whole world started again in a new process group, with
 TORCHELASTIC_RESTART_COUNT set as torchrun sets it; the worker function
-resumes from its last checkpoint (zeropp's training loop does).
+resumes from its last checkpoint (zeropp's training loop does). An error the
+worker marks with `no_restart` (a checkpoint that cannot be read) ends the run
+at once: restarting would meet it again.
+
+[Note: a world dies with its launcher]
+Under the fork server the workers are the server's children, not the
+launcher's, and nothing tied them to it: a SIGKILLed launcher left a world
+training headless into its run directory (the server itself lives on too:
+each worker holds the write end of the pipe whose EOF would stop it). So
+each worker waits, in a daemon thread, on a pidfd of the launcher and
+SIGKILLs itself when it exits, and the server first: it served that launcher
+alone, and would otherwise exit only after its interpreter's shutdown with
+torch loaded (seconds on a busy machine). The resource tracker exits when the
+last holder of its pipe does. Under "fork" the launcher is the real parent, and PR_SET_PDEATHSIG
+(set too) has the kernel kill the worker without needing its interpreter.
+A server started by pytest lives on when a worker dies: the ties point from
+the workers to the launcher, never back.
 """
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import select
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -35,16 +54,101 @@ from typing import Any, Callable, Optional
 
 
 class WorkerError(RuntimeError):
-    """A worker raised, died or hung; the message carries its traceback."""
+    """A worker raised, died or hung; the message carries its traceback. `short`
+    is the cause in one line (rank, signal or exception, step), `fatal` that the
+    worker asked not to be restarted (`no_restart`)."""
+
+    def __init__(self, message: str, short: str = "", fatal: bool = False) -> None:
+        super().__init__(message)
+        self.short = short or message.splitlines()[0].rstrip(":")
+        self.fatal = fatal
+
+
+def no_restart(error: BaseException) -> BaseException:
+    """Mark an error raised in a worker as one a restart would meet again (a
+    damaged checkpoint, settings that differ): spawn ends the run with it at
+    once. Returns `error`, to be raised."""
+    error.zeropp_no_restart = True  # type: ignore[attr-defined]
+    return error
+
+
+# Each worker's latest step, shared with the launcher (`at_step`): the restart
+# line says where the world was when a rank died.
+_progress: Optional[tuple[Any, int]] = None
+
+
+def at_step(step: int) -> None:
+    """Record that this worker is at `step` (no-op outside spawn's workers)."""
+    if _progress is not None:
+        _progress[0][_progress[1]] = step
 
 
 class PreloadError(ImportError):
     """Under start="fork": a module to import before forking failed to import."""
 
 
+def _die_with(launcher: int) -> None:
+    """End this process when the launcher does (see the note at the top)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    try:
+        fd: Optional[int] = os.pidfd_open(launcher)
+    except ProcessLookupError:
+        os._exit(1)  # gone already, before we could watch it
+    except (AttributeError, OSError):
+        fd = None  # no pidfds (not Linux >= 5.3): poll
+
+    # Our parent, when it is the launcher's own fork server (not one a worker reuses).
+    server = os.getppid() if _parent_of(os.getppid()) == launcher else None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the launcher has exited
+        else:
+            while pid_alive(launcher):
+                time.sleep(0.5)
+        if server is not None and os.getppid() == server:  # still ours: no pid reuse
+            os.kill(server, signal.SIGKILL)  # it served the dead launcher alone
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, daemon=True, name="zeropp-launcher-watch").start()
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (a zombie counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _summary(e: BaseException) -> tuple[str, bool]:
+    """(`Type: first line of the message`, whether it is gloo's text)."""
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    gloo = "gloo" in first.lower() or "connection" in first.lower()
+    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__, gloo
+
+
 def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
             args: Sequence, q: Any, timeout: float, threads: int, backend: str,
-            restart: int) -> None:
+            restart: int, launcher: int, progress: Any) -> None:
+    global _progress
+    _die_with(launcher)
+    _progress = (progress, rank)
     # Ctrl-C reaches the whole process group; the parent alone handles it (and
     # kills us), so workers do not each print a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -61,8 +165,10 @@ def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
         # Plain pickle: torch's queue pickler would pass tensors as shared-memory
         # handles, which die with this process.
         q.put((rank, True, pickle.dumps(fn(*args))))
-    except BaseException:
-        q.put((rank, False, traceback.format_exc()))
+    except BaseException as e:
+        what, gloo = _summary(e)
+        q.put((rank, False, (traceback.format_exc(), what, gloo,
+                             bool(getattr(e, "zeropp_no_restart", False)))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -72,7 +178,8 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
           args: Sequence = (), timeout: Optional[float] = 180.0, threads: int = 1,
           backend: str = "gloo", pg_timeout: Optional[float] = None,
           max_restarts: int = 0, preload: Sequence[str] = (),
-          start: str = "forkserver") -> list[Any]:
+          start: str = "forkserver", verbose: bool = False,
+          log: Optional[str] = None) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes; return results by rank.
 
     `fn` must be importable by name (a module-level function). Raises
@@ -86,6 +193,9 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
     pytest) or "fork" (from the caller itself, which then imports the preloads:
     for a caller that has run no tensor op and owns no threads the workers use,
     like `zeropp launch`, it saves the server's own import of torch).
+    Each restart is announced in one line (the cause: rank, signal or exception,
+    step; the failing rank's last message line, such as gloo's, only with
+    `verbose`); `log`: a file each failure's full text (tracebacks) is appended to.
     """
     node_size = world_size if node_size is None else node_size
     if node_size < 1 or world_size % node_size:
@@ -118,10 +228,16 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
             return _spawn_once(fn, world_size, node_size, args, timeout, threads, backend,
                                pg_timeout or timeout or 1800.0, attempt, modules, start)
         except WorkerError as e:
-            if attempt == max_restarts:
+            if log:
+                with open(log, "a") as f:
+                    f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} attempt {attempt}: "
+                            f"{e.short}\n{e}\n\n")
+            if attempt == max_restarts or e.fatal:
                 raise
-            lines = [ln for ln in str(e).splitlines() if ln.strip()]
-            why = lines[0].rstrip(":") + (f": {lines[-1].strip()}" if len(lines) > 1 else "")
+            why = e.short
+            if verbose:
+                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+                why += f" ({lines[-1]})" if len(lines) > 1 else ""
             print(f"zeropp: {why}; restarting all {world_size} workers "
                   f"(restart {attempt + 1} of {max_restarts})", file=sys.stderr, flush=True)
     raise AssertionError("unreachable")
@@ -134,11 +250,13 @@ def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
     if start == "forkserver":  # (a server already running keeps its first preloads)
         ctx.set_forkserver_preload(modules)
     q = ctx.Queue()
+    progress = ctx.RawArray("q", [-1] * world_size)
     with tempfile.TemporaryDirectory(prefix="zeropp-") as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(r, world_size, node_size, init_file, fn, tuple(args), q,
-                                   pg_timeout, threads, backend, restart))
+                                   pg_timeout, threads, backend, restart, os.getpid(),
+                                   progress))
                  for r in range(world_size)]
         with warnings.catch_warnings():
             # Python >= 3.12 warns at a fork from a process with threads (under
@@ -149,21 +267,21 @@ def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
                 p.start()
         ok = False
         try:
-            results = _collect(procs, q, timeout)
+            results = _collect(procs, q, timeout, progress)
             ok = True
             return results
         finally:
             _stop(procs, grace=10.0 if ok else 0.0)
 
 
-def _collect(procs: list, q: Any, timeout: Optional[float]) -> list[Any]:
+def _collect(procs: list, q: Any, timeout: Optional[float], progress: Any) -> list[Any]:
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout if timeout is not None else float("inf")
     while len(results) < len(procs):
         try:
             rank, ok, payload = q.get(timeout=0.1)
         except queue.Empty:
-            died = _died(procs, results)
+            died = _died(procs, results, progress)
             if died:
                 raise WorkerError(died) from None
             if time.monotonic() > deadline:
@@ -176,24 +294,32 @@ def _collect(procs: list, q: Any, timeout: Optional[float]) -> list[Any]:
                                   "(hang?); their stacks are on stderr above") from None
             continue
         if not ok:
+            text, what, gloo, fatal = payload
             # A peer's death shows up here first as a connection reset: name the cause.
             end = time.monotonic() + 1.0
-            while not (died := _died(procs, results)) and time.monotonic() < end:
+            while not (died := _died(procs, results, progress)) and time.monotonic() < end:
                 time.sleep(0.05)
             if died:
-                raise WorkerError(f"{died}; then rank {rank} raised:\n{payload}")
-            raise WorkerError(f"rank {rank} raised:\n{payload}")
+                raise WorkerError(f"{died}; then rank {rank} raised:\n{text}", died, fatal)
+            short = f"rank {rank} raised {what.split(':')[0] if gloo else what}"
+            raise WorkerError(f"rank {rank} raised:\n{text}", short + _step(progress, rank),
+                              fatal)
         results[rank] = pickle.loads(payload)
     return [results[r] for r in range(len(procs))]
 
 
-def _died(procs: list, results: dict) -> str:
-    """'rank r died ...' for the first worker gone without a result, else ''."""
+def _step(progress: Any, rank: int) -> str:
+    return f" at step {progress[rank]}" if progress is not None and progress[rank] >= 0 else ""
+
+
+def _died(procs: list, results: dict, progress: Any = None) -> str:
+    """'rank r died (...) [at step s]' for the first worker gone without a
+    result, else ''."""
     for r, p in enumerate(procs):
         if r not in results and p.exitcode not in (None, 0):
             how = (f"killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
                    else f"exit code {p.exitcode}")
-            return f"rank {r} died ({how}) before returning a result"
+            return f"rank {r} died ({how}){_step(progress, r)}"
     return ""
 
 

@@ -202,7 +202,9 @@ def _namespaces() -> dict[str, types.ModuleType]:
             GatheredParameters=zero.GatheredParameters, Init=zero.Init,
             register_external_parameter=zero.register_external_parameter,
             zero_wrapper_for_fp_tensor_constructor=lambda fn, *a, **k: fn,
-            _orig_torch_arange=torch.arange, get_accelerator=accelerator.get_accelerator),
+            _orig_torch_arange=torch.arange, get_accelerator=accelerator.get_accelerator,
+            partitioned_param_data_shape=[0],  # DeepSpeed's empty partitioned .data
+            **absent.absent_types(absent.PARTITION_PARAMETERS_TYPES)),
         # Scripts import these at the top even when they run no MoE layer.
         "deepspeed.moe": _package("deepspeed.moe"),
         "deepspeed.moe.utils": _package(

@@ -17,15 +17,18 @@ module attributes carry `ds_status` (AVAILABLE while their unit is gathered).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from ..deferred import deferred_init
+from ..deferred import deferred_init, is_deferred, materialize, release
 from ..flat_param import ZeroParamStatus  # noqa: F401 - deepspeed.zero.ZeroParamStatus
 from ..gathered import gathered
+from ..guards import all_gather_bytes
 
 
 def _unit_of(t: Any) -> Any:
@@ -56,6 +59,10 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_mod
         except TypeError:
             params = [params]
     units = [u for u in map(_unit_of, params) if u is not None]
+    if enabled and any(map(is_deferred, params)):  # built under Init, not sharded yet
+        with _materialized([p for p in params if is_deferred(p)], modifier_rank):
+            yield
+        return
     if not enabled or not units:
         yield
         return
@@ -67,6 +74,41 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_mod
             stack.enter_context(gathered(st.root, units=mods, writable=modifier_rank is not None,
                                          modifier_rank=modifier_rank))
         yield
+
+
+@contextlib.contextmanager
+def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
+    """GatheredParameters on parameters built under Init before `initialize`:
+    they get their values for good (the whole build's, bit for bit; sharding
+    later takes them as they are), AVAILABLE inside, and with `modifier_rank`,
+    that rank's edits reach every rank on exit (broadcast), as DeepSpeed's."""
+    with torch.no_grad():
+        for p in params:
+            value = materialize(p)
+            release(p)
+            p.data = value
+    for p in params:
+        p.ds_status = ZeroParamStatus.AVAILABLE
+    error: Optional[str] = None
+    try:
+        yield
+    except BaseException as e:
+        error = " ".join(f"{type(e).__name__}: {e}".split())
+        raise
+    finally:
+        for p in params:
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        if modifier_rank is not None and torch.distributed.is_initialized():
+            # Every rank broadcasts or none does: one rank's exception is every rank's.
+            msgs = all_gather_bytes((error or "").encode())
+            failed = next((r for r, m in enumerate(msgs) if m), None)
+            if failed is None:
+                with torch.no_grad():
+                    for p in params:
+                        torch.distributed.broadcast(p.data, src=modifier_rank)
+            elif error is None:
+                raise RuntimeError(f"zeropp GatheredParameters: rank {failed} raised "
+                                   f"{msgs[failed].decode(errors='replace')} inside the context")
 
 
 def _caller_package() -> str:
@@ -98,7 +140,23 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
         from .compat import init_distributed
         init_distributed()
     with deferred_init():
-        yield
+        tagging = register_module_parameter_registration_hook(_tag_deferred)
+        try:
+            yield
+        finally:
+            tagging.remove()
+
+
+_ids = itertools.count()
+
+
+def _tag_deferred(module: Any, name: str, p: Any) -> None:
+    """A parameter built under Init carries DeepSpeed's ZeRO-3 attributes, as
+    DeepSpeed's do from construction (libraries test `hasattr(p, "ds_id")`): it
+    holds no values until `initialize` shards the model."""
+    if p is not None and not hasattr(p, "ds_id"):
+        p.ds_id, p.ds_status = next(_ids), ZeroParamStatus.NOT_AVAILABLE
+        p.ds_shape, p.ds_numel = p.shape, p.numel()
 
 
 def MiCS_Init(*args: Any, **kwargs: Any) -> Any:

@@ -19,7 +19,8 @@ from torch import nn
 
 import zeropp
 
-from ..checkpoint_files import read_manifest
+from ..checkpoint_files import CheckpointError, read_manifest
+from ..launch import at_step, no_restart
 from . import resume as ckpts
 from .data import get_batch, load_text, split_tokens
 from .model import GPT, PRESETS, GPTConfig
@@ -159,35 +160,65 @@ def _json_lines(f: Path) -> list[dict]:
     return rows
 
 
+def rewrite_metrics(f: Path, before: int) -> list[dict]:
+    """Keep the rows of steps before `before`, each once (the last written) and in
+    order, replacing the file atomically: a kill during the rewrite leaves the
+    old file, never a cut one. Returns the rows kept."""
+    rows = {r["step"]: r for r in _json_lines(f) if isinstance(r.get("step"), int)
+            and r["step"] < before}
+    kept = [rows[s] for s in sorted(rows)]
+    tmp = f.with_name(f".{f.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, f)
+    return kept
+
+
 def _resume(a: TrainArgs, out: Path, model: nn.Module, opt: torch.optim.Optimizer,
             gen: torch.Generator, rank: int) -> tuple[int, int, list]:
-    """Where this run starts: step 0, or the checkpoint of `--resume`, or (a
-    worker the launcher restarted after a crash) the run's latest checkpoint.
-    Returns (start step, steps skipped so far, metrics rows before it)."""
-    ck = None
+    """Where this run starts: step 0, or the checkpoint of `--resume` (chosen and
+    verified by the launcher), or (a worker the launcher restarted after a crash)
+    the run's newest checkpoint that loads, a damaged newer one named and set
+    aside (resume.py). Returns (start step, steps skipped so far, metrics rows
+    before it). An unreadable checkpoint or a change of settings is raised as
+    `no_restart`: a restart would only meet it again."""
+    tries: list[Path] = []
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        ck = ckpts.latest(out)  # restarted after a crash: this run's newest checkpoint
-    if ck is None and a.resume:
-        ck = ckpts.find(a.resume)
+        tries = ckpts.candidates(out)  # restarted after a crash: this run's own
+    if not tries and a.resume:
+        tries = [Path(a.resume)]
     history: list = []
-    if ck is None:
+    extra, ck = None, None
+    same_world = True
+    for i, ck in enumerate(tries):
+        try:
+            # Each rank's data stream is per rank: at another world size it cannot be
+            # continued, so it is reseeded from the step (weights and optimizer reshard).
+            same_world = read_manifest(ck)["world_size"] == dist.get_world_size()
+            extra = zeropp.load_checkpoint(ck, model, opt,
+                                           **({"data_gen": gen} if same_world else {}))
+            break
+        except CheckpointError as e:  # raised on every rank alike (guards.agree)
+            if i == len(tries) - 1:
+                raise no_restart(e) from None
+            if rank == 0:  # every rank listed `tries` before the load's collective check
+                moved = ckpts.set_aside(ck).name
+                print(f"zeropp train: skipping damaged checkpoint {ck.name} ({e}); kept "
+                      f"as {moved}", file=sys.stderr, flush=True)
+    if extra is None:
         if rank == 0:
-            (out / "metrics.jsonl").write_text("")
+            rewrite_metrics(out / "metrics.jsonl", 0)
         return 0, 0, history
-    same_world = read_manifest(ck)["world_size"] == dist.get_world_size()
-    # Each rank's data stream is per rank: at another world size it cannot be
-    # continued, so it is reseeded from the step (weights and optimizer reshard).
-    extra = zeropp.load_checkpoint(ck, model, opt, **({"data_gen": gen} if same_world else {}))
-    ckpts.check_same_run(extra["train_args"], dataclasses.asdict(a), ck)
+    try:
+        ckpts.check_same_run(extra["train_args"], dataclasses.asdict(a), ck)
+    except CheckpointError as e:
+        raise no_restart(e) from None
     start = extra["step"]
     if not same_world:
         gen.manual_seed(a.seed * 1000 + rank + 7919 * start)
     for g in opt.param_groups:  # this run's flags win (lr follows lr_at every step)
         g["weight_decay"] = a.weight_decay
     if rank == 0:  # keep the metrics up to the checkpoint; later rows are replayed
-        f = out / "metrics.jsonl"
-        history = [r for r in _json_lines(f) if r.get("step", start) < start]
-        f.write_text("".join(json.dumps(r) + "\n" for r in history))
+        history = rewrite_metrics(out / "metrics.jsonl", start)
         print(f"resumed from {ck} at step {start}", flush=True)
     return start, extra["skipped"], history
 
@@ -217,6 +248,7 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
     val, carry = None, 0.0
     try:
         for step in range(start, a.steps):
+            at_step(step)
             t0 = time.perf_counter()
             lr = lr_at(step, a)
             for g in opt.param_groups:

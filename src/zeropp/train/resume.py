@@ -4,6 +4,14 @@ pointer replaced atomically after each save, the oldest pruned beyond `keep`.
 A resumed run restores the model, optimizer, step (hence the LR schedule),
 each rank's data-sampling generator and RNG states, so it continues exactly
 as if it had never stopped (tests/test_resume.py checks the losses bit for bit).
+
+[Note: which checkpoint a run resumes from]
+The newest that verifies: the one `latest` names, then complete ones of
+earlier steps, newest first (later steps belong to a timeline abandoned by a
+resume from further back). Verifying is what a load checks anyway: every
+rank file's size and sha256 against the manifest. A damaged checkpoint is
+named in one line and renamed to `step_N.damaged`, never deleted: the run's
+next save of step N would otherwise replace it without a trace.
 """
 
 from __future__ import annotations
@@ -12,11 +20,11 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ..checkpoint_files import MANIFEST, CheckpointError, resolve
+from ..checkpoint_files import MANIFEST, CheckpointError, read_manifest, resolve, verify
 from ..guards import agree
 
 # What must match for a resumed run to be the same run (the step count, the
@@ -51,6 +59,63 @@ def latest(run_dir: Path) -> Optional[Path]:
             pass
     done = _complete(run_dir)
     return done[-1] if done else None
+
+
+def candidates(run_dir: Path) -> list[Path]:
+    """The checkpoints a run may resume from, in the order to try them: the one
+    `latest` names (or `.step_N.old` where a save died between its renames),
+    then complete ones of earlier steps, newest first."""
+    ptr = checkpoint_dir(run_dir) / "latest"
+    name = ptr.read_text().strip() if ptr.is_file() else ""
+    first: list[Path] = []
+    bound = None
+    if _STEP.fullmatch(name):
+        bound = int(name[5:])
+        try:
+            ck = resolve(checkpoint_dir(run_dir) / name)
+            first = [ck] if (ck / MANIFEST).is_file() else []
+        except CheckpointError:
+            pass
+    rest = [p for p in reversed(_complete(run_dir))
+            if (bound is None or int(p.name[5:]) < bound) and p not in first]
+    return first + rest
+
+
+def verify_checkpoint(ck: Path) -> None:
+    """Raise CheckpointError naming the first rank file whose size or sha256
+    differs from the manifest (or a manifest that is not one)."""
+    man = read_manifest(ck)
+    for name, info in sorted(man["files"].items()):
+        verify(ck / name, info)
+
+
+def set_aside(ck: Path) -> Path:
+    """Rename a damaged checkpoint out of the run's way; returns the new path."""
+    stem = ck.name.lstrip(".").removesuffix(".old")
+    dest, n = ck.with_name(f"{stem}.damaged"), 1
+    while dest.exists():
+        n += 1
+        dest = ck.with_name(f"{stem}.damaged{n}")
+    os.rename(ck, dest)
+    return dest
+
+
+def choose(run_dir: Path, say: Callable[[str], None], keep: bool = False) -> Optional[Path]:
+    """The newest checkpoint of `run_dir` that verifies (None: the run has none);
+    each damaged newer one is named through `say` and set aside (left in place
+    with `keep`). Raises CheckpointError if there are checkpoints and none
+    verifies."""
+    tried = candidates(run_dir)
+    for ck in tried:
+        try:
+            verify_checkpoint(ck)
+            return ck
+        except CheckpointError as e:
+            moved = "" if keep else f"; kept as {set_aside(ck).name}"
+            say(f"skipping damaged checkpoint {ck.name} ({e}){moved}")
+    if tried:
+        raise CheckpointError(f"{run_dir}: none of its {len(tried)} checkpoint(s) verifies")
+    return None
 
 
 def find(path: str) -> Path:
@@ -98,3 +163,20 @@ def after_save(run_dir: Path, name: str, keep: int) -> None:
         except OSError as e:
             err = f"after saving {name}: {e}"
     agree(err, CheckpointError)
+
+
+def resume_point(path: str, say: Callable[[str], None], keep: bool = False) -> Path:
+    """`--resume PATH`, verified: a checkpoint directory must verify itself (the
+    user named it); a run directory gives its newest checkpoint that verifies,
+    damaged newer ones named through `say` (see `choose`)."""
+    p = Path(path)
+    if (p / MANIFEST).is_file() or (p.parent / f".{p.name}.old" / MANIFEST).is_file():
+        ck = resolve(p)
+        verify_checkpoint(ck)
+        return ck
+    for run in (p, p.parent):
+        if candidates(run):
+            ck = choose(run, say, keep)
+            assert ck is not None
+            return ck
+    return find(path)  # raises the error that names what PATH is not
