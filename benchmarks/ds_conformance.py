@@ -121,6 +121,12 @@ INTERNAL = [
      r"reduce_ready_partitions_and_remove_grads|_?independent_gradient_partition_\w*|"
      r"fp32_groups_flat\w*|grad_position|params_in_partition|fp16_groups)'",
      "the engine's / optimizer's internal buffers and coordinators"),
+    (r"partition_parameters has no attribute '(print_rank_0|\w+)'|"
+     r"(CUDAQuantizer|MultipleAllGatherHandles|InsertPostInitMethodToModuleSubClasses|"
+     r"DeepSpeedZeroConfig)'? (has no attribute|is not part of zeropp)",
+     "DeepSpeed-internal classes and helpers the test monkeypatches or builds directly "
+     "(partition_parameters' print_rank_0 / Init._partition_param_sec, CUDAQuantizer's "
+     "kernel module, the pydantic DeepSpeedZeroConfig)"),
     (r"deepspeed\.runtime\.zero\.(partitioned_param_coordinator|parameter_offload|"
      r"partitioned_param_swapper|linear|tiling|utils|mics|offload_states)",
      "a DeepSpeed-internal ZeRO module"),

@@ -346,3 +346,16 @@ def _gather_before_initialize() -> dict:
 def test_gathered_parameters_before_initialize_has_the_build_and_modifier_edits_reach_all():
     for r in spawn(_gather_before_initialize, 2, timeout=120):
         assert r == {"inside": ("AVAILABLE", True), "after_edit": True}
+
+
+def test_leaf_module_config_key_flags_modules_by_class_name_and_suffix():
+    from zeropp.deepspeed import config as ds_config
+    from zeropp.deepspeed.compat import _mark_leaf_modules
+    ds = ds_config.parse(_config(zero_optimization={"stage": 3, "leaf_module": {
+        "classes": f"{__name__}._Experts", "name_suffixes": ["experts.1"]}}), 2)
+    model = _MoE()
+    _mark_leaf_modules(model, ds.leaf_module)
+    assert ds_utils.get_z3_leaf_modules(model) == [model.blocks[0], model.blocks[0].experts[1],
+                                                   model.blocks[1], model.blocks[1].experts[1]]
+    with pytest.raises(ValueError, match="leaf_module.classes=3 is invalid"):
+        ds_config.parse(_config(zero_optimization={"stage": 3, "leaf_module": {"classes": 3}}), 2)

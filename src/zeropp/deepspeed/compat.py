@@ -130,6 +130,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
             "zeropp.initialize: a model built under zero.Init / zeropp.deferred_init is "
             "materialized on the CPU; on CUDA, build it whole (or shard it on the CPU)"))
     model.to(device)
+    _mark_leaf_modules(model, ds.leaf_module)
     # As DeepSpeed: every rank starts from rank 0's weights (one unit at a time).
     module = shard(model, ds.zero, param_groups=[g["params"] for g in groups],
                    sync_module_states=True)
@@ -139,6 +140,18 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     engine = DeepSpeedEngine(module, ds, opt, sched, loader, device)
     _zero3_attributes(module, opt)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _mark_leaf_modules(model: nn.Module, leaf: dict) -> None:
+    """The config's zero_optimization.leaf_module, as set_z3_leaf_modules would."""
+    from . import utils  # here: utils imports comm, which imports this module
+    if leaf.get("classes"):
+        utils.set_z3_leaf_modules(model, leaf["classes"], raise_if_not_found=False)
+    if leaf.get("names"):
+        utils.set_z3_leaf_modules_by_name(model, leaf["names"], raise_if_not_found=False)
+    if leaf.get("name_suffixes"):
+        utils.set_z3_leaf_modules_by_suffix(model, leaf["name_suffixes"],
+                                            raise_if_not_found=False)
 
 
 def _initialize_again(module: nn.Module, ds: ds_config.DSConfig, optimizer: Any,

@@ -95,6 +95,7 @@ class DSConfig:
     drop_last: bool = False
     managed_accumulation: bool = True       # False: every step() is a boundary (the caller's)
     tag_validation: str = "warn"            # checkpoint.tag_validation, lower case
+    leaf_module: dict = field(default_factory=dict)  # zero_optimization.leaf_module, as lists
     raw: dict = field(default_factory=dict)
 
 
@@ -285,6 +286,24 @@ def _warn_stage_under_alias(given: dict) -> None:
                       "\"zero_optimization\": {\"stage\": 3} in it", stacklevel=4)
 
 
+def _leaf_module(sec: Any) -> dict:
+    """zero_optimization.leaf_module: {"classes", "names", "name_suffixes"}, each a
+    string or a list of strings (DeepSpeed's own defaults name MoE blocks that
+    zeropp gathers whole inside their decoder-layer unit anyway: not applied)."""
+    if sec is None:
+        return {}
+    if not isinstance(sec, dict) or set(sec) - {"classes", "names", "name_suffixes"}:
+        raise _err("zero_optimization.leaf_module", sec,
+                   'a JSON object with "classes", "names" and / or "name_suffixes"')
+    out = {}
+    for k, v in sec.items():
+        v = [v] if isinstance(v, str) else v
+        if not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise _err(f"zero_optimization.leaf_module.{k}", v, "a string or a list of strings")
+        out[k] = list(dict.fromkeys(v))
+    return out
+
+
 def parse(config: Any, world: int) -> DSConfig:
     """A DeepSpeed config (dict or JSON path) for a world of `world` ranks, with
     `ZEROPP_DS_CONFIG` merged over it."""
@@ -306,8 +325,9 @@ def parse(config: Any, world: int) -> DSConfig:
     zo = ds.get("zero_optimization")
     if zo is None:
         zo = {"stage": 3}  # zeropp is ZeRO-3: a script without the section gets it
+    leaf = _leaf_module(zo.get("leaf_module") if isinstance(zo, dict) else None)
     if isinstance(zo, dict):
-        zo = {k: v for k, v in zo.items() if k not in OFFLOAD_KEYS}  # checked: device none
+        zo = {k: v for k, v in zo.items() if k not in OFFLOAD_KEYS and k != "leaf_module"}
         unknown += [f"zero_optimization.{k}" for k in zo
                     if k not in ZERO_IGNORED and k != "stage" and not k.startswith("zero_")]
     # The Config sees only what it reads (its own warning would repeat ours).
@@ -354,4 +374,4 @@ def parse(config: Any, world: int) -> DSConfig:
                     gradient_clipping=float(clip), fp16=_fp16(fp16),
                     bf16=bool(bf16 and bf16.get("enabled")), skip_non_finite=skip,
                     steps_per_print=spp, drop_last=drop, managed_accumulation=managed,
-                    tag_validation=tag.lower(), raw=ds)
+                    tag_validation=tag.lower(), leaf_module=leaf, raw=ds)
