@@ -123,7 +123,7 @@ INTERNAL = [
      "the engine's / optimizer's internal buffers and coordinators"),
     (r"partition_parameters has no attribute '(print_rank_0|\w+)'|"
      r"(CUDAQuantizer|MultipleAllGatherHandles|InsertPostInitMethodToModuleSubClasses|"
-     r"DeepSpeedZeroConfig)'? (has no attribute|is not part of zeropp)",
+     r"DeepSpeedZeroConfig)('>)? (has no attribute|is not part of zeropp)",
      "DeepSpeed-internal classes and helpers the test monkeypatches or builds directly "
      "(partition_parameters' print_rank_0 / Init._partition_param_sec, CUDAQuantizer's "
      "kernel module, the pydantic DeepSpeedZeroConfig)"),

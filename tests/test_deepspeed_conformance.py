@@ -359,3 +359,18 @@ def test_leaf_module_config_key_flags_modules_by_class_name_and_suffix():
                                                    model.blocks[1], model.blocks[1].experts[1]]
     with pytest.raises(ValueError, match="leaf_module.classes=3 is invalid"):
         ds_config.parse(_config(zero_optimization={"stage": 3, "leaf_module": {"classes": 3}}), 2)
+
+
+def _allreduce_gradients() -> dict:
+    engine, _, _, _ = zeropp.initialize(model=build("mlp"), config=_config())
+    _step(engine, 0)
+    grads = [p.grad.clone() for p in engine.module.parameters() if p.grad is not None]
+    engine.allreduce_gradients()  # a no-op after backward: reduced already
+    after = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return {"same": len(grads) > 0 and all(torch.equal(a, b) for a, b in zip(grads, after)),
+            "sparse": engine.sparse_tensor_module_names == set()}
+
+
+def test_allreduce_gradients_after_backward_changes_nothing_at_w2():
+    for r in spawn(_allreduce_gradients, 2, timeout=120):
+        assert r == {"same": True, "sparse": True}

@@ -109,6 +109,9 @@ class DeepSpeedEngine(nn.Module):
         self._global_grad_norm: Optional[float] = None
         self._boundary: Optional[bool] = None
         self._scaled = False  # a loss went through scale() and awaits its backward
+        # DeepSpeed's set of modules whose gradients it reduces as sparse: zeropp reduces
+        # every gradient dense, so none (checkpoint helpers compare it across engines).
+        self.sparse_tensor_module_names: set = set()
         if optimizer is not None:  # DeepSpeed's optimizers say whether they need scale()
             optimizer.needs_scaler = lambda: self.loss_scaler is not None
 
@@ -244,6 +247,12 @@ class DeepSpeedEngine(nn.Module):
         self.scale(loss, scale_wrt_gas).backward(retain_graph=retain_graph)
         return loss / self._config.grad_accum if scale_wrt_gas and self._config.grad_accum > 1 \
             else loss
+
+    def allreduce_gradients(self, bucket_size: Any = None) -> None:
+        """DeepSpeed's explicit reduction after a backward: zeropp reduces each unit's
+        gradient as the backward goes and waits for all at its end, so this only
+        makes sure none is still in flight."""
+        get_state(self.module).reducer.drain()
 
     def _check_scaled(self, grad: torch.Tensor) -> None:
         """Hook on a loss the engine's forward returned under fp16: its backward must
