@@ -73,7 +73,12 @@ def _note_keep_vars(keep_vars: dict, module: nn.Module, prefix: str, keep: bool)
 def _save(entries: list, keep_vars: dict, module: nn.Module, sd: dict, prefix: str,
           local_metadata: Any) -> None:
     keep = keep_vars.pop(prefix, False)
-    rest = [k for k in sd if k.startswith(prefix)]  # this module's keys: buffers, children
+    rest = []  # this module's keys (its buffers, its children's): the dict's last ones
+    for k in reversed(sd):
+        if not k.startswith(prefix):
+            break
+        rest.append(k)
+    rest.reverse()
     for k in [k for k in rest if k[len(prefix):].startswith(FLAT_PREFIX)]:
         del sd[k]
         rest.remove(k)
