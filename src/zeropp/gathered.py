@@ -35,7 +35,7 @@ from torch import nn
 
 from .config import _is_int
 from .flat_param import FlatParam
-from .guards import all_gather_bytes
+from .guards import first_failure, in_one_line
 from .shard import ShardState, Unit, _in_backward, get_state
 
 
@@ -113,7 +113,7 @@ def gathered(model: nn.Module, *, writable: bool = False,
     try:
         yield model
     except BaseException as e:
-        error = " ".join(f"{type(e).__name__}: {e}".split()) or type(e).__name__
+        error = in_one_line(e)
         raise
     finally:
         st.gathered_depth -= 1
@@ -127,7 +127,7 @@ def gathered(model: nn.Module, *, writable: bool = False,
                 if _all_ok(st, error is None):
                     _write_back(st, snapshots, modifier_rank)
                 else:
-                    peer_error = _first_error(error)
+                    peer_error = first_failure(error)
                 for f in snapshots:
                     f.weights.invalidate()
         finally:
@@ -151,13 +151,6 @@ def _all_ok(st: ShardState, ok: bool) -> bool:
     st.comm.unit = "<all: gathered exit>"
     return bool(st.comm.all_reduce(flag, op="all_reduce/gathered",
                                    reduce_op=torch.distributed.ReduceOp.MIN)[0] == 1.0)
-
-
-def _first_error(error: Optional[str]) -> str:
-    """Collective: 'rank r raised ...' for the lowest rank that left by an exception."""
-    msgs = all_gather_bytes((error or "").encode())
-    r = next(r for r, m in enumerate(msgs) if m)
-    return f"rank {r} raised {msgs[r].decode(errors='replace')}"
 
 
 def _state(model: nn.Module) -> ShardState:

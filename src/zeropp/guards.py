@@ -71,6 +71,20 @@ def agree(error: Optional[str], exc_type: type = RuntimeError) -> None:
         raise exc_type(where + msgs[failed[0]].decode(errors="replace") + others)
 
 
+def in_one_line(e: BaseException) -> str:
+    """`Type: message` of an exception, its whitespace (newlines too) collapsed."""
+    return " ".join(f"{type(e).__name__}: {e}".split())
+
+
+def first_failure(error: Optional[str]) -> str:
+    """Collective: "rank r raised MESSAGE" for the lowest rank that passes an error
+    (an exception it is about to re-raise), "" when none does. The ranks that left
+    normally raise it themselves instead of going on alone into a collective."""
+    msgs = all_gather_bytes((error or "").encode())
+    r = next((r for r, m in enumerate(msgs) if m), None)
+    return "" if r is None else f"rank {r} raised {msgs[r].decode(errors='replace')}"
+
+
 # ---- the same model on every rank --------------------------------------------------
 def model_signature(model: torch.nn.Module, unit_names: list[str]) -> list[list]:
     """What every rank must agree on before sharding: units and parameters."""

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .flat_param import FlatParam, ZeroParamStatus
+from .flat_param import FlatParam
 
 FLAT_PREFIX = "_zeropp_flat"
 
@@ -90,7 +90,7 @@ def _save(entries: list, keep_vars: dict, module: nn.Module, sd: dict, prefix: s
 
 def _value(f: FlatParam, i: int, keep_vars: bool) -> torch.Tensor:
     t = f.params[i]
-    if t.ds_status == ZeroParamStatus.AVAILABLE:
+    if f.gathered:
         return t if keep_vars else t.detach().clone()
     info = f.infos[i]
     placeholder = torch.empty(0, dtype=f.compute_dtype, device=t.device)
@@ -125,7 +125,7 @@ def _load(entries: list, module: nn.Module, sd: dict, prefix: str, local_metadat
                           f"from checkpoint, the shape in current model is {info.shape}.")
         else:
             with torch.no_grad():
-                if f.params[i].ds_status == ZeroParamStatus.AVAILABLE:
+                if f.gathered:
                     f.params[i].copy_(v)  # the gathered weights; the context's exit decides
                 else:
                     f.write_param(i, v)

@@ -232,8 +232,13 @@ class DeepSpeedEngine(nn.Module):
         caller runs (`engine.scale(loss).backward()`)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise EngineAssertionError("zeropp engine.scale(loss): loss must be a scalar tensor")
-        if scale_wrt_gas and self._config.grad_accum > 1:
-            loss = loss / self._config.grad_accum
+        return self._loss_scaled(self._per_micro_step(loss, scale_wrt_gas))
+
+    def _per_micro_step(self, loss: torch.Tensor, scale_wrt_gas: bool) -> torch.Tensor:
+        gas = self._config.grad_accum
+        return loss / gas if scale_wrt_gas and gas > 1 else loss
+
+    def _loss_scaled(self, loss: torch.Tensor) -> torch.Tensor:
         self._scaled = True
         return loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
@@ -244,9 +249,9 @@ class DeepSpeedEngine(nn.Module):
         self._need_optimizer("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("zeropp engine.backward(loss): loss must be a scalar tensor")
-        self.scale(loss, scale_wrt_gas).backward(retain_graph=retain_graph)
-        return loss / self._config.grad_accum if scale_wrt_gas and self._config.grad_accum > 1 \
-            else loss
+        loss = self._per_micro_step(loss, scale_wrt_gas)
+        self._loss_scaled(loss).backward(retain_graph=retain_graph)
+        return loss
 
     def allreduce_gradients(self, bucket_size: Any = None) -> None:
         """DeepSpeed's explicit reduction after a backward: zeropp reduces each unit's

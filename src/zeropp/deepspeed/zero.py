@@ -28,7 +28,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from ..deferred import deferred_init, is_deferred, materialize, release
 from ..flat_param import ZeroParamStatus  # noqa: F401 - deepspeed.zero.ZeroParamStatus
 from ..gathered import gathered
-from ..guards import all_gather_bytes
+from ..guards import first_failure, in_one_line
 
 
 def _unit_of(t: Any) -> Any:
@@ -93,22 +93,20 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
     try:
         yield
     except BaseException as e:
-        error = " ".join(f"{type(e).__name__}: {e}".split())
+        error = in_one_line(e)
         raise
     finally:
         for p in params:
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         if modifier_rank is not None and torch.distributed.is_initialized():
             # Every rank broadcasts or none does: one rank's exception is every rank's.
-            msgs = all_gather_bytes((error or "").encode())
-            failed = next((r for r, m in enumerate(msgs) if m), None)
-            if failed is None:
+            failed = first_failure(error)
+            if not failed:
                 with torch.no_grad():
                     for p in params:
                         torch.distributed.broadcast(p.data, src=modifier_rank)
             elif error is None:
-                raise RuntimeError(f"zeropp GatheredParameters: rank {failed} raised "
-                                   f"{msgs[failed].decode(errors='replace')} inside the context")
+                raise RuntimeError(f"zeropp GatheredParameters: {failed} inside the context")
 
 
 def _caller_package() -> str:
