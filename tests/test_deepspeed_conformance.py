@@ -22,6 +22,7 @@ from torch import nn
 import zeropp
 from zeropp.deepspeed import utils as ds_utils
 from zeropp.deepspeed import zero_to_fp32
+from zeropp.deepspeed.parameters import master_shards
 from zeropp.launch import spawn
 from zeropp.units import unit_modules
 
@@ -45,6 +46,16 @@ def _fragments() -> dict:
     mlp = engine.module
     out: dict = {}
     full = zeropp.full_state_dict(mlp, all_ranks=True)
+    # Under the engine, named_parameters() is the model's own, as DeepSpeed's: its names
+    # in its order, 0 elements outside a gather (ds_shape the shape), full inside.
+    named = list(mlp.named_parameters())
+    out["names"] = [n for n, _ in named] == [n for n, _ in build("mlp").named_parameters()]
+    out["engine_names"] = [n for n, _ in engine.named_parameters()] == [
+        f"module.{n}" for n, _ in named]
+    out["empty_outside"] = all(p.numel() == 0 and tuple(p.ds_shape) == full[n].shape
+                               for n, p in named)
+    with zeropp.zero.GatheredParameters([p for _, p in named]):
+        out["full_inside"] = all(torch.equal(p, full[n]) for n, p in named)
     w = mlp.layers[0].weight
     out["get_param"] = torch.equal(ds_utils.safe_get_full_fp32_param(w), full["layers.0.weight"])
     out["frozen_is_none"] = (ds_utils.safe_get_full_fp32_param(mlp.layers[1].weight) is None
@@ -52,13 +63,13 @@ def _fragments() -> dict:
     out["no_grad_before_backward"] = ds_utils.safe_get_full_grad(w) is None
     _step(engine, 0)
     # The full gradient of the master shard is every rank's local gradient, in rank order.
-    shard = next(p for p in mlp.parameters() if p.requires_grad)
+    shard = engine.optimizer.param_groups[0]["params"][0]
     g = ds_utils.safe_get_full_grad(shard)
     pieces = [torch.empty_like(shard.grad) for _ in range(dist.get_world_size())]
     dist.all_gather(pieces, shard.grad)
     out["grad_is_ranks_pieces"] = torch.equal(g, torch.cat(pieces)[:g.numel()])
     out["ds_shape"] = tuple(shard.ds_shape) == tuple(g.shape) and shard.ds_numel == g.numel()
-    value = torch.arange(w.numel(), dtype=torch.float32).view(w.shape) / 7
+    value = torch.arange(w.ds_numel, dtype=torch.float32).view(w.ds_shape) / 7  # w: 0 elements
     ds_utils.safe_set_full_grad(w, value)
     out["set_grad"] = torch.equal(ds_utils.safe_get_full_grad(w), value)
     ds_utils.safe_update_full_grad_vectorized([w], lambda old, p: old * 0 + 5)
@@ -70,7 +81,7 @@ def _fragments() -> dict:
         out["forward_sees_set_param"] = torch.equal(mlp.layers[0].weight, value)
     avg = ds_utils.safe_get_full_optimizer_state(w, "exp_avg")
     ds_utils.safe_set_full_optimizer_state(w, value * 3, "exp_avg")
-    out["optimizer_state"] = (avg is not None and avg.shape == w.shape and torch.equal(
+    out["optimizer_state"] = (avg is not None and avg.shape == w.ds_shape and torch.equal(
         ds_utils.safe_get_full_optimizer_state(w, "exp_avg"), value * 3))
     local = ds_utils.safe_get_local_fp32_param(shard)
     ds_utils.safe_set_local_fp32_param(shard, local + 1)
@@ -78,7 +89,7 @@ def _fragments() -> dict:
     return out
 
 
-def test_tensor_fragment_api_reads_and_writes_full_and_local_values_at_w2():
+def test_named_parameters_are_the_models_own_and_tensor_fragment_api_reads_and_writes_at_w2():
     for r in spawn(_fragments, 2, timeout=180):
         assert r == {k: True for k in r}, r
 
@@ -157,8 +168,9 @@ def _user_backward() -> dict:
     a.backward(loss_of("mlp", a, x, y))
     b.scale(loss_of("mlp", b, x, y)).backward()
     out["scale_equals_backward"] = all(
-        torch.equal(p.grad, q.grad) for p, q in zip(a.module.parameters(), b.module.parameters())
-        if p.grad is not None)
+        torch.equal(p.grad, q.grad) for p, q in zip(master_shards(a.module),
+                                                    master_shards(b.module))
+        if p.requires_grad)
     out["needs_scaler_fp32"] = a.optimizer.needs_scaler() is False
     try:
         a.scale(torch.ones(3, requires_grad=True))
@@ -364,9 +376,9 @@ def test_leaf_module_config_key_flags_modules_by_class_name_and_suffix():
 def _allreduce_gradients() -> dict:
     engine, _, _, _ = zeropp.initialize(model=build("mlp"), config=_config())
     _step(engine, 0)
-    grads = [p.grad.clone() for p in engine.module.parameters() if p.grad is not None]
+    grads = [p.grad.clone() for p in master_shards(engine.module) if p.grad is not None]
     engine.allreduce_gradients()  # a no-op after backward: reduced already
-    after = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    after = [p.grad for p in master_shards(engine.module) if p.grad is not None]
     return {"same": len(grads) > 0 and all(torch.equal(a, b) for a, b in zip(grads, after)),
             "sparse": engine.sparse_tensor_module_names == set()}
 

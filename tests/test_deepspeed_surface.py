@@ -174,7 +174,10 @@ def _surface_worker(ckpt: str) -> dict:
                 eng(x)
         st = zeropp.comm_stats(eng.module)
         out["per_token_bytes"] = st["inter_node_bytes"] + st["intra_node_bytes"]
-    out["ds_shape"] = tuple(w.weight.ds_shape) == tuple(w.weight.shape)
+    # Outside a gather a ZeRO-3 parameter shows 0 elements; ds_shape is its shape.
+    with zeropp.zero.GatheredParameters(w.weight):
+        gathered_shape = tuple(w.weight.shape)
+    out["ds_shape"] = (tuple(w.weight.ds_shape) == gathered_shape and w.weight.numel() == 0)
     # The consolidated 16-bit state dict: rank 0 gets full_state_dict's values, others None.
     sd = eng._zero3_consolidated_16bit_state_dict()
     full = zeropp.full_state_dict(eng.module)

@@ -293,6 +293,39 @@ def _refuse_unmaterialized(module: nn.Module, args: Any) -> None:
                 "zeropp.deferred.materialize_module(model) before running it")
 
 
+# id(parameter) -> (weak reference, the tensor it shows when shown): parameters
+# that show 0 elements until sharded or gathered, as DeepSpeed's zero.Init makes them.
+_HIDDEN: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def hide(p: nn.Parameter) -> None:
+    """`p` shows 0 elements (`p.data` an empty tensor) until `show(p)`; its
+    tensor, deferred or written, is kept aside unchanged (same storage, same
+    version: a deferred parameter still materializes exactly)."""
+    if id(p) in _HIDDEN or p.numel() == 0:
+        return
+    key = id(p)
+    _HIDDEN[key] = (weakref.ref(p, lambda _r: _HIDDEN.pop(key, None)), p.data)
+    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def is_hidden(p: Any) -> bool:
+    entry = _HIDDEN.get(id(p))
+    return entry is not None and entry[0]() is p
+
+
+def show(p: nn.Parameter) -> None:
+    """Undo `hide(p)`."""
+    if is_hidden(p):
+        p.data = _HIDDEN.pop(id(p))[1]
+
+
+def show_module(model: nn.Module) -> None:
+    """Every hidden parameter of `model` shows its tensor again (before sharding)."""
+    for p in model.parameters():
+        show(p)
+
+
 def materialize(p: nn.Parameter) -> torch.Tensor:
     """The values of a parameter built under deferred_init(), in a new tensor (of
     its shape and dtype); the parameter itself stays unwritten. Any parameter
@@ -300,15 +333,17 @@ def materialize(p: nn.Parameter) -> torch.Tensor:
     rec = _record(p)
     if rec is None:
         return p.detach()
-    if p.untyped_storage().data_ptr() != rec.ptr or p._version != rec.version:
+    t = _HIDDEN[id(p)][1] if is_hidden(p) else p  # the tensor it stands for
+    moved = rec.version != -1 and p._version != rec.version  # -1: still being built
+    if t.untyped_storage().data_ptr() != rec.ptr or moved:
         raise RuntimeError(
             f"zeropp.deferred_init: parameter {rec.name} {tuple(p.shape)} was replaced or "
             "written after the model was built (e.g. model.to(), p.data = ..., an in-place "
             "op); its values cannot be reproduced. Shard the model first, then change it")
-    return _replay(p, rec)
+    return _replay(t, rec)
 
 
-def _replay(p: nn.Parameter, rec: _Record) -> torch.Tensor:
+def _replay(p: torch.Tensor, rec: _Record) -> torch.Tensor:
     start = rec.ops[0] if rec.ops else None
     if start is not None and start.overwrites:
         out = torch.empty_like(p.detach(), memory_format=torch.contiguous_format)
@@ -337,6 +372,7 @@ def materialize_module(model: nn.Module) -> nn.Module:
     model, in this process): the unsharded model deferred_init() stood for."""
     with torch.no_grad():
         for p in {id(p): p for p in model.parameters()}.values():
+            show(p)
             if is_deferred(p):
                 value = materialize(p)
                 _DEFERRED.pop(id(p))

@@ -13,7 +13,15 @@ autograd saved in forward see the weights again once backward re-gathers into
 it. The module attributes are `params`: one leaf tensor per original
 parameter, made once on `full`'s storage (`set_`, not a view: each has a
 version counter of its own, so the collectives writing into `full` do not trip
-autograd's in-place check). Autograd accumulates each one's gradient like a
+autograd's in-place check). Outside a gather each shows 0 elements
+(its `.data` swapped to an empty tensor, and back to its view of `full` when a
+gather completes; `.data` moves no version counter, so a leaf autograd saved
+finds its view again): a freed weight read by mistake is an empty tensor, not
+freed memory, and DeepSpeed's rule (a ZeRO-3 parameter is 0-sized unless
+gathered, `ds_shape` its shape) holds for code written against it. A unit
+whose backward reads no weights is not gathered for it: its attributes take
+their shapes on the empty storage for the backward (`show_shapes`), as
+autograd checks a leaf's shape when its gradient arrives. Autograd accumulates each one's gradient like a
 plain parameter's (AccumulateGrad, run as soon as the gradient is complete);
 its post-accumulate hook copies it into the unit's flat gradient `grad` and
 drops it, and when every parameter the unit's backward reaches has arrived the
@@ -134,7 +142,10 @@ class FlatParam:
             self.primary_shard = nn.Parameter(shard.clone(), requires_grad=trainable)
         del flat
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
-        # The module attributes, for the flat's lifetime (see the note).
+        # The module attributes, for the flat's lifetime (see the note): each shows
+        # its view of `full` while gathered and 0 elements otherwise.
+        self._views = [self._param_on_full(info) for info in self.infos]
+        self._empty = torch.empty(0, dtype=compute_dtype, device=device)
         self.params = [self._param_on_full(info) for info in self.infos]
         self.grad: Optional[torch.Tensor] = None  # the flat gradient being assembled
         self.arrived: set[int] = set()    # params in `grad`
@@ -197,11 +208,26 @@ class FlatParam:
             self.gathered = True
             self._set_status(ZeroParamStatus.AVAILABLE)
 
-    def free(self) -> None:
+    def free(self, let_go: bool = False) -> None:
+        """Free the full weights: in place (the storage resized to 0 bytes, which
+        the forward relies on: see the note), or with `let_go` by dropping this
+        flat's references to them and starting a new buffer, so a tensor someone
+        else took from them keeps its values (its memory is freed when it dies)."""
         self.wait_gather()
-        if self.gathered:
+        if not self.gathered:
+            return
+        if let_go:
+            old, self.full = self.full, torch.empty_like(self.full)
+            _OWNERS.pop(id(old), None)
+            _OWNERS[id(self.full)] = (weakref.ref(self.full), weakref.ref(self))
+            self._views = [self._param_on_full(info) for info in self.infos]
+            self.full.untyped_storage().resize_(0)  # (allocated, never written)
+            if self.meter is not None:
+                self.meter.freed(self)
+            self._set_status(ZeroParamStatus.NOT_AVAILABLE)
+        else:
             self._free_storage()
-            self.gathered = False
+        self.gathered = False
 
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
@@ -210,8 +236,26 @@ class FlatParam:
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
 
     def _set_status(self, status: ZeroParamStatus) -> None:
+        available = status is ZeroParamStatus.AVAILABLE
         for t in self.params:
             t.ds_status = status
+        for t, view in zip(self.params, self._views):
+            # `.data`, not set_(): no version bump; autograd's saved leaves stay valid.
+            t.data = view if available else self._empty
+
+    def show_shapes(self) -> None:
+        """A backward that reads none of these weights (an embedding's) is coming:
+        the attributes take their shapes (on the freed storage) for its duration,
+        because autograd checks a leaf's shape when its gradient arrives."""
+        if not self.gathered:
+            for t, view in zip(self.params, self._views):
+                t.data = view
+
+    def settle(self) -> None:
+        """After the backward: not gathered, the attributes show 0 elements again."""
+        if not self.gathered:
+            for t in self.params:
+                t.data = self._empty
 
     # ---- module attributes ---------------------------------------------------
     def _param_on_full(self, info: ParamInfo) -> torch.Tensor:

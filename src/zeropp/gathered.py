@@ -142,7 +142,10 @@ def _release(pinned: list[Unit], chosen: list[Unit]) -> None:
     for u in pinned:
         u.pins -= 1
     for u in chosen:
-        u.free()  # no-op while an outer context still holds it
+        # No-op while an outer context still holds it. A tensor the user took inside
+        # (`p.detach()`, a state dict with keep_vars) keeps its values: the buffer is
+        # let go of, not emptied in place, as DeepSpeed's GatheredParameters does.
+        u.free(let_go=True)
 
 
 def _all_ok(st: ShardState, ok: bool) -> bool:

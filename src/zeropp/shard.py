@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import Comm
 from .config import Config
-from .deferred import defer_meta, paused
+from .deferred import defer_meta, paused, show_module
 from .flat_param import FlatParam
 from .guards import check_same_model, forget_parameters
 from .memory import GatherMeter, mmap_threshold_for, release_freed_host_memory
@@ -83,11 +83,12 @@ class Unit:
         for f in self.flats:
             f.wait_gather()
 
-    def free(self) -> None:
+    def free(self, let_go: bool = False) -> None:
+        """Free the full weights (`let_go`: see FlatParam.free)."""
         if self.pins:
             return  # resident inside zeropp.gathered()
         for f in self.flats:
-            f.free()
+            f.free(let_go)
 
     # ---- hooks -----------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -140,6 +141,8 @@ class Unit:
         st.begin_backward()
         if not self.backward_reads_weights:
             self.backward_gathered = True
+            for f in self.flats:
+                f.show_shapes()
             return
         # Gather even if this backward gathered the unit before: a unit used by
         # two graphs (or twice in one) may have been freed after its first use.
@@ -297,6 +300,8 @@ class ShardState:
                 for f in u.flats:
                     f.needs_reduce = False
                 u.free()
+                for f in u.flats:
+                    f.settle()
             self.backward_active = False
 
 
@@ -391,6 +396,7 @@ def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
         if hasattr(m, "_zeropp_state") or hasattr(m, "_zeropp_unit"):
             raise RuntimeError("zeropp.shard: this model (or a submodule of it) is already "
                                "sharded; call shard() once, on the root model")
+    show_module(model)  # parameters that show 0 elements until sharded (zero.Init's)
     if unit_types is not None:
         unit_types = tuple(unit_types) if isinstance(unit_types, (list, tuple)) else (unit_types,)
     topo = get_topology(cfg.node_size)

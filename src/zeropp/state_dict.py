@@ -57,6 +57,7 @@ def install(units: list, order: dict[nn.Module, list[str]]) -> None:
     for mod, entries in owned.items():
         rank = {name: k for k, name in enumerate(order.get(mod, []))}
         entries.sort(key=lambda e: rank.get(e[0], len(rank)))
+        mod._zeropp_params = entries  # its parameters in order (deepspeed/parameters.py)
         keep_vars: dict[str, bool] = {}
         mod.register_state_dict_pre_hook(functools.partial(_note_keep_vars, keep_vars))
         mod.register_state_dict_post_hook(functools.partial(_save, entries, keep_vars))

@@ -35,13 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..deferred import is_deferred
-from ..flat_param import ZeroParamStatus
+from ..deferred import is_deferred, show_module
+from ..flat_param import FlatParam, ZeroParamStatus
 from ..guards import one_line
 from ..shard import get_state, shard
 from . import config as ds_config
 from . import lr_schedules
 from .engine import DeepSpeedEngine
+from .parameters import expose_original_parameters, master_shards
 
 _DS_OPTIMIZERS_NOT_HERE = {"lamb", "lion", "onebitadam", "zerooneadam", "onebitlamb", "muadam",
                            "muadamw", "musgd", "muon"}
@@ -124,6 +125,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if any(hasattr(m, "_zeropp_unit") for m in model.modules()):
         raise ValueError("zeropp.initialize: a submodule of this model is already sharded; "
                          "pass the whole model")
+    show_module(model)  # zero.Init's 0-element parameters: their tensors, to shard
     groups = _param_groups(model, model_parameters, optimizer)
     if device.type != "cpu" and any(map(is_deferred, model.parameters())):
         raise one_line(ValueError(
@@ -139,6 +141,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     loader = _dataloader(training_data, ds, collate_fn)
     engine = DeepSpeedEngine(module, ds, opt, sched, loader, device)
     _zero3_attributes(module, opt)
+    expose_original_parameters(module, engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -168,14 +171,16 @@ def _initialize_again(module: nn.Module, ds: ds_config.DSConfig, optimizer: Any,
         raise one_line(ds_config.DeepSpeedConfigError(
             "zeropp.initialize: this model is already sharded with other ZeRO settings ("
             + "; ".join(diff) + "); initialize an unsharded model to change them"))
-    # Param groups over the shards (what module.parameters() yields now).
+    # Param groups over the shards: the parameters given (the module attributes an
+    # engine's module yields, or the shards zeropp.shard's does) stand for their shards.
     groups = _param_groups(module, model_parameters, optimizer)
-    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups]
+    groups = [{**g, "params": _shards_of(g["params"])} for g in groups]
     opt = _optimizer_over(groups, optimizer, ds)
     sched = _scheduler(opt, optimizer, lr_scheduler, ds)
     loader = _dataloader(training_data, ds, collate_fn)
     engine = DeepSpeedEngine(module, ds, opt, sched, loader, device)
     _zero3_attributes(module, opt)
+    expose_original_parameters(module, engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -207,6 +212,8 @@ def _zero3_attributes(module: nn.Module, opt: Any) -> None:
         # this rank's partition (the tensor-fragment API's local piece).
         p.ds_shape, p.ds_numel, p.ds_tensor = torch.Size([f.numel]), f.numel, p
         p._zeropp_optimizer = weakref.ref(opt) if opt is not None else None
+        for t in f.params:  # the model's own parameters (engine.module.named_parameters())
+            t.ds_active_sub_modules = set()
     module.ds_external_parameters = lambda: []
 
 
@@ -240,6 +247,8 @@ def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any) -> li
         else:
             groups = [{"params": items}]
     ours = {id(p) for p in model.parameters()}
+    if hasattr(model, "_zeropp_state"):  # sharded: its shards stand for themselves too
+        ours |= {id(p) for p in master_shards(model)}
     seen: set[int] = set()
     for g in groups:
         for p in g["params"]:
@@ -252,6 +261,17 @@ def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any) -> li
     # Trainable parameters in no group are accepted, as DeepSpeed accepts them: their
     # gradients are reduced, and no optimizer steps them.
     return groups
+
+
+def _shards_of(params: list) -> list:
+    """The trainable master shards holding `params` (shards or module attributes),
+    each once, in order."""
+    out: dict[int, torch.Tensor] = {}
+    for p in params:
+        f = FlatParam.owner_of(p)
+        if f is not None and f.trainable:
+            out.setdefault(id(f.primary_shard), f.primary_shard)
+    return list(out.values())
 
 
 def _shard_groups(module: nn.Module, groups: list[dict]) -> list[dict]:

@@ -33,6 +33,7 @@ from ..guards import agree, all_gather_bytes
 from ..optim import clip_grad_norm_
 from ..shard import get_state
 from .config import DSConfig, LossScaling
+from .parameters import master_shards
 
 
 class EngineAssertionError(ValueError, AssertionError):
@@ -307,7 +308,7 @@ class DeepSpeedEngine(nn.Module):
             self.loss_scaler.update(overflow)
         self.optimizer.overflow = overflow  # DeepSpeed's optimizers say so (accelerate reads it)
         self.optimizer.zero_grad(set_to_none=True)
-        for p in self.module.parameters():  # trainable ones in no param group too
+        for p in master_shards(self.module):  # trainable ones in no param group too
             p.grad = None
         self._global_grad_norm = norm
         self._step_applied = not overflow

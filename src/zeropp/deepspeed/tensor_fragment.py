@@ -2,10 +2,11 @@
 value, gradient or optimizer state under ZeRO-3, whole (`safe_*_full_*`,
 collective) or this rank's piece (`safe_*_local_*`, no communication).
 
-A "parameter" is either what `engine.module.parameters()` yields (a unit's flat
-fp32 master shard: its full value is the unit's flat buffer, `ds_shape`
-elements) or a module attribute of the original model (`model.fc.weight`: its
-own shape). Its local piece is this rank's part of it: the whole master shard
+A "parameter" is either a parameter of the original model (what
+`engine.module.named_parameters()` yields, the module attribute `model.fc.weight`:
+its own shape) or a unit's flat fp32 master shard (what the engine's optimizer
+and `zeropp.shard`'s `parameters()` hold: its full value is the unit's flat
+buffer, `ds_shape` elements). Its local piece is this rank's part of it: the whole master shard
 (padding included, `ds_tensor`), or the original parameter's elements that fall
 in this rank's shard (1-D, possibly empty). As in DeepSpeed, frozen parameters
 have no fp32 master, gradient or optimizer state: their getters return None.

@@ -19,14 +19,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from ..deferred import deferred_init, is_deferred, materialize, release
-from ..flat_param import ZeroParamStatus  # noqa: F401 - deepspeed.zero.ZeroParamStatus
+from ..deferred import deferred_init, hide, is_deferred, is_hidden, materialize, release, show
+from ..flat_param import FlatParam, ZeroParamStatus
 from ..gathered import gathered
 from ..guards import first_failure, in_one_line
 
@@ -59,8 +60,9 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_mod
         except TypeError:
             params = [params]
     units = [u for u in map(_unit_of, params) if u is not None]
-    if enabled and any(map(is_deferred, params)):  # built under Init, not sharded yet
-        with _materialized([p for p in params if is_deferred(p)], modifier_rank):
+    unsharded = [p for p in params if is_deferred(p) or is_hidden(p)]
+    if enabled and unsharded:  # built under Init, not sharded yet
+        with _materialized(unsharded, modifier_rank):
             yield
         return
     if not enabled or not units:
@@ -81,12 +83,15 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
     """GatheredParameters on parameters built under Init before `initialize`:
     they get their values for good (the whole build's, bit for bit; sharding
     later takes them as they are), AVAILABLE inside, and with `modifier_rank`,
-    that rank's edits reach every rank on exit (broadcast), as DeepSpeed's."""
+    that rank's edits reach every rank on exit (broadcast), as DeepSpeed's; then
+    they show 0 elements again."""
     with torch.no_grad():
         for p in params:
-            value = materialize(p)
-            release(p)
-            p.data = value
+            show(p)
+            if is_deferred(p):
+                value = materialize(p)
+                release(p)
+                p.data = value
     for p in params:
         p.ds_status = ZeroParamStatus.AVAILABLE
     error: Optional[str] = None
@@ -106,7 +111,11 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
                     for p in params:
                         torch.distributed.broadcast(p.data, src=modifier_rank)
             elif error is None:
+                for p in params:
+                    hide(p)
                 raise RuntimeError(f"zeropp GatheredParameters: {failed} inside the context")
+        for p in params:
+            hide(p)
 
 
 def _caller_package() -> str:
@@ -137,24 +146,33 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     if not torch.distributed.is_initialized():  # as DeepSpeed's Init does
         from .compat import init_distributed
         init_distributed()
+    built: list = []
     with deferred_init():
-        tagging = register_module_parameter_registration_hook(_tag_deferred)
+        tagging = register_module_parameter_registration_hook(
+            lambda m, n, p: _tag_deferred(p, built))
         try:
             yield
         finally:
             tagging.remove()
+    for ref in built:  # DeepSpeed's partitioned look: 0 elements until gathered or sharded
+        p = ref()
+        if (p is not None and p.ds_status is ZeroParamStatus.NOT_AVAILABLE
+                and FlatParam.owner_of(p) is None):  # (a master shard: sharded inside)
+            hide(p)
 
 
 _ids = itertools.count()
 
 
-def _tag_deferred(module: Any, name: str, p: Any) -> None:
+def _tag_deferred(p: Any, built: list) -> None:
     """A parameter built under Init carries DeepSpeed's ZeRO-3 attributes, as
     DeepSpeed's do from construction (libraries test `hasattr(p, "ds_id")`): it
-    holds no values until `initialize` shards the model."""
+    holds no values until `initialize` shards the model, and shows 0 elements
+    (`ds_shape` its shape) once the block ends, except inside GatheredParameters."""
     if p is not None and not hasattr(p, "ds_id"):
         p.ds_id, p.ds_status = next(_ids), ZeroParamStatus.NOT_AVAILABLE
         p.ds_shape, p.ds_numel = p.shape, p.numel()
+        built.append(weakref.ref(p))
 
 
 def MiCS_Init(*args: Any, **kwargs: Any) -> Any:
