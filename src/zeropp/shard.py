@@ -161,8 +161,14 @@ class Unit:
             self.free()
 
     def reduce(self, flat: FlatParam) -> None:
-        st = self.state
         g = flat.take_grad()
+        if self.state.held is not None:  # inside coalesced_reduction: reduced at its exit
+            self.state.held.add(flat, g)
+        else:
+            self.submit_reduce(flat, g)
+
+    def submit_reduce(self, flat: FlatParam, g: torch.Tensor) -> None:
+        st = self.state
         st.stats.count_unit(self.label, "reduce_scatter")
         st.reducer.submit(self.label, g, lambda comm: flat.reduce_first(comm, st.cfg, g),
                           lambda comm, part: flat.reduce_second(comm, st.cfg, part))
@@ -214,6 +220,7 @@ class ShardState:
         self.backward_order: list[Unit] = []
         self.backward_active = False
         self.gathered_depth = 0  # open zeropp.gathered() contexts
+        self.held: Any = None  # coalesce.HeldGradients inside coalesced_reduction()
         self.optimizer_steps = 0  # steps over these shards; kept in checkpoints
 
     @property

@@ -6,7 +6,8 @@ The loop DeepSpeed scripts write, per micro-batch:
     loss = engine(batch); engine.backward(loss); engine.step()
 `backward` scales the loss by 1/gradient_accumulation_steps (and by the fp16
 loss scale) and runs autograd; zeropp reduces each unit's gradient into the
-shards as it goes. `step` counts micro-steps and, at an accumulation boundary
+shards as it goes (inside `coalesce_grad_reduction()`, grad_sync.py: once, at
+the block's exit). `step` counts micro-steps and, at an accumulation boundary
 ((micro_steps + 1) % gas == 0), unscales, takes the global gradient norm and
 clips it (`gradient_clipping`), skips the update if the norm is not finite,
 else steps the optimizer and then the LR schedule, zeroes the gradients and
@@ -33,13 +34,9 @@ from ..guards import agree, all_gather_bytes
 from ..optim import clip_grad_norm_
 from ..shard import get_state
 from .config import DSConfig, LossScaling
+from .errors import EngineAssertionError
+from .grad_sync import GradSyncContexts
 from .parameters import master_shards
-
-
-class EngineAssertionError(ValueError, AssertionError):
-    """A misuse DeepSpeed reports with an assert (a non-scalar loss to scale, ranks
-    saving under different checkpoint tags): a ValueError, and an AssertionError for
-    code written against DeepSpeed."""
 
 
 class LossScaler:
@@ -89,7 +86,7 @@ class LossScaler:
         self.last_overflow_iter, self.cur_hysteresis = sd["last_overflow_iter"], sd["cur_hysteresis"]
 
 
-class DeepSpeedEngine(nn.Module):
+class DeepSpeedEngine(GradSyncContexts, nn.Module):
     """Made by `zeropp.initialize`; see the module docstring. Attribute access
     falls through to the model (`engine.generate`, ...)."""
 
@@ -108,7 +105,7 @@ class DeepSpeedEngine(nn.Module):
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._step_applied = False
         self._global_grad_norm: Optional[float] = None
-        self._boundary: Optional[bool] = None
+        self._is_gradient_accumulation_boundary: Optional[bool] = None  # DeepSpeed's name
         self._scaled = False  # a loss went through scale() and awaits its backward
         # DeepSpeed's set of modules whose gradients it reduces as sparse: zeropp reduces
         # every gradient dense, so none (checkpoint helpers compare it across engines).
@@ -213,14 +210,14 @@ class DeepSpeedEngine(nn.Module):
 
     # ---- the loop -----------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary is not None:
-            return self._boundary
+        if self._is_gradient_accumulation_boundary is not None:
+            return self._is_gradient_accumulation_boundary
         if not self._config.managed_accumulation:  # the caller's step() is the boundary
             return True
         return (self.micro_steps + 1) % self._config.grad_accum == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        self._boundary = bool(is_boundary)
+        self._is_gradient_accumulation_boundary = bool(is_boundary)
 
     def _need_optimizer(self, what: str) -> None:
         if self.optimizer is None:
@@ -273,6 +270,7 @@ class DeepSpeedEngine(nn.Module):
         """Count a micro-step; at an accumulation boundary, update (see the module
         docstring)."""
         self._need_optimizer("step")
+        self._refuse_inside_no_sync("step")
         if get_state(self.module).gathered_depth:
             raise RuntimeError("zeropp engine.step() inside zeropp.gathered(): the gathered "
                                "weights would go stale; step after the context")

@@ -126,9 +126,18 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
 
 def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The parameter's full fp32 gradient (the mean over ranks, as reduced), None
-    if frozen or before backward. Collective."""
+    if frozen or before backward. Collective. Inside engine.coalesce_grad_reduction(),
+    once a backward there reached it: this rank's own gradient summed over the
+    block so far, not yet reduced (no communication; DeepSpeed's local value)."""
     f, i = _locate(param)
-    return _full(f, i, _grad(f)) if f.trainable else None
+    if not f.trainable:
+        return None
+    held = f.unit.state.held
+    local = held.get(f) if held is not None else None
+    if local is not None:
+        off, n, shape = _span(f, i)
+        return local[off:off + n].view(shape).clone()
+    return _full(f, i, _grad(f))
 
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str
