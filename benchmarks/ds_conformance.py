@@ -123,13 +123,23 @@ INTERNAL = [
      "the engine's / optimizer's internal buffers and coordinators"),
     (r"partition_parameters has no attribute '(print_rank_0|\w+)'|"
      r"(CUDAQuantizer|MultipleAllGatherHandles|InsertPostInitMethodToModuleSubClasses|"
-     r"DeepSpeedZeroConfig)('>)? (has no attribute|is not part of zeropp)",
+     r"DeepSpeedZeroConfig)('>)? has no attribute",
      "DeepSpeed-internal classes and helpers the test monkeypatches or builds directly "
      "(partition_parameters' print_rank_0 / Init._partition_param_sec, CUDAQuantizer's "
      "kernel module, the pydantic DeepSpeedZeroConfig)"),
     (r"deepspeed\.runtime\.zero\.(partitioned_param_coordinator|parameter_offload|"
      r"partitioned_param_swapper|linear|tiling|utils|mics|offload_states)",
      "a DeepSpeed-internal ZeRO module"),
+]
+
+# The alias's refusal of a DeepSpeed-internal name (absent.py: classes, functions a test
+# builds or calls directly): internal, the parenthesis is the reason. Checked first.
+INTERNAL_NAME = r"zeropp: ([\w.]+) is DeepSpeed-internal \(([^()]*)\)"
+
+# A bare `assert` on a refused feature's objects: (pattern on the asserted line, what).
+REFUSED_ASSERTS = [
+    (r"zero3_linear_wrap|linear_bk|LinearFunctionForZeroStage3",
+     "DeepSpeed's memory-efficient linear (zero3_linear_wrap; zeropp runs torch's F.linear)"),
 ]
 
 # A bare `assert` on DeepSpeed's internals: (pattern on the asserted source line, reason).
@@ -163,6 +173,8 @@ CUDA_FAIL = [
     r"Cannot access accelerator device when none is available|Invalid device string: '\d+'",
     # a DDP baseline built with device_ids=[rank]: GPU modules only
     r"DistributedDataParallel device_ids and output_device arguments only work with",
+    # the test's own bf16 check raising (not skipping) without NCCL / CUDA
+    r"DeepSpeed BFloat16 tests need torch",
 ]
 
 # A whole file fails to import: the missing module or name.
@@ -583,6 +595,9 @@ def classify_failure(text: str, crash: str) -> tuple[str, str]:
         if m2 or name.rsplit(".", 1)[-1].startswith("_"):
             return "internal", reason or "a private name (leading underscore)"
         return "stub", name
+    m = re.search(INTERNAL_NAME, hay)
+    if m:
+        return "internal", f"DeepSpeed-internal {m.group(1)}: {m.group(2)}"
     m, what = first_match(REFUSED, hay)
     if m:
         what = what or m.group(1)
@@ -592,6 +607,9 @@ def classify_failure(text: str, crash: str) -> tuple[str, str]:
         return "internal", reason
     if re.search(r"^AssertionError\s*$|^(AssertionError: )?assert ", last_line(text), re.M):
         # a bare assert: what it checked is the test's source line
+        m, what = first_match(REFUSED_ASSERTS, where(text))
+        if m:
+            return "refused", what
         m, reason = first_match(INTERNAL_ASSERTS, where(text))
         if m:
             return "internal", reason
@@ -603,6 +621,16 @@ def classify_failure(text: str, crash: str) -> tuple[str, str]:
 
 def classify_skip(reason: str) -> str:
     return "cuda-only" if any(re.search(p, reason) for p in CUDA_ONLY) else "skipped"
+
+
+def refused_feature(text: str) -> str:
+    """The feature zeropp refuses that an import failure names ("" if none): the alias's
+    ModuleNotFoundError for a module it leaves out, or a refusal raised at import."""
+    m = re.search(r"\(([^()]*) is not part of zeropp\)", text)
+    if m:
+        return m.group(1)
+    m, what = first_match(REFUSED, last_line(text))
+    return (what or m.group(1)) if m else ""
 
 
 def missing_name(text: str) -> str:
@@ -694,11 +722,11 @@ def summarize(run: dict) -> dict:
     if collect_errors and not tests:
         text = collect_errors[0]["text"]
         name = missing_name(text)
-        refused = NOT_HERE_MARK in text
+        feature = refused_feature(text)
         chain = import_chain(text, rel)
         direct = chain.split(" -> ")[-1] == rel if chain else True
-        imp = {"missing": name, "refused": refused, "chain": chain, "direct": direct,
-               "line": last_line(text)}
+        imp = {"missing": name, "refused": bool(feature) or NOT_HERE_MARK in text,
+               "feature": feature, "chain": chain, "direct": direct, "line": last_line(text)}
     alias_err = [e["text"] for e in evs if e["ev"] == "alias_error"]
     stubs = sorted({ln for e in evs if e["ev"] == "stubs" for ln in e["lines"]})
     shim = any(e["ev"] == "shim" for e in evs)
@@ -751,7 +779,10 @@ def report(a, sums: list[dict], ds_rev: str, elapsed: float) -> str:
         tot["tests"] += n
         if s["import"]:
             i = s["import"]
-            kind = "refused" if i["refused"] and i["direct"] else "FAILS"
+            kind = "FAILS"
+            if i["refused"]:  # the file imports a refused feature at module level
+                kind = f"refused ({i.get('feature') or 'a DeepSpeed feature'})"
+                tot["import_refused"] += 1
             imp = f"{kind}: `{i['missing']}`" + (f" via {i['chain']}" if not i["direct"] else "")
             tot["import_fail"] += 1
         else:
@@ -765,7 +796,9 @@ def report(a, sums: list[dict], ds_rev: str, elapsed: float) -> str:
     out.append(f"| **all {len(sums)} files** | {tot['tests']}"
                + (f" (+{tot['sampled']} sampled out)" if tot["sampled"] else "") + " | "
                + " | ".join(f"**{tot.get(k, 0)}**" for k in cols)
-               + f" | {tot['import_fail']} fail |")
+               + f" | {tot['import_fail']} fail"
+               + (f" ({tot['import_refused']} on a refused feature)" if tot["import_refused"]
+                  else "") + " |")
     out.append("")
     imps = [s for s in sums if s["import"]]
     if imps:
@@ -774,7 +807,9 @@ def report(a, sums: list[dict], ds_rev: str, elapsed: float) -> str:
             i = s["import"]
             out.append(f"- `{s['file']}`: `{i['missing']}`"
                        + (f" (imported by {i['chain']})" if i["chain"] else "")
-                       + (" — a feature zeropp refuses" if i["refused"] else "")
+                       + (f" — imports {i.get('feature') or 'a feature zeropp refuses'}, "
+                          "which zeropp refuses, at module level" if i["refused"]
+                          else " — a zeropp gap")
                        + f"\n  `{i['line']}`")
         out.append("")
     gaps = [(s["file"], tid, t) for s in sums for tid, t in s["tests"].items() if t["cat"] == "gap"]
