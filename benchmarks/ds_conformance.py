@@ -127,6 +127,9 @@ INTERNAL = [
      "DeepSpeed-internal classes and helpers the test monkeypatches or builds directly "
      "(partition_parameters' print_rank_0 / Init._partition_param_sec, CUDAQuantizer's "
      "kernel module, the pydantic DeepSpeedZeroConfig)"),
+    (r"Expected RuntimeError: inputs with requires_grad=False is not supported for a leaf",
+     "expects DeepSpeed's own limitation (a RuntimeError for a leaf module's input that does "
+     "not require grad, which its leaf hooks need); zeropp runs such inputs"),
     (r"deepspeed\.runtime\.zero\.(partitioned_param_coordinator|parameter_offload|"
      r"partitioned_param_swapper|linear|tiling|utils|mics|offload_states)",
      "a DeepSpeed-internal ZeRO module"),
@@ -136,15 +139,18 @@ INTERNAL = [
 # builds or calls directly): internal, the parenthesis is the reason. Checked first.
 INTERNAL_NAME = r"zeropp: ([\w.]+) is DeepSpeed-internal \(([^()]*)\)"
 
-# A bare `assert` on a refused feature's objects: (pattern on the asserted line, what).
-REFUSED_ASSERTS = [
+# A failure on a line of the test that uses a refused feature's objects (an assert that
+# DeepSpeed's memory-efficient linear replaced F.linear, ...): (pattern on that line, what).
+REFUSED_LINES = [
     (r"zero3_linear_wrap|linear_bk|LinearFunctionForZeroStage3",
-     "DeepSpeed's memory-efficient linear (zero3_linear_wrap; zeropp runs torch's F.linear)"),
+     "DeepSpeed's memory-efficient linear; zeropp runs torch's F.linear"),  # absent.py's words
 ]
 
 # A bare `assert` on DeepSpeed's internals: (pattern on the asserted source line, reason).
 INTERNAL_ASSERTS = [
     (r"\bds_id\b", "DeepSpeed's per-parameter id (ds_id) as the mark of a partitioned param"),
+    (r"convert_to_zero_parameters|all_gather_coalesced",
+     "a ZeRO-3 parameter's DeepSpeed-internal methods (convert_to_zero_parameters, ...)"),
     (r"\bds_tensor\b|\bds_grads_remaining\b|\bds_persist\b",
      "a ZeRO-3 parameter's private partition bookkeeping (ds_tensor, ...)"),
     (r"ZeROOrderedDict|_parameters\b", "DeepSpeed's ZeROOrderedDict / a module's _parameters"),
@@ -602,14 +608,14 @@ def classify_failure(text: str, crash: str) -> tuple[str, str]:
     if m:
         what = what or m.group(1)
         return "refused", what
+    m, what = first_match(REFUSED_LINES, where(text))
+    if m:
+        return "refused", what
     m, reason = first_match(INTERNAL, hay)
     if m:
         return "internal", reason
     if re.search(r"^AssertionError\s*$|^(AssertionError: )?assert ", last_line(text), re.M):
         # a bare assert: what it checked is the test's source line
-        m, what = first_match(REFUSED_ASSERTS, where(text))
-        if m:
-            return "refused", what
         m, reason = first_match(INTERNAL_ASSERTS, where(text))
         if m:
             return "internal", reason

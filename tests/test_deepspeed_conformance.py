@@ -402,10 +402,12 @@ def test_leaf_module_defaults_are_deepspeeds_three_hf_moe_blocks_unless_classes_
     assert ds.leaf_module["classes"] == []
 
 
-def test_torch_autocast_is_refused_in_one_line_and_memory_efficient_linear_accepted():
+def test_torch_autocast_and_weight_quantization_are_refused_memory_efficient_linear_accepted():
     from zeropp.deepspeed import config as ds_config
     with pytest.raises(ValueError, match="torch_autocast is not supported"):
         ds_config.parse(_config(torch_autocast={"enabled": True, "dtype": "torch.bfloat16"}), 2)
+    with pytest.raises(ValueError, match="weight_quantization is not supported"):
+        ds_config.parse(_config(weight_quantization={"quantized_initialization": {}}), 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "unknown key" warning
         ds_config.parse(_config(zero_optimization={"stage": 3,

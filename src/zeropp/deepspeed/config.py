@@ -58,7 +58,8 @@ UNSUPPORTED_SECTIONS = {"pipeline": "pipeline parallelism", "moe": "Mixture-of-E
                         "autotuning": "the autotuner",
                         "data_efficiency": "data efficiency (curriculum / routing)",
                         "torch_autocast": "the engine's own torch.autocast with "
-                                          "per-parameter communication dtypes"}
+                                          "per-parameter communication dtypes",
+                        "weight_quantization": "quantized weight initialization"}
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
              "fp16_master_weights_and_grads"}
@@ -214,7 +215,7 @@ def _refuse_unsupported(ds: dict) -> None:
             on = sec.get("autotp_size", sec.get("tp_size", 1)) not in (0, 1)
         elif key == "sequence_parallel_size":
             on = sec not in (None, 0, 1)
-        elif key in ("pipeline", "moe"):
+        elif key in ("pipeline", "moe", "weight_quantization"):
             on = bool(sec) and (not isinstance(sec, dict) or sec.get("enabled", True) is True)
         else:
             on = isinstance(sec, dict) and sec.get("enabled", False) is True
