@@ -187,3 +187,39 @@ print(json.dumps(missing))
     assert r.returncode == 0, r.stderr[-3000:]
     missing = set(json.loads(r.stdout))
     assert missing <= NOT_COVERED, sorted(missing - NOT_COVERED)
+
+
+def test_deepspeed_modules_its_zero3_tests_import_are_importable_and_refuse_in_one_line(tmp_path):
+    r = _python("""
+import torch, zeropp
+zeropp.install_as_deepspeed()
+from deepspeed.runtime.torch_autocast import get_comm_dtype, has_comm_dtype
+from deepspeed.runtime.zero.partition_parameters import get_allgather_dtype, zero3_linear_wrap
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, DeepSpeedZeroOffloadParamConfig
+from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
+from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
+p = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+print(has_comm_dtype(p), get_comm_dtype(p), get_allgather_dtype(p, p), len(DEFAULT_LEAF_MODULE_CLASSES))
+for use in (lambda: DeepSpeedZeroConfig(stage=3), lambda: DeepSpeedZeroOffloadParamConfig(),
+            lambda: ensure_zero_ordered_dict(p), lambda: zero3_linear_wrap(p, p),
+            lambda: LinearFunctionForZeroStage3.apply(p, p)):
+    try:
+        use()
+    except NotImplementedError as e:
+        print(e)
+print(isinstance({}, ZeROOrderedDict))
+""", tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    linear = "(DeepSpeed's memory-efficient linear; zeropp runs torch's F.linear) is not part of zeropp"
+    assert r.stdout.strip().splitlines() == [
+        "False torch.bfloat16 torch.bfloat16 3",
+        "zeropp: DeepSpeedZeroConfig is DeepSpeed-internal (DeepSpeed's pydantic model of "
+        "zero_optimization; zeropp reads the section in zeropp.deepspeed.config.parse); zeropp "
+        "has no such object",
+        "zeropp: deepspeed DeepSpeedZeroOffloadParamConfig (ZeRO-Offload) is not part of zeropp",
+        "zeropp: ensure_zero_ordered_dict is DeepSpeed-internal (ZeRO-3's module parameter "
+        "dict); zeropp has no such object",
+        f"zeropp: deepspeed zero3_linear_wrap {linear}",
+        f"zeropp: deepspeed LinearFunctionForZeroStage3.apply {linear}",
+        "False"]

@@ -386,3 +386,41 @@ def _allreduce_gradients() -> dict:
 def test_allreduce_gradients_after_backward_changes_nothing_at_w2():
     for r in spawn(_allreduce_gradients, 2, timeout=120):
         assert r == {"same": True, "sparse": True}
+
+
+class MixtralSparseMoeBlock(nn.Module):
+    """Named as transformers' Mixtral MoE block (DeepSpeed's default leaf class)."""
+
+
+MixtralSparseMoeBlock.__module__ = "transformers.models.mixtral.modeling_mixtral"
+
+
+def test_leaf_module_defaults_are_deepspeeds_three_hf_moe_blocks_unless_classes_given():
+    from zeropp.deepspeed import config as ds_config
+    from zeropp.deepspeed.compat import _mark_leaf_modules
+    ds = ds_config.parse(_config(), 2)
+    assert ds.leaf_module == {"classes": ds_config.DEFAULT_LEAF_MODULE_CLASSES,
+                              "names": [], "name_suffixes": []}
+    assert len(ds_config.DEFAULT_LEAF_MODULE_CLASSES) == 3
+    model = nn.Sequential(nn.Linear(2, 2), MixtralSparseMoeBlock())
+    _mark_leaf_modules(model, ds.leaf_module)
+    assert ds_utils.get_z3_leaf_modules(model) == [model[1]]
+    # "names" alone keeps the default classes; "classes" replaces them (as DeepSpeed's).
+    ds = ds_config.parse(_config(zero_optimization={"stage": 3, "leaf_module": {
+        "names": "0"}}), 2)
+    assert ds.leaf_module["classes"] == ds_config.DEFAULT_LEAF_MODULE_CLASSES
+    ds = ds_config.parse(_config(zero_optimization={"stage": 3, "leaf_module": {
+        "classes": []}}), 2)
+    assert ds.leaf_module["classes"] == []
+
+
+def test_torch_autocast_and_weight_quantization_are_refused_memory_efficient_linear_accepted():
+    from zeropp.deepspeed import config as ds_config
+    with pytest.raises(ValueError, match="torch_autocast is not supported"):
+        ds_config.parse(_config(torch_autocast={"enabled": True, "dtype": "torch.bfloat16"}), 2)
+    with pytest.raises(ValueError, match="weight_quantization is not supported"):
+        ds_config.parse(_config(weight_quantization={"quantized_initialization": {}}), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "unknown key" warning
+        ds_config.parse(_config(zero_optimization={"stage": 3,
+                                                   "memory_efficient_linear": True}), 2)

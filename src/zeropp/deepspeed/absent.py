@@ -8,9 +8,10 @@ ZeRO-3 tests import it). So, as DeepSpeed itself behaves when its compiled ops
 are not built:
 - op builders report themselves not compatible (`is_compatible()` False,
   `deepspeed.ops.__compatible_ops__` all False) and refuse to `load()`;
-- pipeline classes refuse to be built;
-- DeepSpeed's own optimizer types exist for `isinstance` and nothing is an
-  instance of them (zeropp's engine runs a torch optimizer over the shards);
+- pipeline classes and DeepSpeed's memory-efficient linear refuse to be used;
+- DeepSpeed's own optimizer types and other internals exist for `isinstance`
+  and nothing is an instance of them (zeropp's engine runs a torch optimizer
+  over the shards); building or calling one says it is DeepSpeed-internal;
 - plain constants and enums are what DeepSpeed's are (`OffloadDeviceEnum`:
   the offload a config names is then refused by `initialize`).
 `git_version_info` reports this torch and no installed ops.
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from ..guards import one_line
+from . import config
 
 # DeepSpeed's op builders (deepspeed/ops/op_builder/all_ops.py), by builder class.
 _BUILDERS = {"CPUAdamBuilder": "cpu_adam", "CPUAdagradBuilder": "cpu_adagrad",
@@ -40,6 +42,12 @@ _BUILDERS = {"CPUAdamBuilder": "cpu_adam", "CPUAdagradBuilder": "cpu_adagrad",
 
 def refuse(what: str) -> NotImplementedError:
     return one_line(NotImplementedError(f"zeropp: {what} is not part of zeropp"))
+
+
+def internal(name: str, what: str) -> NotImplementedError:
+    """The refusal of a DeepSpeed implementation detail (not a feature zeropp lacks)."""
+    return one_line(NotImplementedError(
+        f"zeropp: {name} is DeepSpeed-internal ({what}); zeropp has no such object"))
 
 
 def _builder(cls_name: str, op: str) -> type:
@@ -59,13 +67,27 @@ def _refused_class(name: str, what: str) -> type:
     return type(name, (), {"__init__": init, "__doc__": f"{what}: refused when built."})
 
 
-def _absent_type(name: str) -> type:
+def _absent_type(name: str, what: str = "a class of its ZeRO implementation") -> type:
     """A DeepSpeed class for isinstance checks: zeropp builds none."""
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise refuse(f"DeepSpeed's {name}")
+        raise internal(name, what)
 
     return type(name, (), {"__init__": init,
                            "__doc__": f"DeepSpeed's {name}: nothing here is an instance."})
+
+
+def _internal_function(name: str, what: str) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        raise internal(name, what)
+    call.__name__ = call.__qualname__ = name.rsplit(".", 1)[-1]
+    return call
+
+
+def _refused_function(name: str, what: str) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        raise refuse(f"deepspeed {name} ({what})")
+    call.__name__ = call.__qualname__ = name.rsplit(".", 1)[-1]
+    return call
 
 
 class ZeRORuntimeException(Exception):
@@ -130,6 +152,44 @@ def git_version_info() -> dict[str, Any]:
                            "nccl_version": nccl, "hip_version": "0.0"}}
 
 
+# deepspeed.runtime.torch_autocast: its per-parameter communication dtype is an
+# attribute DeepSpeed's engine sets when the config's torch_autocast section is on;
+# zeropp refuses that section (config.py), so no parameter has it and the readers
+# answer the parameter's own dtype, as DeepSpeed's do for a parameter without it.
+PARAM_COMM_DTYPE_ATTR_NAME = "comm_dtype"
+
+
+def has_comm_dtype(param: torch.Tensor) -> bool:
+    return hasattr(param, PARAM_COMM_DTYPE_ATTR_NAME)
+
+
+def get_comm_dtype(param: torch.Tensor) -> torch.dtype:
+    return getattr(param, PARAM_COMM_DTYPE_ATTR_NAME, param.dtype)
+
+
+def get_allgather_dtype(param: torch.Tensor, param_ds_tensor: torch.Tensor) -> torch.dtype:
+    """partition_parameters' gather dtype: the comm dtype, else the partition's."""
+    return get_comm_dtype(param) if has_comm_dtype(param) else param_ds_tensor.dtype
+
+
+def _torch_autocast() -> dict[str, Any]:
+    return {"PARAM_COMM_DTYPE_ATTR_NAME": PARAM_COMM_DTYPE_ATTR_NAME,
+            "has_comm_dtype": has_comm_dtype, "get_comm_dtype": get_comm_dtype,
+            "get_all_comm_dtypes": lambda params: {get_comm_dtype(p) for p in params},
+            "is_autocast_initialized": lambda: False, "get_autocast_dtype": lambda: None,
+            "init_autocast_params": _refused_function(
+                "init_autocast_params", "the torch_autocast config section")}
+
+
+# DeepSpeed's memory-efficient linear (zero_optimization.memory_efficient_linear, on by
+# default there): an F.linear that keeps no gathered weight for backward. zeropp keeps
+# torch's F.linear; the key is accepted and changes nothing (config.py).
+_LINEAR_WHAT = "DeepSpeed's memory-efficient linear; zeropp runs torch's F.linear"
+LinearFunctionForZeroStage3 = _refused_class("LinearFunctionForZeroStage3", _LINEAR_WHAT)
+LinearFunctionForZeroStage3.apply = staticmethod(
+    _refused_function("LinearFunctionForZeroStage3.apply", _LINEAR_WHAT))
+zero3_linear_wrap = _refused_function("zero3_linear_wrap", _LINEAR_WHAT)
+
 # DeepSpeed-internal classes its ZeRO-3 tests import at module level (for isinstance
 # checks, monkeypatching, direct construction): types of which nothing is an instance.
 PARTITION_PARAMETERS_TYPES = ("MultipleAllGatherHandles", "InsertPostInitMethodToModuleSubClasses",
@@ -144,6 +204,8 @@ def namespaces(package: Any, version: str) -> dict[str, Any]:
     """name -> module for the alias (alias.py); `package` builds a namespace module."""
     builders = {cls: _builder(cls, op) for cls, op in _BUILDERS.items()}
     info = {**git_version_info(), "version": version}
+    offload_configs = {n: _refused_class(n, "ZeRO-Offload") for n in (
+        "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig")}
     pipe = {"PipelineModule": _refused_class("PipelineModule", "pipeline parallelism"),
             "LayerSpec": _refused_class("LayerSpec", "pipeline parallelism"),
             "TiedLayerSpec": _refused_class("TiedLayerSpec", "pipeline parallelism")}
@@ -157,9 +219,28 @@ def namespaces(package: Any, version: str) -> dict[str, Any]:
         "deepspeed.runtime.pipe.module": package("deepspeed.runtime.pipe.module", **pipe),
         "deepspeed.runtime.zero.offload_config": package(
             "deepspeed.runtime.zero.offload_config", OffloadDeviceEnum=OffloadDeviceEnum,
-            OffloadStateTypeEnum=OffloadStateTypeEnum),
+            OffloadStateTypeEnum=OffloadStateTypeEnum, **offload_configs),
         "deepspeed.runtime.zero.config": package(
-            "deepspeed.runtime.zero.config", **absent_types(["DeepSpeedZeroConfig"])),
+            "deepspeed.runtime.zero.config", **offload_configs,
+            DeepSpeedZeroConfig=_absent_type(
+                "DeepSpeedZeroConfig", "DeepSpeed's pydantic model of zero_optimization; zeropp "
+                "reads the section in zeropp.deepspeed.config.parse")),
+        "deepspeed.runtime.zero.leaf_module_config": package(
+            "deepspeed.runtime.zero.leaf_module_config",
+            DEFAULT_LEAF_MODULE_CLASSES=config.DEFAULT_LEAF_MODULE_CLASSES,
+            DEFAULT_LEAF_MODULE_NAMES=config.DEFAULT_LEAF_MODULE_NAMES,
+            DEFAULT_LEAF_MODULE_NAME_SUFFIXES=config.DEFAULT_LEAF_MODULE_NAME_SUFFIXES),
+        "deepspeed.runtime.zero.parameter_offload": package(
+            "deepspeed.runtime.zero.parameter_offload",
+            ZeROOrderedDict=_absent_type("ZeROOrderedDict", "ZeRO-3's module parameter dict"),
+            ensure_zero_ordered_dict=_internal_function(
+                "ensure_zero_ordered_dict", "ZeRO-3's module parameter dict"),
+            DeepSpeedZeRoOffload=_absent_type("DeepSpeedZeRoOffload")),
+        "deepspeed.runtime.zero.linear": package(
+            "deepspeed.runtime.zero.linear", zero3_linear_wrap=zero3_linear_wrap,
+            LinearFunctionForZeroStage3=LinearFunctionForZeroStage3),
+        "deepspeed.runtime.torch_autocast": package("deepspeed.runtime.torch_autocast",
+                                                    **_torch_autocast()),
         "deepspeed.runtime.zero.utils": package("deepspeed.runtime.zero.utils",
                                                 ZeRORuntimeException=ZeRORuntimeException),
         "deepspeed.runtime.swap_tensor": package("deepspeed.runtime.swap_tensor",

@@ -204,6 +204,8 @@ def _namespaces() -> dict[str, types.ModuleType]:
             zero_wrapper_for_fp_tensor_constructor=lambda fn, *a, **k: fn,
             _orig_torch_arange=torch.arange, get_accelerator=accelerator.get_accelerator,
             partitioned_param_data_shape=[0],  # DeepSpeed's empty partitioned .data
+            zero3_linear_wrap=absent.zero3_linear_wrap,
+            get_allgather_dtype=absent.get_allgather_dtype,
             **absent.absent_types(absent.PARTITION_PARAMETERS_TYPES)),
         # Scripts import these at the top even when they run no MoE layer.
         "deepspeed.moe": _package("deepspeed.moe"),
@@ -215,7 +217,9 @@ def _namespaces() -> dict[str, types.ModuleType]:
                                         MoE=_not_here("deepspeed.moe.layer.MoE",
                                                       "Mixture-of-Experts")),
         # Importable, refused when used (absent.py): pipeline classes, op builders,
-        # DeepSpeed's optimizer types, offload enums, version info.
+        # DeepSpeed's optimizer types and other internals, offload enums and configs,
+        # the memory-efficient linear, version info; the leaf-module defaults and the
+        # torch_autocast dtype readers, which work.
         **absent.namespaces(_package, DEEPSPEED_VERSION),
     }
 

@@ -43,7 +43,10 @@ ZERO_IGNORED = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size",
                 "zero_quantized_nontrainable_weights_bits", "allgather_partitions",
                 "reduce_scatter", "cpu_offload", "load_from_fp32_weights",
                 "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1",
-                "mics_shard_size", "mics_hierarchical_params_gather"}
+                "mics_shard_size", "mics_hierarchical_params_gather",
+                # DeepSpeed's re-fetching F.linear for stage 3 (on by default there):
+                # torch's F.linear computes the same here (deepspeed.runtime.zero.linear)
+                "memory_efficient_linear"}
 OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 # Sections that turn on a DeepSpeed feature zeropp does not have: present (pipeline,
 # moe), a size above 1 (tensor / sequence parallelism), or "enabled": true (the rest,
@@ -53,7 +56,10 @@ UNSUPPORTED_SECTIONS = {"pipeline": "pipeline parallelism", "moe": "Mixture-of-E
                         "sequence_parallel_size": "sequence parallelism",
                         "amp": "apex AMP", "nebula": "Nebula checkpoints",
                         "autotuning": "the autotuner",
-                        "data_efficiency": "data efficiency (curriculum / routing)"}
+                        "data_efficiency": "data efficiency (curriculum / routing)",
+                        "torch_autocast": "the engine's own torch.autocast with "
+                                          "per-parameter communication dtypes",
+                        "weight_quantization": "quantized weight initialization"}
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
              "fp16_master_weights_and_grads"}
@@ -209,7 +215,7 @@ def _refuse_unsupported(ds: dict) -> None:
             on = sec.get("autotp_size", sec.get("tp_size", 1)) not in (0, 1)
         elif key == "sequence_parallel_size":
             on = sec not in (None, 0, 1)
-        elif key in ("pipeline", "moe"):
+        elif key in ("pipeline", "moe", "weight_quantization"):
             on = bool(sec) and (not isinstance(sec, dict) or sec.get("enabled", True) is True)
         else:
             on = isinstance(sec, dict) and sec.get("enabled", False) is True
@@ -286,16 +292,30 @@ def _warn_stage_under_alias(given: dict) -> None:
                       "\"zero_optimization\": {\"stage\": 3} in it", stacklevel=4)
 
 
+# DeepSpeed's defaults for zero_optimization.leaf_module
+# (deepspeed/runtime/zero/leaf_module_config.py, also answered by the alias): Hugging
+# Face's sparse MoE blocks are leaves wherever a model has them, unless the config
+# gives its own "classes".
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+
+
 def _leaf_module(sec: Any) -> dict:
     """zero_optimization.leaf_module: {"classes", "names", "name_suffixes"}, each a
-    string or a list of strings (DeepSpeed's own defaults name MoE blocks that
-    zeropp gathers whole inside their decoder-layer unit anyway: not applied)."""
+    string or a list of strings; a list not given is DeepSpeed's default (above)."""
+    out = {"classes": list(DEFAULT_LEAF_MODULE_CLASSES),
+           "names": list(DEFAULT_LEAF_MODULE_NAMES),
+           "name_suffixes": list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES)}
     if sec is None:
-        return {}
-    if not isinstance(sec, dict) or set(sec) - {"classes", "names", "name_suffixes"}:
+        return out
+    if not isinstance(sec, dict) or set(sec) - set(out):
         raise _err("zero_optimization.leaf_module", sec,
                    'a JSON object with "classes", "names" and / or "name_suffixes"')
-    out = {}
     for k, v in sec.items():
         v = [v] if isinstance(v, str) else v
         if not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
