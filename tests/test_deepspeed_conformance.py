@@ -299,6 +299,13 @@ def test_leaf_flags_by_class_name_and_suffix_and_a_leaf_is_one_unit():
     assert list(unit_modules(model, None).values()) == ["", "blocks.0", "blocks.1"]
     ds_utils.unset_z3_leaf_modules(model, [_Experts])
     assert ds_utils.get_z3_leaf_modules(model) == []
+    # A leaf container (never called, so it cannot gather) gives its modules to the unit
+    # around it; a leaf root makes the whole model one unit.
+    ds_utils.set_z3_leaf_modules_by_name(model, ["blocks"])
+    assert list(unit_modules(model, None).values()) == [""]
+    ds_utils.set_z3_leaf_modules_by_name(model, ["blocks.0.experts", ""])
+    assert list(unit_modules(model, None).values()) == [""]
+    ds_utils.unset_z3_leaf_modules(model, [nn.ModuleList, _MoE])
     mods, missing = ds_utils.set_z3_leaf_modules_by_name(model, ["blocks.1", "nope"],
                                                          raise_if_not_found=False)
     assert mods == [model.blocks[1]] and missing == ["nope"]

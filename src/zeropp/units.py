@@ -36,11 +36,16 @@ def _leaf_units(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Module
     """A module flagged as a ZeRO-3 leaf (`deepspeed.utils.set_z3_leaf_modules`: a MoE
     block whose experts run in any order, or not at all on some rank) is one unit, and
     nothing inside it is: it is gathered and reduced whole, on every rank alike."""
+    if getattr(model, "_z3_leaf", False):
+        return {model: ""}  # the whole model is one leaf: one unit
     leaves = [m for m in model.modules() if m is not model and getattr(m, "_z3_leaf", False)]
     if not leaves:
         return units
     inside = {id(x) for leaf in leaves for x in leaf.modules() if x is not leaf}
-    keep = {id(m) for m in units} | {id(m) for m in leaves}
+    # A container is never called, so it cannot gather: its parameters go to the unit
+    # around it, which holds them whole all the same.
+    containers = {id(m) for m in leaves if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
+    keep = {id(m) for m in units} | {id(m) for m in leaves if id(m) not in containers}
     return {m: name for name, m in model.named_modules()
             if id(m) in keep and id(m) not in inside and (m is model or name)}
 
