@@ -147,7 +147,7 @@ def scratch_buffer(slot: str, numel: int, device: torch.device) -> torch.Tensor:
     page-faulted in on every call (glibc's mmap threshold is pinned at 1 MiB,
     memory.py), which costs more than the arithmetic: error feedback's encode of a
     1.8M-value unit took 3.1 ms with fresh temporaries, 0.53 ms with these
-    (benchmarks/encode_probe.py)."""
+    (benchmarks/probes/encode_probe.py)."""
     key = (threading.get_ident(), slot, str(device))
     t = _SCRATCH.get(key)
     if t is None or t.numel() < numel:
