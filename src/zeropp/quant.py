@@ -310,7 +310,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     # via int8: fp32 -> uint8 conversion is 5x slower than fp32 -> int8 here. Offset
     # by 8, a pair is lo | hi << 8 with both in 0..15, so pairs | pairs >> 4 holds
     # lo | hi << 4 in its low byte, which the narrowing keeps: two ops fewer than
-    # masking each nibble, 0.72x the time here (benchmarks/RESULTS.md, tenth session).
+    # masking each nibble, 0.72x the time here (docs/notebook.md, "INT4 packing").
     pairs = q.reshape(-1).to(torch.int8, copy=True).add_(8).view(torch.int16)
     return (pairs >> 4).bitwise_or_(pairs).to(torch.uint8)
 
