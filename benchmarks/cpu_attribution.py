@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3,
                     help="steps before measuring (more: later training, where qWD's blocks "
-                         "move less; benchmarks/qwd_cost.py)")
+                         "move less; benchmarks/probes/qwd_cost.py)")
     args = ap.parse_args()
     presets = args.presets.split(",")
     for rep in range(args.reps):

@@ -7,7 +7,7 @@ four ranks (every thread) and minor page faults per step (all ranks), and the ra
     python benchmarks/paired_step.py zeropp,zeropp-plus [steps] [LAYERSxWIDTH, default 6x384] [warm-up steps, default 2]
 
 More warm-up steps measure later training: the first AdamW steps move every weight
-by about the lr, which costs qWD more than later steps do (benchmarks/qwd_cost.py).
+by about the lr, which costs qWD more than later steps do (benchmarks/probes/qwd_cost.py).
 
 Each step clips gradients (`zeropp.clip_grad_norm_`, as `zeropp train` does; the
 bench worker does not), and each preset's model sees its own batches: the times

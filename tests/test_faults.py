@@ -2,7 +2,7 @@
 directory belongs to one world, the same command run again continues the run,
 a damaged newest checkpoint falls back to the newest one that verifies, and a
 crash reads as one line. Each run is compared bit for bit with one that was
-never interrupted (benchmarks/soak.py does the same at random, many times)."""
+never interrupted (benchmarks/conformance/soak.py does the same at random, many times)."""
 
 from __future__ import annotations
 

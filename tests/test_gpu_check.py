@@ -1,5 +1,5 @@
-"""benchmarks/gpu_check.py, the script a GPU task runs first, in its CPU mode so
-that it cannot rot: every check passes (zero3 equal to one process to 1e-5,
+"""benchmarks/conformance/gpu_check.py, the script a GPU task runs first, in its CPU
+mode so that it cannot rot: every check passes (zero3 equal to one process to 1e-5,
 ranks bitwise equal, the reduce pipeline bitwise equal to the synchronous path,
 quantization error within bounds) and the memory table is there."""
 
@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     out = tmp_path / "gc.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device",
+    script = ROOT / "benchmarks" / "conformance" / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script), "--device",
                         "cpu", "--json", str(out)], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

@@ -246,7 +246,7 @@ NAMED = {
     "qgz": {"quantized_gradients": True, "intra_node_grad_bits": 4},
     "zeropp": {**_ZEROPP, "intra_node_grad_bits": 4},   # as published: INT4 on both hops
     # Beyond the paper; each switch's default chosen by the 3-seed measurement in
-    # benchmarks/RESULTS.md ("zeropp-plus ablations"), not by belief.
+    # docs/notebook.md ("Beyond ZeRO++: accuracy over 3 seeds"), not by belief.
     "zeropp-plus": {**_ZEROPP, "intra_node_grad_bits": 8, "hierarchical_gather": True,
                     "weight_delta": True, "weight_copy_bits": 8, "gradient_rotation": False,
                     "gradient_stochastic_rounding": False, "gradient_error_feedback": True,

@@ -1,4 +1,4 @@
-"""Memory accounting: where this rank's bytes go under zeropp (issue 21).
+"""Memory accounting: where this rank's bytes go under zeropp.
 
 ZeRO-3 promises 16 bytes per parameter / W for the training state (fp32 master,
 gradient, two AdamW moments) plus the full weights of the units gathered at one
@@ -17,31 +17,14 @@ the peak of every thread's arena. `release_freed_host_memory` pins the threshold
 (unless MALLOC_MMAP_THRESHOLD_ is set, or ZEROPP_KEEP_MALLOC=1), as `zeropp.shard`
 does for a CPU model, at `mmap_threshold_for(parameters)`:
 - none below 100M parameters: there the page faults of buffers mmap'd afresh every
-  step cost more than the memory the heap keeps. Measured at gpt-6x384 (10.8M, W=4 as
-  2x2, one bench run each way, `ZEROPP_KEEP_MALLOC=1` for unpinned): the unshaped step
-  0.85 -> 0.63 s (zeropp) and 0.92 -> 0.67 s (zeropp-plus) without the pin, peak RSS
-  451 -> 529 and 488 -> 560 MB per rank; rank 0's `copy_` (gradients into the flat
-  buffer: fresh pages every step) 0.18 -> 0.05 s per step. At a 50M GPT (7 x 768, W=4
-  as 2x2, batch 2 x 64, `python benchmarks/paired_step.py zeropp 4 7x768`, one run each):
-  pinned at 1 MiB 5.65 s/step, 879 MB peak RSS per rank, 1.73M page faults per step (all
-  ranks); at 8 MiB 4.23 s, 997 MB; at 32 MiB 3.44 s, 1234 MB; unpinned 2.67 s, 1180 MB
-  (0.14M faults). Two runs each with zeropp-plus beside it: 4.69 / 5.23 s pinned, 2.81 /
-  2.88 unpinned. So 1 MiB, the setting from 32M to 100M until then, cost 2.1x in step
-  time for 25% less memory; the boundary moved to 100M. Between 50M and the 124M
-  measurement below (where pinning saved memory and time) it is a judgement.
-- (history) 1 MiB was measured at HF GPT-2 124M, W=4 as 2x2, zero3, AdamW, batch 1x128,
-  two steps: peak RSS 2702 -> 1573 MB per rank, RSS after the steps 2113 -> 848 MB
-  (tensors held: 371 MB), step time 10.1 -> 9.2 s. A lower threshold costs time where
-  buffers sit just above it: at gpt-6x384 (10.8M, pinned then) qgZ's per-unit INT4
-  payloads are 870 KB, and at 512 KiB each was mmap'd and faulted in afresh (192 per 3
-  steps on rank 0, strace): zeropp's step 0.81-0.87 -> 1.06-1.11 s at 1 Gbit/s.
-- 128 KiB (glibc's own starting value) from 100M. There every buffer of zeropp's
-  is over 1 MiB anyway and what sits between is the model's activations and their
-  gradients (GPT-2 355M at 1x128 tokens: 512 KB each), which fragmented the heap in
-  backward: at 1 MiB the 355M rank peaked at 2529-2568 MB and kept 320 MB of freed
-  memory after the steps (malloc_trim returned it); at 512 or 128 KiB it peaks at
-  2210-2259 MB and keeps none, at the same step time (26-29 s vs 30-32 s, one run
-  each, benchmarks/_memory_worker.py with MALLOC_MMAP_THRESHOLD_ set).
+  step cost more time than the memory the heap keeps (at 50M parameters the pin cost
+  2.1x the step for 25% less peak RSS);
+- 128 KiB (glibc's own starting value) from 100M: there every buffer of zeropp's is
+  over 1 MiB anyway, and what sits between is the model's activations and their
+  gradients, which fragmented the heap in backward; pinned, the rank peaks lower and
+  keeps no freed memory, at the same step time.
+The measurements behind both, and the 1 MiB setting they replaced, are in
+docs/notebook.md ("Moved out of the code", memory.py).
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def scratch_buffer(slot: str, numel: int, device: torch.device) -> torch.Tensor:
     page-faulted in on every call (glibc's mmap threshold is pinned at 1 MiB,
     memory.py), which costs more than the arithmetic: error feedback's encode of a
     1.8M-value unit took 3.1 ms with fresh temporaries, 0.53 ms with these
-    (benchmarks/encode_probe.py)."""
+    (benchmarks/probes/encode_probe.py)."""
     key = (threading.get_ident(), slot, str(device))
     t = _SCRATCH.get(key)
     if t is None or t.numel() < numel:
@@ -310,7 +310,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     # via int8: fp32 -> uint8 conversion is 5x slower than fp32 -> int8 here. Offset
     # by 8, a pair is lo | hi << 8 with both in 0..15, so pairs | pairs >> 4 holds
     # lo | hi << 4 in its low byte, which the narrowing keeps: two ops fewer than
-    # masking each nibble, 0.72x the time here (benchmarks/RESULTS.md, tenth session).
+    # masking each nibble, 0.72x the time here (docs/notebook.md, "INT4 packing").
     pairs = q.reshape(-1).to(torch.int8, copy=True).add_(8).view(torch.int16)
     return (pairs >> 4).bitwise_or_(pairs).to(torch.uint8)
 

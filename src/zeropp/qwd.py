@@ -30,7 +30,7 @@ an integer subtraction for the owner and an int8 add for every holder, the same
 copies bit for bit. The owner runs the formula on the other blocks only, and also
 sends k = 0 where it gave k = 1 and t - c fits. A scale moves little per step, so
 most blocks take k = 0 (97% over 300 steps of `small` at lr 2e-3, 87% at the
-peak; benchmarks/qwd_moves.py).
+peak; benchmarks/probes/qwd_moves.py).
 
 The copies cost the holder 1 byte per value (plus a scale per block) instead
 of 4 for fp32 copies and their INT8 payload, and no re-quantization per step.

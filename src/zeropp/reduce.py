@@ -7,7 +7,7 @@ FSDP2 run it on a side stream. Stage 1 does the plain ring reduce-scatter, or
 qgZ's intra-node hop and the quantization of its inter-node hop; stage 2 only
 qgZ's inter-node all-to-all, sum and accumulation. So while unit k's bytes
 hold the slow link, unit k+1 is quantized and reduced inside the node (measured
-with benchmarks/timeline.py: one thread doing both kept the link idle half the
+with benchmarks/probes/timeline.py: one thread doing both kept the link idle half the
 time). The end of backward waits for every reduction (an autograd callback, as
 FSDP2's post-backward), so whatever reads gradients afterwards
 (`clip_grad_norm_`, the optimizer, the next micro-batch's accumulation, a

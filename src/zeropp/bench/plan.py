@@ -163,7 +163,7 @@ def recommend(rows: list[dict]) -> str:
 # Below this margin the preset choice rests on what the model leaves out: zeropp-plus's
 # quantization passes (qWD's delta encode and apply, its 8-bit intra-node gradient hop,
 # error feedback) make its unshaped step 0.96-1.10x ZeRO++'s on this CPU (medians of
-# rounds and paired steps, benchmarks/RESULTS.md, eleventh session).
+# rounds and paired steps; benchmarks/RESULTS.md, "zeropp-plus's compute").
 NEAR_TIE = 0.05
 
 

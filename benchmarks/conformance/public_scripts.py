@@ -31,18 +31,18 @@ so that the DeepSpeed import lines are what runs.
 Two modes:
 
     # driver (default): launch every run under torchrun, print or write the report
-    python benchmarks/public_scripts.py [--examples DIR] [--unit-script PATH] \\
+    python benchmarks/conformance/public_scripts.py [--examples DIR] [--unit-script PATH] \\
         [--timeout 600] [--keep] [--write REPORT.md]
 
     # runner (what the driver's torchrun launches; usable by hand):
-    torchrun --standalone --nproc-per-node 2 -- benchmarks/public_scripts.py \\
+    torchrun --standalone --nproc-per-node 2 -- benchmarks/conformance/public_scripts.py \\
         --run path/to/script.py -- <the script's own arguments>
 
 (the `--` after torchrun's options keeps torchrun's argparse from reading `--run` as
 an ambiguous abbreviation of its `--run-path`.)
 
 The runner calls `zeropp.install_as_deepspeed()`, installs the offline stand-ins
-the script needs (benchmarks/public_scripts_standins.py), sets sys.argv and runs the
+the script needs (benchmarks/conformance/public_scripts_standins.py), sets sys.argv and runs the
 file with `runpy.run_path(path, run_name="__main__")`.
 
 Runs use `torchrun --standalone --nproc-per-node 2`, OMP_NUM_THREADS=1,

@@ -5,7 +5,7 @@ unit's qgZ payload of gpt-6x384 (220 kB per rank), four of them back to back (th
 drain at the end of backward: the last units' stage 2), and one of four times
 the size (the four merged). Five repetitions after two warm-ups.
 
-    python benchmarks/a2a_probe.py 100mbit
+    python benchmarks/probes/a2a_probe.py 100mbit
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ glibc setting the engine makes: the way each of its copy forms refreshes them.
 The two alternate, 300 times each, so the machine's drift touches both alike;
 medians and the ratio.
 
-    python benchmarks/qwd_probe.py
+    python benchmarks/probes/qwd_probe.py
 """
 import statistics
 import time

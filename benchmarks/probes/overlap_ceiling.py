@@ -8,7 +8,7 @@ path (veth, bridge, tbf) runs on the same two cores as the compute, so at high
 link rates "both" approaches their sum. `zeropp bench`'s step / max(compute,
 link) column is to be read against the ratio measured here.
 
-    python benchmarks/overlap_ceiling.py --rates 100mbit,1gbit [--write]
+    python benchmarks/probes/overlap_ceiling.py --rates 100mbit,1gbit [--write]
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 from _emulated import run_2x2, timed
-from _report import report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _report
+from _report import report  # noqa: E402
 
 
 def _rank(out: str, mb: float, matmuls: int, reps: int) -> None:
@@ -78,7 +80,7 @@ def main() -> None:
         lines.append(f"| {rate} | {mb:g} | {c:.3f} | {g:.3f} | {b:.3f} | {b / max(c, g):.2f} | "
                      f"{b / (c + g):.2f} |")
     report([f"### Overlap ceiling of this machine ({time.strftime('%Y-%m-%d')})", "",
-            f"Command: `python benchmarks/overlap_ceiling.py {' '.join(sys.argv[1:])}`  ",
+            f"Command: `python benchmarks/probes/overlap_ceiling.py {' '.join(sys.argv[1:])}`  ",
             "4 ranks as 2 nodes x 2 on the emulated cluster (gloo, 1 thread per rank, 2 "
             f"cores); median of {a.reps}. A ring all-gather across the nodes and a matmul loop "
             "of similar length, alone and at once (the gather issued async, then the loop, "

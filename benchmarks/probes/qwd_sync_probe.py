@@ -11,7 +11,7 @@ shard (gpt-6x384 at 2x2), best of 20:
   queued    host time of encode + apply issued behind ~20 ms of matrix products
             (how long the host is held up before it can queue the next kernels)
 
-    python benchmarks/qwd_sync_probe.py
+    python benchmarks/probes/qwd_sync_probe.py
 """
 import time
 

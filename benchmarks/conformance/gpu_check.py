@@ -1,8 +1,8 @@
 """The engine's device path in one command: what a GPU task runs first (issue 21).
 
-    python benchmarks/gpu_check.py                 # CUDA when available, bounded to ~8 min
-    python benchmarks/gpu_check.py --device cpu    # the same checks on the CPU (in make test)
-    python benchmarks/gpu_check.py --json out.json # also write the rows as JSON
+    python benchmarks/conformance/gpu_check.py                 # CUDA when available, bounded to ~8 min
+    python benchmarks/conformance/gpu_check.py --device cpu    # the same checks on the CPU (in make test)
+    python benchmarks/conformance/gpu_check.py --json out.json # also write the rows as JSON
 
 Checks, each a row (ok / FAILED, what was measured, seconds):
   train        4 ranks as 2 nodes x 2 sharing the device over gloo (CUDA tensors on a
@@ -35,11 +35,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-import zeropp  # noqa: E402
-from zeropp.launch import spawn  # noqa: E402
-from zeropp.train.model import GPT, GPTConfig  # noqa: E402
+import zeropp
+from zeropp.launch import spawn
+from zeropp.train.model import GPT, GPTConfig
 
 STEPS, WORLD, NODE = 4, 4, 2  # 2 emulated nodes x 2 ranks: every route runs
 PRESETS = ["zero3", "zeropp", "zeropp-plus"]

@@ -1,4 +1,4 @@
-"""Offline stand-ins for the public DeepSpeed scripts that benchmarks/public_scripts.py
+"""Offline stand-ins for the public DeepSpeed scripts that benchmarks/conformance/public_scripts.py
 runs unmodified (data sets, tokenizers and small tools they import that cannot answer
 without a network here). Each is installed only for a module the script imports and
 only where the real package cannot answer offline.

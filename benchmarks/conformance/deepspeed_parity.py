@@ -7,7 +7,7 @@ gradient norms step by step. Needs DeepSpeed (`DS_BUILD_OPS=0 pip install
 `torch_adam: true` (torch's AdamW on both sides) and loses the ZeRO++ keys
 (DeepSpeed's qwZ/qgZ need CUDA kernels).
 
-    python benchmarks/deepspeed_parity.py --steps 30 [--write]
+    python benchmarks/conformance/deepspeed_parity.py --steps 30 [--write]
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _report
+from _report import report  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "deepspeed"
 RUNS = [("cifar_cnn.py", "ds_config_cnn.json", "fp32"),
         ("transformer_lm.py", "ds_config_lm.json", "fp32"),
@@ -77,7 +78,7 @@ def main() -> None:
                          f"{ds[-1][1]:.6f} / {zp[-1][1]:.6f} |")
     import deepspeed as d
     report([f"### Same script, DeepSpeed vs zeropp ({time.strftime('%Y-%m-%d')})", "",
-            f"Command: `python benchmarks/deepspeed_parity.py {' '.join(sys.argv[1:])}`  ",
+            f"Command: `python benchmarks/conformance/deepspeed_parity.py {' '.join(sys.argv[1:])}`  ",
             f"examples/deepspeed/*.py under `torchrun --nproc-per-node 4`, once with `import "
             f"deepspeed` (DeepSpeed {d.__version__}, CPU accelerator, ZeRO-3) and once as "
             "written (`import zeropp as deepspeed`), same config (the example's, with "

@@ -14,7 +14,7 @@ from pathlib import Path
 def run_2x2(script: str, rate: str, prefix: str, port: int, args: list[str],
             quiet: bool = False) -> object:
     """`script --rank-worker OUT *args` on every rank; the JSON at OUT afterwards."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
     from zeropp.bench.cluster import Cluster
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     with tempfile.TemporaryDirectory() as tmp, Cluster(2, rate, prefix=prefix) as c:

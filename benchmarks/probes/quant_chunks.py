@@ -1,6 +1,7 @@
 """INT8 / INT4 quantize (and + dequantize) throughput on a CUDA device by
 quant.DEVICE_CHUNK_BYTES, against a device copy of the same bytes; best of 7.
-Run on a GPU: python benchmarks/gpu/quant_chunks.py (the H200's output beside it,
+Run on a GPU: python benchmarks/probes/quant_chunks.py (the H200's output in
+benchmarks/gpu/2026-12-04_h200_quant_chunks.md,
 from the same loops written inline)."""
 import time
 

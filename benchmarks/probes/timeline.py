@@ -10,7 +10,7 @@ backward's compute and the drain. Prints the last timed step of rank 0, or of ev
 rank (`--all-ranks`: one clock, the machine's monotonic one, so a rank waiting on
 another shows as the other's lateness), times relative to rank 0's first event.
 
-    python benchmarks/timeline.py --config zeropp --inter-node 100mbit [--all-ranks]
+    python benchmarks/probes/timeline.py --config zeropp --inter-node 100mbit [--all-ranks]
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--model", default="gpt-6x384")
     p.add_argument("--all-ranks", action="store_true", help="every rank's events, not rank 0's")
     a = p.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
     from zeropp.bench.cluster import Cluster
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     with tempfile.TemporaryDirectory() as tmp, Cluster(2, a.inter_node, prefix="zppt") as c:

@@ -3,19 +3,22 @@ gpt-6x384 (fp32, AdamW, batch 2 x 64) at W=4 as 2 x 2 on loopback, per preset,
 sorted by own time, with every rank's s/step. Used to find zeropp-plus's extra
 compute over zeropp (RESULTS.md, "zeropp-plus's compute").
 
-    python benchmarks/profile_step.py zeropp zeropp-plus
+    python benchmarks/probes/profile_step.py zeropp zeropp-plus
 """
 import cProfile
 import io
 import pstats
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _gpt_step import batch, sharded_gpt, train_step
 
-from zeropp.launch import spawn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _gpt_step
+from _gpt_step import batch, sharded_gpt, train_step  # noqa: E402
+
+from zeropp.launch import spawn  # noqa: E402
 
 
 def work(preset):

@@ -7,7 +7,7 @@ Single process, no sharding: the model's parameters flattened into one shard, th
 owner's `qwd.encode` after every AdamW step of `zeropp train`'s schedule (warm-up,
 cosine decay, weight decay 0.1, clipping at 1.0) on the Shakespeare text.
 
-    python benchmarks/qwd_moves.py [--model small] [--lr 2e-3] [--steps 300] [--bits 4]
+    python benchmarks/probes/qwd_moves.py [--model small] [--lr 2e-3] [--steps 300] [--bits 4]
 """
 import argparse
 

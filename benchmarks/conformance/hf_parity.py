@@ -12,7 +12,7 @@ rate (Trainer's log_history, full precision, from the last checkpoint's
 trainer_state.json). Residual differences (~1 float32 ulp) come from clipping: DeepSpeed
 takes the grad norm in fp64, zeropp in fp32; with max_grad_norm=0 both are bit-equal.
 
-    python benchmarks/hf_parity.py --steps 20 [--ds-python /tmp/dsvenv/bin/python] [--write PATH]
+    python benchmarks/conformance/hf_parity.py --steps 20 [--ds-python /tmp/dsvenv/bin/python] [--write PATH]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HF = ROOT / "examples" / "hf"
 ZEROPP_LINES = re.compile(r"^(import zeropp|zeropp\.install_as_deepspeed\(\)).*\n", re.M)
 CONFIG = {
@@ -120,7 +120,7 @@ def main() -> None:
     lr_eq = ds["lr"] == zp["lr"]
     lines = [
         f"### Hugging Face Trainer, DeepSpeed vs zeropp ({time.strftime('%Y-%m-%d')})", "",
-        f"Command: `python benchmarks/hf_parity.py {' '.join(sys.argv[1:])}`  ",
+        f"Command: `python benchmarks/conformance/hf_parity.py {' '.join(sys.argv[1:])}`  ",
         f"examples/hf/trainer_lm.py under `python -m torch.distributed.run --nproc-per-node 2`"
         f" ({', '.join(f'{k}={v}' for k, v in ENV.items())}), {a.steps} steps, fp32, "
         "plain ZeRO-3 (`stage3_max_live_parameters`, `stage3_max_reuse_distance`, "

@@ -2,7 +2,7 @@
 
 Not part of `make test`: a full run takes the better part of an hour on two cores.
 
-    python benchmarks/ds_conformance.py --python /work/dsvenv/bin/python \
+    python benchmarks/conformance/ds_conformance.py --python /work/dsvenv/bin/python \
         --out /tmp/ds_conformance.md
 
 What it does
@@ -759,7 +759,7 @@ def gap_cause(g: dict) -> str:
 def report(a, sums: list[dict], ds_rev: str, elapsed: float) -> str:
     out = []
     cmd = " ".join([Path(sys.executable).name if False else "python",
-                    "benchmarks/ds_conformance.py"] + sys.argv[1:])
+                    "benchmarks/conformance/ds_conformance.py"] + sys.argv[1:])
     out.append(f"DeepSpeed tests @ {ds_rev}, zeropp @ {zeropp_rev()}, {len(sums)} files, "
                f"run in {elapsed / 60:.0f} min on CPU (DS_ACCELERATOR=cpu, LOCAL_SIZE={a.local_size}, "
                f"DS_UNITTEST_TIMEOUT={a.test_timeout} s, per-file timeout {a.file_timeout} s).\n")

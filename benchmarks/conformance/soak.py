@@ -2,7 +2,7 @@
 hurts it once, lets it recover, and compares the result with a run that was
 never hurt, bit for bit.
 
-    python benchmarks/soak.py --trials 28 --steps 60 --out /tmp/soak
+    python benchmarks/conformance/soak.py --trials 28 --steps 60 --out /tmp/soak
 
 Kinds of hurt, taken in turn (presets alternate between trials):
   worker            SIGKILL one worker at a random time (once a random number of

@@ -10,7 +10,7 @@ encode, and qWD's owner (delta encode, then its own piece and one received piece
 applied to the copies). The two ways alternate, 300 times each, so the
 machine's drift touches both alike; medians.
 
-    python benchmarks/encode_probe.py
+    python benchmarks/probes/encode_probe.py
 """
 import statistics
 import time

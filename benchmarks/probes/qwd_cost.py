@@ -10,10 +10,10 @@ INT8 `quantize` of the same shard (what ZeRO++'s forward does instead), in two r
            their old codes rescaled, a few percent move farther (k > 1)
 
 Compare two trees by running it under each: `PYTHONPATH=<tree>/src python
-benchmarks/qwd_cost.py`. Timings are medians of the steps (steady) or totals over
+benchmarks/probes/qwd_cost.py`. Timings are medians of the steps (steady) or totals over
 the steps (early), in ms per shard and step.
 
-    python benchmarks/qwd_cost.py
+    python benchmarks/probes/qwd_cost.py
 """
 import statistics
 import time

@@ -3,7 +3,7 @@ collective, each in its own processes under a timeout (a crash or hang is a row,
 not the end of the probe). gpu_check's emulated nodes run gloo over CUDA tensors
 on one GPU (NCCL refuses two ranks on one device), so this is what they rely on.
 
-    python benchmarks/gloo_cuda_probe.py [--device cuda|cpu] [--timeout 30]
+    python benchmarks/probes/gloo_cuda_probe.py [--device cuda|cpu] [--timeout 30]
 """
 
 from __future__ import annotations
