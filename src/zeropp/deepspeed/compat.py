@@ -1,6 +1,6 @@
 """DeepSpeed's front door on zeropp: `initialize`, `init_distributed`,
 `add_config_arguments`, so that `import zeropp as deepspeed` runs a DeepSpeed
-training script (README, "Coming from DeepSpeed").
+training script (docs/deepspeed.md).
 
 `initialize` builds, in DeepSpeed's order: the process group (from torchrun's
 or the deepspeed launcher's environment, or one process), the config
