@@ -6,8 +6,10 @@ launcher's process group."""
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -175,3 +177,14 @@ def group_alive(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             alive.append(int(pid))
     return alive
+
+
+def kill_session(p: Any, within: float) -> float:
+    """SIGKILL the launcher `p` (started with start_new_session=True) and wait up to
+    `within` s for every process of its session to go; the seconds that took."""
+    p.kill()
+    t0 = time.monotonic()
+    p.wait(timeout=10)
+    while group_alive(p.pid) and time.monotonic() - t0 < within:
+        time.sleep(0.05)
+    return time.monotonic() - t0

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cases import cli_error_line, group_alive
+from cases import cli_error_line, group_alive, kill_session
 
 from zeropp.checkpoint_files import differences
 from zeropp.cli import main
@@ -67,12 +67,7 @@ def killed(tmp_path_factory) -> dict:
         while not (run / "checkpoints" / "step_000016" / "manifest.json").exists():
             assert p.poll() is None and time.monotonic() < deadline, "never reached step 16"
             time.sleep(0.01)
-        p.kill()
-        t0 = time.monotonic()
-        p.wait(timeout=10)
-        while group_alive(p.pid) and time.monotonic() - t0 < 30:
-            time.sleep(0.05)
-        gone_s = time.monotonic() - t0
+        gone_s = kill_session(p, within=30)
         before = _snapshot(run)
         time.sleep(2)
         return {"run": run, "gone_s": gone_s, "left": group_alive(p.pid), "before": before,

@@ -229,7 +229,7 @@ def test_sigkill_of_zeropp_launch_ends_its_world_within_5_s(tmp_path):
     import signal
     import subprocess
 
-    from cases import group_alive
+    from cases import group_alive, kill_session
     script, beat = tmp_path / "forever.py", tmp_path / "beat"
     script.write_text(_FOREVER)
     p = subprocess.Popen([sys.executable, "-m", "zeropp", "launch", "--nproc", "2",
@@ -241,11 +241,7 @@ def test_sigkill_of_zeropp_launch_ends_its_world_within_5_s(tmp_path):
         while not (beat.exists() and beat.read_text().count("\n") >= 4):
             assert p.poll() is None and time.monotonic() < deadline, "never started"
             time.sleep(0.05)
-        p.kill()
-        t0 = time.monotonic()
-        p.wait(timeout=10)
-        while group_alive(p.pid) and time.monotonic() - t0 < 5:
-            time.sleep(0.05)
+        kill_session(p, within=5)
         assert group_alive(p.pid) == []
         size = beat.stat().st_size
         time.sleep(0.5)

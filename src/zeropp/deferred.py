@@ -302,7 +302,7 @@ def hide(p: nn.Parameter) -> None:
     """`p` shows 0 elements (`p.data` an empty tensor) until `show(p)`; its
     tensor, deferred or written, is kept aside unchanged (same storage, same
     version: a deferred parameter still materializes exactly)."""
-    if id(p) in _HIDDEN or p.numel() == 0:
+    if is_hidden(p) or p.numel() == 0:
         return
     key = id(p)
     _HIDDEN[key] = (weakref.ref(p, lambda _r: _HIDDEN.pop(key, None)), p.data)

@@ -13,19 +13,19 @@ autograd saved in forward see the weights again once backward re-gathers into
 it. The module attributes are `params`: one leaf tensor per original
 parameter, made once on `full`'s storage (`set_`, not a view: each has a
 version counter of its own, so the collectives writing into `full` do not trip
-autograd's in-place check). Outside a gather each shows 0 elements
-(its `.data` swapped to an empty tensor, and back to its view of `full` when a
+autograd's in-place check). Outside a gather each shows 0 elements (its
+`.data` swapped to an empty tensor, and back to its view of `full` when a
 gather completes; `.data` moves no version counter, so a leaf autograd saved
 finds its view again): a freed weight read by mistake is an empty tensor, not
 freed memory, and DeepSpeed's rule (a ZeRO-3 parameter is 0-sized unless
 gathered, `ds_shape` its shape) holds for code written against it. A unit
 whose backward reads no weights is not gathered for it: its attributes take
-their shapes on the empty storage for the backward (`show_shapes`), as
-autograd checks a leaf's shape when its gradient arrives. Autograd accumulates each one's gradient like a
-plain parameter's (AccumulateGrad, run as soon as the gradient is complete);
-its post-accumulate hook copies it into the unit's flat gradient `grad` and
-drops it, and when every parameter the unit's backward reaches has arrived the
-unit is handed to the reduce pipeline. Per-parameter leaves, not one flat leaf
+their shapes on the empty storage for that backward (`show_shapes`), as
+autograd checks a leaf's shape when its gradient arrives. Autograd
+accumulates each one's gradient like a plain parameter's (AccumulateGrad, run
+as soon as the gradient is complete); its post-accumulate hook copies it into
+the unit's flat gradient `grad` and drops it, and when every parameter the
+unit's backward reaches has arrived the unit is handed to the reduce pipeline. Per-parameter leaves, not one flat leaf
 cut by `split`, because a split's backward node is made when the unit's
 forward begins: for the root that is the first node of the graph, which
 autograd's CPU engine runs last, so the head's gradient and the root's weights
@@ -146,6 +146,7 @@ class FlatParam:
         # its view of `full` while gathered and 0 elements otherwise.
         self._views = [self._param_on_full(info) for info in self.infos]
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
+        self.shaped = False  # the attributes show their shapes (views), not 0 elements
         self.params = [self._param_on_full(info) for info in self.infos]
         self.grad: Optional[torch.Tensor] = None  # the flat gradient being assembled
         self.arrived: set[int] = set()    # params in `grad`
@@ -216,17 +217,12 @@ class FlatParam:
         self.wait_gather()
         if not self.gathered:
             return
-        if let_go:
+        if let_go:  # a new buffer (emptied below, never written); the old one lives on
             old, self.full = self.full, torch.empty_like(self.full)
             _OWNERS.pop(id(old), None)
             _OWNERS[id(self.full)] = (weakref.ref(self.full), weakref.ref(self))
             self._views = [self._param_on_full(info) for info in self.infos]
-            self.full.untyped_storage().resize_(0)  # (allocated, never written)
-            if self.meter is not None:
-                self.meter.freed(self)
-            self._set_status(ZeroParamStatus.NOT_AVAILABLE)
-        else:
-            self._free_storage()
+        self._free_storage()
         self.gathered = False
 
     def _free_storage(self) -> None:
@@ -239,23 +235,26 @@ class FlatParam:
         available = status is ZeroParamStatus.AVAILABLE
         for t in self.params:
             t.ds_status = status
+        self._attach(available)
+
+    def _attach(self, to_views: bool) -> None:
+        """The module attributes show their views of `full`, or 0 elements."""
         for t, view in zip(self.params, self._views):
             # `.data`, not set_(): no version bump; autograd's saved leaves stay valid.
-            t.data = view if available else self._empty
+            t.data = view if to_views else self._empty
+        self.shaped = to_views
 
     def show_shapes(self) -> None:
         """A backward that reads none of these weights (an embedding's) is coming:
         the attributes take their shapes (on the freed storage) for its duration,
         because autograd checks a leaf's shape when its gradient arrives."""
         if not self.gathered:
-            for t, view in zip(self.params, self._views):
-                t.data = view
+            self._attach(True)
 
     def settle(self) -> None:
         """After the backward: not gathered, the attributes show 0 elements again."""
-        if not self.gathered:
-            for t in self.params:
-                t.data = self._empty
+        if self.shaped and not self.gathered:
+            self._attach(False)
 
     # ---- module attributes ---------------------------------------------------
     def _param_on_full(self, info: ParamInfo) -> torch.Tensor:

@@ -103,6 +103,7 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
     finally:
         for p in params:
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        failed = ""
         if modifier_rank is not None and torch.distributed.is_initialized():
             # Every rank broadcasts or none does: one rank's exception is every rank's.
             failed = first_failure(error)
@@ -110,12 +111,10 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
                 with torch.no_grad():
                     for p in params:
                         torch.distributed.broadcast(p.data, src=modifier_rank)
-            elif error is None:
-                for p in params:
-                    hide(p)
-                raise RuntimeError(f"zeropp GatheredParameters: {failed} inside the context")
         for p in params:
             hide(p)
+        if failed and error is None:
+            raise RuntimeError(f"zeropp GatheredParameters: {failed} inside the context")
 
 
 def _caller_package() -> str:
