@@ -21,6 +21,8 @@ BAD = [
     ("block_size", 64.0), ("intra_node_grad_bits", 2),
     ("weight_delta_bits", 2), ("weight_delta_bits", 3.0), ("weight_delta_bits", 16),
     ("error_feedback_dtype", torch.float16), ("error_feedback_dtype", "bfloat16"),
+    ("persistence_threshold", -1), ("persistence_threshold", 1.5),
+    ("model_persistence_threshold", -1),
 ]
 
 
@@ -55,3 +57,19 @@ def test_int3_deltas_need_int8_copies():
     with pytest.raises(ValueError, match="weight_delta_bits=3 .* needs weight_copy_bits=8, "
                                          "got None"):
         zeropp.Config(weight_delta_bits=3, weight_copy_bits=None)
+
+
+def test_persistence_threshold_is_off_in_zeropp_and_deepspeeds_1e5_from_a_deepspeed_config():
+    from zeropp.deepspeed.config import parse
+    assert zeropp.Config().persistence_threshold == 0
+    zo = {"stage": 3}
+    assert zeropp.Config.from_deepspeed({"zero_optimization": zo}).persistence_threshold == 100_000
+    assert parse({"train_batch_size": 1, "zero_optimization": zo}, 1).zero.persistence_threshold \
+        == 100_000
+    zo = {"stage": 3, "stage3_param_persistence_threshold": 1e3,
+          "stage3_model_persistence_threshold": 5000}
+    c = parse({"train_batch_size": 1, "zero_optimization": zo}, 1).zero
+    assert (c.persistence_threshold, c.model_persistence_threshold) == (1000, 5000)
+    with pytest.raises(ValueError, match="zero_optimization.stage3_param_persistence_threshold"):
+        zeropp.Config.from_deepspeed({"zero_optimization": {
+            "stage": 3, "stage3_param_persistence_threshold": -5}})

@@ -148,8 +148,10 @@ def _surface_worker(ckpt: str) -> dict:
     comm.barrier()
     out["world_group"] = comm.get_world_group() is dist.group.WORLD
 
-    eng, _, _, _ = zeropp.initialize(model=build("gpt"), config=CFG)
-    out["config_is_dict"] = eng.config["zero_optimization"] == {"stage": 3}
+    # (No persistent parameters: the lifecycle below is that of a partitioned one.)
+    zo = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    eng, _, _, _ = zeropp.initialize(model=build("gpt"), config={**CFG, "zero_optimization": zo})
+    out["config_is_dict"] = eng.config["zero_optimization"] == zo
     out["gather_on_save"] = eng.zero_gather_16bit_weights_on_model_save()
     status = zeropp.zero.ZeroParamStatus
     # ds_status: NOT_AVAILABLE at rest, AVAILABLE inside the unit's forward and under

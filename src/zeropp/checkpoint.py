@@ -423,6 +423,7 @@ def _apply(plan: dict, st: ShardState, model: nn.Module,
             _load_engine_state(f, plan["engine"].get(f.name, {}))
         for u in st.units:
             u.free()
+        st.regather_persistent(st.flats)
         bufs = _buffers(model)
         for n, t in plan["buffers"].items():
             bufs[n].copy_(t)

@@ -89,6 +89,14 @@ class Config:
     """Unit gradients handed to the reduce pipeline and not yet through its first
     stage, at most: the hook waits beyond this (bounds the memory of full gradients;
     with 1 a rank holds the unit being reduced and the one backward is filling)."""
+    persistence_threshold: int = 0
+    """Parameters of at most this many elements stay gathered between steps (DeepSpeed
+    `stage3_param_persistence_threshold`): each unit's small ones (biases, norms) in one
+    flat buffer, gathered once after every optimizer step instead of in every forward
+    and backward, resident at the compute dtype. 0 = none."""
+    model_persistence_threshold: Optional[int] = None
+    """At most this many elements persistent in all, in model order (DeepSpeed
+    `stage3_model_persistence_threshold`); None = no cap."""
     collective_timeout: Optional[float] = None
     """Seconds any one collective may take before it fails with an error naming
     the operation and the unit (a rank died or runs different code); None =
@@ -106,6 +114,10 @@ class Config:
         _check_int("hpz_partition_size", self.hpz_partition_size, 1, "an integer >= 1")
         _check_int("prefetch_depth", self.prefetch_depth, 1, "an integer >= 1")
         _check_int("reduce_buckets", self.reduce_buckets, 1, "an integer >= 1")
+        _check_int("persistence_threshold", self.persistence_threshold, 0, "an integer >= 0")
+        if self.model_persistence_threshold is not None:
+            _check_int("model_persistence_threshold", self.model_persistence_threshold, 0,
+                       "None or an integer >= 0")
         if self.node_size is not None:
             _check_int("node_size", self.node_size, 1, "None or an integer >= 1")
         if self.param_dtype is not None:
@@ -176,7 +188,8 @@ class Config:
     def from_deepspeed(cls, ds_config: Union[dict, str, os.PathLike], **overrides) -> Config:
         """A Config from a DeepSpeed config (a dict or a JSON file's path).
 
-        Reads `zero_optimization` (stage must be 3) and its ZeRO++ keys, the
+        Reads `zero_optimization` (stage must be 3), its ZeRO++ keys and the
+        persistence thresholds (DeepSpeed's default 1e5 when absent), the
         `bf16` / `fp16` sections for the compute dtype, and an optional `zeropp`
         section of zeropp's own: `{"preset": "zeropp-plus", "node_size": 2, ...}`
         (a named configuration and/or Config fields by name; they win over the
@@ -192,7 +205,8 @@ class Config:
         if zo.get("stage") != 3:
             raise ValueError(f"DeepSpeed config: zero_optimization.stage={zo.get('stage')!r} is "
                              "invalid; allowed: 3 (zeropp is ZeRO stage 3)")
-        kwargs: dict[str, Any] = {}
+        # DeepSpeed's default: parameters of up to 1e5 elements stay gathered.
+        kwargs: dict[str, Any] = {"persistence_threshold": 100_000}
         ignored = [k for k in ds if k not in ("zero_optimization", "bf16", "fp16", "zeropp")]
         for key, value in zo.items():
             if key == "stage":
@@ -201,6 +215,8 @@ class Config:
                 ignored.append(f"zero_optimization.{key}")
                 continue
             field = _DS_KEYS[key]
+            if isinstance(value, float) and value.is_integer() and field.endswith("threshold"):
+                value = int(value)  # JSON's 1e5, as DeepSpeed reads it
             try:
                 cls(**{field: value})
             except ValueError as e:
@@ -347,6 +363,8 @@ _DS_KEYS = {
     "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
     "zero_hpz_partition_size": "hpz_partition_size",
     "zero_quantized_gradients": "quantized_gradients",
+    "stage3_param_persistence_threshold": "persistence_threshold",
+    "stage3_model_persistence_threshold": "model_persistence_threshold",
 }
 
 

@@ -45,6 +45,7 @@ call `zeropp.refresh(model)`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import weakref
@@ -91,12 +92,17 @@ class FlatParam:
     def __init__(self, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
                  *, topo: Topology, cfg: Config, compute_dtype: torch.dtype,
                  trainable: bool, name: str = "_zeropp_flat0", param_group: int = -1,
-                 sync: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+                 sync: Optional[Callable[[torch.Tensor], None]] = None,
+                 persistent: bool = False) -> None:
         self.name = name  # as registered on its unit's module, e.g. "blocks.0._zeropp_flat0"
         self.param_group = param_group  # index into shard()'s param_groups (-1: in none)
         self.unit: Any = None  # the Unit that gathers it (set by the Unit)
         self.meter: Any = None  # its model's memory.GatherMeter (set by the Unit)
         self.trainable, self.compute_dtype = trainable, compute_dtype
+        # Stays gathered between steps (Config.persistence_threshold): freed only to
+        # be gathered again from new master weights.
+        self.persistent = persistent
+        self.gathered_for: Optional[tuple] = None  # master version the full weights show
         self.world_size = w = topo.world_size
         self.rank = topo.rank
         self.infos: list[ParamInfo] = []
@@ -155,6 +161,7 @@ class FlatParam:
         for i, (t, info) in enumerate(zip(self.params, self.infos)):
             # DeepSpeed's ZeRO-3 attributes, for libraries that inspect parameters.
             t.ds_shape, t.ds_numel, t.ds_id = info.shape, info.numel, info.fqns[0]
+            t.ds_persist = persistent
             if trainable:
                 t.requires_grad_(True)
                 t.register_post_accumulate_grad_hook(
@@ -165,7 +172,10 @@ class FlatParam:
         self.needs_reduce = False
         self.on_grad_ready: Optional[Callable[[FlatParam], None]] = None
         self._free_storage()
-        self.weights = WeightPath(self, topo, cfg)   # gathers, hpZ secondary, qWD
+        # gathers, hpZ secondary, qWD (a persistent flat is never gathered for a
+        # backward: no secondary to keep)
+        self.weights = WeightPath(self, topo, dataclasses.replace(
+            cfg, hpz_partition_size=1, weight_delta=False) if persistent else cfg)
         for t in (self.primary_shard, self.full, *self.params):
             _OWNERS[id(t)] = (weakref.ref(t), weakref.ref(self))
         self.grad_codec = inter_node_codec(cfg, self.block, topo, name) if trainable else None
@@ -177,6 +187,11 @@ class FlatParam:
         if entry is None or entry[0]() is not t:
             return None
         return entry[1]()
+
+    @property
+    def stale(self) -> bool:
+        """A persistent flat's full weights predate a write to the master shard."""
+        return self.persistent and self.gathered and self.gathered_for != self.version
 
     @property
     def version(self) -> tuple[int, int]:
@@ -207,15 +222,17 @@ class FlatParam:
                 self.pending.wait()
             self.pending = None
             self.gathered = True
+            self.gathered_for = self.version
             self._set_status(ZeroParamStatus.AVAILABLE)
 
-    def free(self, let_go: bool = False) -> None:
+    def free(self, let_go: bool = False, *, force: bool = False) -> None:
         """Free the full weights: in place (the storage resized to 0 bytes, which
         the forward relies on: see the note), or with `let_go` by dropping this
         flat's references to them and starting a new buffer, so a tensor someone
-        else took from them keeps its values (its memory is freed when it dies)."""
+        else took from them keeps its values (its memory is freed when it dies).
+        A persistent flat stays gathered unless `force`d."""
         self.wait_gather()
-        if not self.gathered:
+        if not self.gathered or (self.persistent and not force):
             return
         if let_go:  # a new buffer (emptied below, never written); the old one lives on
             old, self.full = self.full, torch.empty_like(self.full)

@@ -133,6 +133,8 @@ def gathered(model: nn.Module, *, writable: bool = False,
         finally:
             snapshots.clear()
             _release(pinned, chosen)
+            if writable:  # edited or not, as the secondaries
+                st.regather_persistent([f for u in chosen for f in u.flats])
     if peer_error and error is None:
         raise RuntimeError(f"zeropp.gathered: {peer_error} inside the context; every rank's "
                            "edits were discarded")

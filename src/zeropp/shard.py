@@ -245,7 +245,22 @@ class ShardState:
             u.free()
             for f in u.flats:  # a gradient an aborted backward left behind
                 f.drop_grad()
+                if f.stale:  # persistent, and its master shard was written since
+                    f.free(let_go=True, force=True)
         self.reducer.drain()  # an interrupted backward's reductions (raises a failure once)
+
+    def regather_persistent(self, flats: list[FlatParam]) -> None:
+        """Gather the persistent ones among `flats` again from their master shards
+        (after an optimizer step, a refresh): all issued, then all waited. A tensor
+        taken from the old weights keeps its values (let go, not emptied)."""
+        flats = [f for f in flats if f.persistent]
+        for f in flats:
+            f.free(let_go=True, force=True)
+        for f in flats:
+            self.comm.unit = f.unit.label
+            f.issue_gather(self.comm, phase="persistent")
+        for f in flats:
+            f.wait_gather()
 
     def prefetch_forward(self) -> None:
         """Issue the gathers of the units that ran next in the previous forward,
@@ -369,6 +384,7 @@ def _optimizer_step_hooks(state_ref: weakref.ref) -> tuple[Any, Any]:
             st.optimizer_steps += 1
             for f in flats:
                 f.weights.after_step()
+            st.regather_persistent(flats)
     return pre, post
 
 
@@ -427,6 +443,7 @@ def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
     group_of = {id(p): k for k, ps in enumerate(param_groups or []) for p in ps}
     order = {m: list(m._parameters) for plist in owned.values() for _, regs, _ in plist
              for m, _ in regs}  # for the state dict's key order
+    persistent = _persistent(model, cfg)
     for plist in owned.values():
         for _, regs, _ in plist:
             for m, attr in regs:
@@ -436,12 +453,14 @@ def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
         groups: dict[tuple, list] = {}
         for entry in owned[mod]:
             p = entry[0]
-            key = (p.requires_grad, cfg.param_dtype or p.dtype, group_of.get(id(p), -1))
+            key = (p.requires_grad, cfg.param_dtype or p.dtype, group_of.get(id(p), -1),
+                   id(p) in persistent)
             groups.setdefault(key, []).append(entry)
         prefix = f"{name}." if name else ""
         flats = [FlatParam(plist, topo=topo, cfg=cfg, compute_dtype=dtype, trainable=trainable,
-                           name=f"{prefix}_zeropp_flat{k}", param_group=group, sync=sync)
-                 for k, ((trainable, dtype, group), plist) in enumerate(groups.items())]
+                           name=f"{prefix}_zeropp_flat{k}", param_group=group, sync=sync,
+                           persistent=keep)
+                 for k, ((trainable, dtype, group, keep), plist) in enumerate(groups.items())]
         for k, f in enumerate(flats):
             mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)
         unit = Unit(name, mod, flats, state)
@@ -456,6 +475,19 @@ def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
     state._step_hooks = (register_optimizer_step_pre_hook(pre),
                          register_optimizer_step_post_hook(post))
     return model
+
+
+def _persistent(model: nn.Module, cfg: Config) -> set[int]:
+    """Ids of the parameters that stay gathered between steps: at most
+    `persistence_threshold` elements each, taken in model order while their sum
+    stays within `model_persistence_threshold` (DeepSpeed's rule)."""
+    cap, total, chosen = cfg.model_persistence_threshold, 0, set()
+    for p in model.parameters():
+        n = p.numel()
+        if 0 < n <= cfg.persistence_threshold and (cap is None or total + n <= cap):
+            chosen.add(id(p))
+            total += n
+    return chosen
 
 
 def get_state(model: nn.Module) -> ShardState:
@@ -482,6 +514,7 @@ def refresh(model: nn.Module) -> None:
     st = get_state(model)
     for f in st.flats:
         f.weights.invalidate()
+    st.regather_persistent([f for f in st.flats if f.gathered])
 
 
 def reset_comm_stats(model: nn.Module) -> None:

@@ -126,13 +126,15 @@ def _load(entries: list, module: nn.Module, sd: dict, prefix: str, local_metadat
                           f"from checkpoint, the shape in current model is {info.shape}.")
         else:
             with torch.no_grad():
-                if f.gathered:
+                if f.gathered and (f.unit.pins or not f.persistent):
                     f.params[i].copy_(v)  # the gathered weights; the context's exit decides
                 else:
                     f.write_param(i, v)
                     touched.add(f)
     for f in touched:
         f.weights.invalidate()
+    if touched:  # (every rank loads the same keys)
+        next(iter(touched)).unit.state.regather_persistent(list(touched))
 
 
 def _forget_flat_keys(module: nn.Module, incompatible: Any) -> None:

@@ -43,6 +43,7 @@ from . import config as ds_config
 from . import lr_schedules
 from .engine import DeepSpeedEngine
 from .parameters import expose_original_parameters, master_shards
+from .zero import add_gather_methods
 
 _DS_OPTIMIZERS_NOT_HERE = {"lamb", "lion", "onebitadam", "zerooneadam", "onebitlamb", "muadam",
                            "muadamw", "musgd", "muon"}
@@ -214,6 +215,7 @@ def _zero3_attributes(module: nn.Module, opt: Any) -> None:
         p._zeropp_optimizer = weakref.ref(opt) if opt is not None else None
         for t in f.params:  # the model's own parameters (engine.module.named_parameters())
             t.ds_active_sub_modules = set()
+            add_gather_methods(t)
     module.ds_external_parameters = lambda: []
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..config import Config, _is_int, _load_ds
+from ..config import _DS_KEYS, Config, _is_int, _load_ds
 
 # Top-level keys read here.
 KNOWN = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -36,7 +36,7 @@ IGNORED = {"wall_clock_breakdown", "memory_breakdown", "prescale_gradients",
            "tensorboard", "wandb", "csv_monitor", "comms_logger", "log_level", "activation_checkpointing",
            "dump_state", "seed"}
 ZERO_IGNORED = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size",
-                "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                "stage3_prefetch_bucket_size",
                 "stage3_max_live_parameters", "stage3_max_reuse_distance",
                 "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
                 "sub_group_size", "allgather_bucket_size", "round_robin_gradients",
@@ -324,6 +324,11 @@ def _leaf_module(sec: Any) -> dict:
     return out
 
 
+def _read_by_config(key: str) -> bool:
+    """zero_optimization keys that Config.from_deepspeed reads (or refuses)."""
+    return key.startswith("zero_") or key in _DS_KEYS
+
+
 def parse(config: Any, world: int) -> DSConfig:
     """A DeepSpeed config (dict or JSON path) for a world of `world` ranks, with
     `ZEROPP_DS_CONFIG` merged over it."""
@@ -349,10 +354,10 @@ def parse(config: Any, world: int) -> DSConfig:
     if isinstance(zo, dict):
         zo = {k: v for k, v in zo.items() if k not in OFFLOAD_KEYS and k != "leaf_module"}
         unknown += [f"zero_optimization.{k}" for k in zo
-                    if k not in ZERO_IGNORED and k != "stage" and not k.startswith("zero_")]
+                    if k not in ZERO_IGNORED and k != "stage" and not _read_by_config(k)]
     # The Config sees only what it reads (its own warning would repeat ours).
     sub = {"zero_optimization": ({k: v for k, v in zo.items() if k not in ZERO_IGNORED
-                                  and (k == "stage" or k.startswith("zero_"))}
+                                  and (k == "stage" or _read_by_config(k))}
                                  if isinstance(zo, dict) else zo),
            "fp16": {"enabled": bool(fp16 and fp16.get("enabled"))},
            "bf16": {"enabled": bool(bf16 and bf16.get("enabled"))}}

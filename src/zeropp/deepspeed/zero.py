@@ -12,6 +12,9 @@ module attributes carry `ds_status` (AVAILABLE while their unit is gathered).
 `unwrap_model_for_generation(engine)`: every unit gathered for the duration
 (`zeropp.gathered`); zeropp's hooks do no collective then, so none is removed.
 `MiCS_Init` is refused: MiCS is not part of zeropp.
+`param.all_gather()` / `all_gather_coalesced(params)` / `partition()`: DeepSpeed's
+per-parameter methods, on the model's own parameters under the engine: gather
+the units holding them (until `partition()` or the next forward frees them).
 """
 
 from __future__ import annotations
@@ -115,6 +118,47 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
             hide(p)
         if failed and error is None:
             raise RuntimeError(f"zeropp GatheredParameters: {failed} inside the context")
+
+
+class _Done:
+    """DeepSpeed's all-gather handle: the gather has completed when it is returned."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _units_in_order(params: Any) -> list:
+    units = {u for u in map(_unit_of, params if params is not None else []) if u is not None}
+    return [u for st in {id(u.state): u.state for u in units}.values()
+            for u in st.units if u in units]  # model order: the same collectives everywhere
+
+
+def all_gather_coalesced(params: Any, *args: Any, **kwargs: Any) -> _Done:
+    """Gather the units holding `params` (collective: every rank, the same params):
+    they stay gathered (AVAILABLE) until `partition()` or the next forward."""
+    units = _units_in_order(list(params))
+    with torch.no_grad():
+        for u in units:
+            u.issue_gather()
+        for u in units:
+            u.wait()
+    return _Done()
+
+
+def partition(params: Any) -> None:
+    """Free the units holding `params` (not those an open GatheredParameters holds)."""
+    for u in _units_in_order(list(params)):
+        u.free(let_go=True)
+
+
+def add_gather_methods(t: torch.Tensor) -> None:
+    """DeepSpeed's per-parameter methods on a module attribute (`t.all_gather()`,
+    `t.all_gather_coalesced(params)`, `t.partition()`)."""
+    t.all_gather_coalesced = all_gather_coalesced
+    t.all_gather = lambda param_list=None, *a, **k: all_gather_coalesced(
+        param_list if param_list is not None else [t])
+    t.partition = lambda param_list=None, *a, **k: partition(
+        param_list if param_list is not None else [t])
 
 
 def _caller_package() -> str:
