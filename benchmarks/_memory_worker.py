@@ -157,7 +157,7 @@ def build(a, cfg):
         m = tf.AutoModelForCausalLM.from_config(cfg)
     else:
         import zeropp
-        zeropp.memory.release_freed_host_memory()
+        zeropp.host_memory.release_freed_host_memory()
         if a.init == "sharded":
             with zeropp.deferred_init():
                 m = tf.AutoModelForCausalLM.from_config(cfg)

@@ -14,7 +14,7 @@ the RSS after the steps once glibc hands back every free page it can: the gap to
 "after steps" is freed memory the allocator kept.
 
 `+malloc` rows run FSDP2 / DeepSpeed with the glibc setting zeropp makes for a CPU
-model of this size (MALLOC_MMAP_THRESHOLD_ = zeropp.memory.mmap_threshold_for: none below
+model of this size (MALLOC_MMAP_THRESHOLD_ = zeropp.host_memory.mmap_threshold_for: none below
 100M parameters, 128 KiB from 100M; freed buffers go back to the OS), so the frameworks
 are compared with equal allocators too.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from _report import report
 
-from zeropp.memory import mmap_threshold_for
+from zeropp.host_memory import mmap_threshold_for
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "_memory_worker.py"
@@ -42,7 +42,7 @@ WORKER = ROOT / "benchmarks" / "_memory_worker.py"
 
 def malloc_env(params: int) -> dict:
     """The environment giving another framework the glibc setting zeropp makes for a
-    CPU model of `params` parameters (zeropp.memory.mmap_threshold_for)."""
+    CPU model of `params` parameters (zeropp.host_memory.mmap_threshold_for)."""
     threshold = mmap_threshold_for(params)
     return {} if threshold is None else {"MALLOC_MMAP_THRESHOLD_": str(threshold)}
 

@@ -180,7 +180,7 @@ def _peak_since(base: float) -> float:
 
 
 def _transient_worker(deferred: bool, path: str) -> dict:
-    zeropp.memory.release_freed_host_memory()
+    zeropp.host_memory.release_freed_host_memory()
     with deferred_init():  # the first use's one-time cost (torch's dispatch machinery)
         nn.Linear(8, 8)
     torch.manual_seed(0)

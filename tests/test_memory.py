@@ -18,8 +18,8 @@ import torch.distributed as dist
 from cases import batch, build, loss_of
 
 import zeropp
+from zeropp.host_memory import mmap_threshold_for
 from zeropp.launch import spawn
-from zeropp.memory import mmap_threshold_for
 from zeropp.train.model import GPT, GPTConfig
 
 
@@ -92,7 +92,7 @@ def test_forward_never_holds_more_than_prefetch_depth_plus_one_units(depth, laye
 
 _FRAGMENT = """
 import sys, torch
-from zeropp.memory import release_freed_host_memory
+from zeropp.host_memory import release_freed_host_memory
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
 threshold = int(sys.argv[1])

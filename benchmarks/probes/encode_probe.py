@@ -1,6 +1,6 @@
 """Single-process timings of the quantization paths on one unit-sized tensor
 (1.8M values: one gpt-6x384 block), with the glibc setting the engine makes
-(mmap threshold pinned at 1 MiB, zeropp.memory): error feedback's encode of
+(mmap threshold pinned at 1 MiB, zeropp.host_memory): error feedback's encode of
 an inter-node hop (2 rows, one sent) and INT8 / INT4 quantize. Median of 40.
 
 Then what a sender gains from `quantize(..., dequantized=)` (the values the
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from zeropp.memory import release_freed_host_memory
+from zeropp.host_memory import release_freed_host_memory
 from zeropp.qgz import HopCodec, _encode
 from zeropp.quant import QTensor, dequantize, quantize, scratch_buffer
 

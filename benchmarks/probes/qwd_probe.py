@@ -20,7 +20,7 @@ import time
 import torch
 
 from zeropp import qwd
-from zeropp.memory import release_freed_host_memory
+from zeropp.host_memory import release_freed_host_memory
 from zeropp.quant import QTensor, dequantize, quantize, scratch_buffer
 
 BLOCK, SHARD = 2048, 442368

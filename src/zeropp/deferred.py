@@ -43,7 +43,7 @@ from torch.nn.modules.module import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .memory import release_freed_host_memory
+from .host_memory import release_freed_host_memory
 
 # Ops whose result does not depend on what the tensor held: a whole-tensor one
 # makes every earlier op on the parameter dead (its draws were already made).

@@ -46,9 +46,7 @@ call `zeropp.refresh(model)`.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -64,15 +62,6 @@ from .topology import Topology
 from .weights import WeightPath
 
 
-class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's name for a ZeRO-3 parameter's state, which libraries read from
-    `param.ds_status` (TRL gathers `lm_head.weight` when it is not AVAILABLE).
-    zeropp sets it on the module attributes: AVAILABLE while their unit is gathered."""
-    AVAILABLE = 1      # gathered: the full weights are in place
-    NOT_AVAILABLE = 2  # partitioned: only the shard exists
-    INFLIGHT = 3       # a gather is in flight
-
-
 @dataclass
 class ParamInfo:
     """One original parameter: where it sits in the flat buffer and who holds it."""
@@ -84,11 +73,15 @@ class ParamInfo:
     offset: int
 
 
-# Tensor id -> (the tensor, its FlatParam), both weakly: `FlatParam.owner_of`.
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-
 class FlatParam:
+    # Functions a front door adds (the DeepSpeed one: its `ds_*` attributes):
+    # `on_tensor(t, flat, info, kind)` for every tensor zeropp hands out for original
+    # parameters ("attribute": a module attribute; "master": the master shard, info
+    # None; "placeholder": a state dict's 0-element entry); `on_status(flat,
+    # available)` when the full weights become available or are freed.
+    on_tensor: list[Callable[[torch.Tensor, FlatParam, Optional[ParamInfo], str], None]] = []
+    on_status: list[Callable[[FlatParam, bool], None]] = []
+
     def __init__(self, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
                  *, topo: Topology, cfg: Config, compute_dtype: torch.dtype,
                  trainable: bool, name: str = "_zeropp_flat0", param_group: int = -1,
@@ -97,7 +90,7 @@ class FlatParam:
         self.name = name  # as registered on its unit's module, e.g. "blocks.0._zeropp_flat0"
         self.param_group = param_group  # index into shard()'s param_groups (-1: in none)
         self.unit: Any = None  # the Unit that gathers it (set by the Unit)
-        self.meter: Any = None  # its model's memory.GatherMeter (set by the Unit)
+        self.meter: Any = None  # its model's meter.GatherMeter (set by the Unit)
         self.trainable, self.compute_dtype = trainable, compute_dtype
         # Stays gathered between steps (Config.persistence_threshold): freed only to
         # be gathered again from new master weights.
@@ -158,10 +151,7 @@ class FlatParam:
         self.arrived: set[int] = set()    # params in `grad`
         self.seen: set[int] = set()       # params reached by this backward
         self.expected = set(range(len(self.infos)))  # params backward reaches (learnt)
-        for i, (t, info) in enumerate(zip(self.params, self.infos)):
-            # DeepSpeed's ZeRO-3 attributes, for libraries that inspect parameters.
-            t.ds_shape, t.ds_numel, t.ds_id = info.shape, info.numel, info.fqns[0]
-            t.ds_persist = persistent
+        for i, t in enumerate(self.params):
             if trainable:
                 t.requires_grad_(True)
                 t.register_post_accumulate_grad_hook(
@@ -176,17 +166,11 @@ class FlatParam:
         # backward: no secondary to keep)
         self.weights = WeightPath(self, topo, dataclasses.replace(
             cfg, hpz_partition_size=1, weight_delta=False) if persistent else cfg)
-        for t in (self.primary_shard, self.full, *self.params):
-            _OWNERS[id(t)] = (weakref.ref(t), weakref.ref(self))
+        for hook in FlatParam.on_tensor:
+            hook(self.primary_shard, self, None, "master")
+            for t, info in zip(self.params, self.infos):
+                hook(t, self, info, "attribute")
         self.grad_codec = inter_node_codec(cfg, self.block, topo, name) if trainable else None
-
-    @staticmethod
-    def owner_of(t: torch.Tensor) -> Optional[FlatParam]:
-        """The FlatParam whose master shard or full-weights buffer `t` is, or None."""
-        entry = _OWNERS.get(id(t))
-        if entry is None or entry[0]() is not t:
-            return None
-        return entry[1]()
 
     @property
     def stale(self) -> bool:
@@ -223,7 +207,7 @@ class FlatParam:
             self.pending = None
             self.gathered = True
             self.gathered_for = self.version
-            self._set_status(ZeroParamStatus.AVAILABLE)
+            self._set_status(True)
 
     def free(self, let_go: bool = False, *, force: bool = False) -> None:
         """Free the full weights: in place (the storage resized to 0 bytes, which
@@ -235,9 +219,7 @@ class FlatParam:
         if not self.gathered or (self.persistent and not force):
             return
         if let_go:  # a new buffer (emptied below, never written); the old one lives on
-            old, self.full = self.full, torch.empty_like(self.full)
-            _OWNERS.pop(id(old), None)
-            _OWNERS[id(self.full)] = (weakref.ref(self.full), weakref.ref(self))
+            self.full = torch.empty_like(self.full)
             self._views = [self._param_on_full(info) for info in self.infos]
         self._free_storage()
         self.gathered = False
@@ -246,12 +228,11 @@ class FlatParam:
         self.full.untyped_storage().resize_(0)
         if self.meter is not None:
             self.meter.freed(self)
-        self._set_status(ZeroParamStatus.NOT_AVAILABLE)
+        self._set_status(False)
 
-    def _set_status(self, status: ZeroParamStatus) -> None:
-        available = status is ZeroParamStatus.AVAILABLE
-        for t in self.params:
-            t.ds_status = status
+    def _set_status(self, available: bool) -> None:
+        for hook in FlatParam.on_status:
+            hook(self, available)
         self._attach(available)
 
     def _attach(self, to_views: bool) -> None:
@@ -291,8 +272,7 @@ class FlatParam:
         self._install_views()
 
     def _install_views(self) -> None:
-        self._set_status(ZeroParamStatus.AVAILABLE if self.gathered
-                         else ZeroParamStatus.NOT_AVAILABLE)
+        self._set_status(self.gathered)
         for t, info in zip(self.params, self.infos):
             for mod, attr in info.registrations:
                 mod.__dict__[attr] = t  # plain attribute: the Parameter was removed

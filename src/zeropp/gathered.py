@@ -36,7 +36,8 @@ from torch import nn
 from .config import _is_int
 from .flat_param import FlatParam
 from .guards import first_failure, in_one_line
-from .shard import ShardState, Unit, _in_backward, get_state
+from .shard import ShardState, get_state
+from .unit_hooks import Unit, _in_backward
 
 
 @contextlib.contextmanager

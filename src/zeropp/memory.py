@@ -6,71 +6,24 @@ time. `memory_stats(model, optimizer)` says what this rank holds, by kind, from
 the tensors themselves (storage sizes, not estimates), and the peak of gathered
 units' full weights, which `GatherMeter` follows as gathers allocate and frees
 release: with prefetch it is bounded by `prefetch_depth + 1` units in forward.
-
-[Note: host memory that freed buffers keep]
-On the CPU every step allocates and frees unit-sized buffers (gathered weights,
-full gradients, wire buffers), some on the reduce threads. glibc serves a large
-allocation by mmap and returns it on free, but after the first such free it
-raises its mmap threshold to that size, so later unit-sized buffers come from
-heap arenas (one per thread) that fragment and rarely shrink: the process keeps
-the peak of every thread's arena. `release_freed_host_memory` pins the threshold
-(unless MALLOC_MMAP_THRESHOLD_ is set, or ZEROPP_KEEP_MALLOC=1), as `zeropp.shard`
-does for a CPU model, at `mmap_threshold_for(parameters)`:
-- none below 100M parameters: there the page faults of buffers mmap'd afresh every
-  step cost more time than the memory the heap keeps (at 50M parameters the pin cost
-  2.1x the step for 25% less peak RSS);
-- 128 KiB (glibc's own starting value) from 100M: there every buffer of zeropp's is
-  over 1 MiB anyway, and what sits between is the model's activations and their
-  gradients, which fragmented the heap in backward; pinned, the rank peaks lower and
-  keeps no freed memory, at the same step time.
-The measurements behind both, and the 1 MiB setting they replaced, are in
-docs/notebook.md ("Moved out of the code", memory.py).
+How freed host memory goes back to the OS: host_memory.py.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from .quant import scratch_bytes
+from .shard import get_state
 
 
 def _bytes(t: Optional[torch.Tensor]) -> int:
     if t is None:
         return 0
     return t.untyped_storage().nbytes()
-
-
-class GatherMeter:
-    """Full-weight buffers alive now and at peak (bytes and units), updated by
-    FlatParam when a gather allocates its buffer and when it is freed."""
-
-    def __init__(self) -> None:
-        self.alive: dict[int, tuple[Any, int]] = {}  # id(flat) -> (flat, bytes)
-        self.peak_bytes = self.peak_units = 0
-
-    def allocated(self, flat: Any, nbytes: int) -> None:
-        self.alive[id(flat)] = (flat, nbytes)
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
-        self.peak_units = max(self.peak_units, self.units)
-
-    def freed(self, flat: Any) -> None:
-        self.alive.pop(id(flat), None)
-
-    @property
-    def bytes(self) -> int:
-        return sum(n for _, n in self.alive.values())
-
-    @property
-    def units(self) -> int:
-        return len({id(f.unit) for f, _ in self.alive.values()})
-
-    def reset_peak(self) -> None:
-        self.peak_bytes, self.peak_units = self.bytes, self.units
 
 
 def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
@@ -91,7 +44,6 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
                           the most full-weight bytes / units alive at once since the
                           last reset (`reset_peak=True` resets after reading)
     """
-    from .shard import get_state
     st = get_state(model)
     flats = st.flats
     out = {
@@ -130,30 +82,3 @@ def _optimizer_bytes(opt: Optional[torch.optim.Optimizer], flats: list) -> int:
 
 def _codec_bytes(codec: Any) -> int:
     return 0 if codec is None else _bytes(getattr(codec, "residual", None))
-
-
-LARGE_MODEL_PARAMS = 100_000_000  # no pin below (see the note)
-_pinned: Optional[int] = None  # the threshold this process pinned, once it has
-
-
-def mmap_threshold_for(parameters: int) -> Optional[int]:
-    """The mmap threshold zeropp pins for a CPU model of `parameters`, None for none
-    (see the note)."""
-    return 128 << 10 if parameters >= LARGE_MODEL_PARAMS else None
-
-
-def release_freed_host_memory(threshold: int = 1 << 20) -> bool:
-    """Pin glibc's mmap threshold at `threshold` bytes (see the note); a later call
-    may lower it, never raise it. Returns whether a pinned threshold is in effect."""
-    global _pinned
-    if _pinned is not None and _pinned <= threshold:
-        return True
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("ZEROPP_KEEP_MALLOC") == "1":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        if libc.mallopt(-3, threshold):  # -3: M_MMAP_THRESHOLD
-            _pinned = threshold
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return _pinned is not None

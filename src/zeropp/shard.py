@@ -2,21 +2,15 @@
 
 A *unit* is a module whose parameters are gathered and freed together: by
 default every entry of every `nn.ModuleList` (a transformer's blocks) plus the
-root for the rest. Per unit and iteration:
-  forward pre-hook   wait for its gather (prefetched earlier), prefetch the next
-                     unit, point the module's parameters at the full weights
-  forward post-hook  free the full weights; hook the outputs for backward
-  output grad hook   (backward reaches this unit) gather again, prefetch the
-                     unit backward reaches next
-  param grad hooks   its gradient is complete: hand it to the reduce pipeline
-                     (reduce.py; reduced on two threads while backward goes on), free
-  end of backward    wait for every reduction, free leftovers
+root for the rest (units.py). `shard()` flattens each unit's parameters into
+flat buffers (flat_param.py) and hooks the unit (unit_hooks.py); `ShardState`
+here is the model's side: the order units ran in, prefetch, the phase of the
+step, the end of backward, and the hooks around optimizer steps.
 The model class is untouched and the training loop stays plain PyTorch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import Any, Optional
 
@@ -28,175 +22,21 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .collectives import Comm
 from .config import Config
 from .deferred import defer_meta, paused, show_module
 from .flat_param import FlatParam
 from .guards import check_same_model, forget_parameters
-from .memory import GatherMeter, mmap_threshold_for, release_freed_host_memory
+from .host_memory import mmap_threshold_for, release_freed_host_memory
+from .meter import GatherMeter
 from .quant import release_scratch
 from .reduce import ReducePipeline
 from .state_dict import install as install_state_dict_hooks
 from .stats import CommStats
 from .topology import Topology, get_topology, reduce_groups
+from .unit_hooks import Unit
 from .units import assign_params, unit_modules
-
-_WEIGHTLESS_BACKWARD = (nn.Embedding.forward, nn.EmbeddingBag.forward)
-
-
-class Unit:
-    def __init__(self, name: str, module: nn.Module, flats: list[FlatParam],
-                 state: ShardState) -> None:
-        self.name, self.module, self.flats, self.state = name, module, flats, state
-        self.is_root = name == ""
-        self.label = name or "<root>"
-        self.backward_gathered = False
-        # An embedding lookup's backward scatters the output gradient into rows:
-        # it never reads the weights, so its unit is not gathered for backward
-        # (a 32k x 2048 fp32 vocabulary: 262 MB held at the end of backward, and
-        # its bytes on the wire). Only torch's own forward is known to be so.
-        self.backward_reads_weights = type(module).forward not in _WEIGHTLESS_BACKWARD
-        self.pins = 0  # zeropp.gathered() contexts holding the full weights resident
-        for f in flats:
-            f.on_grad_ready = self._flat_grad_ready
-            f.unit, f.meter = self, state.meter
-
-    def __repr__(self) -> str:
-        return f"Unit({self.label})"
-
-    def issue_gather(self, prefetch: bool = False) -> None:
-        self.state.comm.unit = self.label
-        phase = "backward" if self.state.backward_active else "forward"
-        issued = [f.issue_gather(self.state.comm, phase=phase) for f in self.flats]
-        if any(issued):
-            self.state.stats.count_unit(self.label, f"all_gather/{phase}")
-            if prefetch:
-                self.state.stats.count_unit(self.label, f"prefetch/{phase}")
-
-    def gather(self) -> None:
-        self.issue_gather()
-        self.wait()
-
-    def wait(self) -> None:
-        for f in self.flats:
-            f.wait_gather()
-
-    def free(self, let_go: bool = False) -> None:
-        """Free the full weights (`let_go`: see FlatParam.free)."""
-        if self.pins:
-            return  # resident inside zeropp.gathered()
-        for f in self.flats:
-            f.free(let_go)
-
-    # ---- hooks -----------------------------------------------------------------
-    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        st = self.state
-        if self.is_root and not _in_backward():
-            st.begin_iteration()
-        # Issue this unit's gather (if not prefetched), then the next ones, then
-        # wait: the link then carries the next gather while this one is
-        # dequantized, instead of idling until this unit is ready.
-        self.issue_gather()
-        if not st.backward_active:
-            st.forward_order.append(self)
-            st.prefetch_forward()
-        self.wait()
-        for f in self.flats:
-            f.use_views()
-        if st.cfg.param_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), st.cfg.param_dtype)
-        if (torch.is_grad_enabled() and not any(f.trainable for f in self.flats)
-                and self.flats):
-            # No leaf gradient will tell us when backward is done with frozen
-            # weights: learn it from the gradient reaching the unit's inputs.
-            args, kwargs = _PostBackward.attach(self, args, kwargs)
-        return args, kwargs
-
-    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        st = self.state
-        if st.backward_active:
-            return output  # recomputation inside backward: weights still needed
-        self.free()
-        hooked = False
-        if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(self._pre_backward)
-                    hooked = True
-        if hooked:  # only units that backward will reach are worth prefetching
-            st.finished_order.append(self)
-        if self.is_root:
-            st.end_forward()
-        return output
-
-    def _pre_backward(self, grad: torch.Tensor) -> None:
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "zeropp: backward with create_graph=True (double backward, e.g. a gradient "
-                "penalty) through sharded units is not supported: their weights are freed "
-                "after use")
-        st = self.state
-        st.begin_backward()
-        if not self.backward_reads_weights:
-            self.backward_gathered = True
-            for f in self.flats:
-                f.show_shapes()
-            return
-        # Gather even if this backward gathered the unit before: a unit used by
-        # two graphs (or twice in one) may have been freed after its first use.
-        # Issue, prefetch, then wait (as in pre_forward).
-        self.issue_gather()
-        if not self.backward_gathered:
-            self.backward_gathered = True
-            st.prefetch_backward(self)
-        self.wait()
-
-    def _flat_grad_ready(self, flat: FlatParam) -> None:
-        st = self.state
-        st.begin_backward()
-        self.reduce(flat)
-        if not any(f.needs_reduce for f in self.flats):
-            self.free()
-
-    def reduce(self, flat: FlatParam) -> None:
-        g = flat.take_grad()
-        if self.state.held is not None:  # inside coalesced_reduction: reduced at its exit
-            self.state.held.add(flat, g)
-        else:
-            self.submit_reduce(flat, g)
-
-    def submit_reduce(self, flat: FlatParam, g: torch.Tensor) -> None:
-        st = self.state
-        st.stats.count_unit(self.label, "reduce_scatter")
-        st.reducer.submit(self.label, g, lambda comm: flat.reduce_first(comm, st.cfg, g),
-                          lambda comm, part: flat.reduce_second(comm, st.cfg, part))
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward marks the unit's backward done."""
-
-    @staticmethod
-    def forward(ctx, unit: Unit, *tensors: torch.Tensor):
-        ctx.unit = unit
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.unit.free()
-        return (None, *grads)
-
-    @staticmethod
-    def attach(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        leaves, spec = tree_flatten((args, kwargs))
-        idx = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not idx:
-            return args, kwargs
-        outs = _PostBackward.apply(unit, *(leaves[i] for i in idx))
-        for i, o in zip(idx, outs):
-            leaves[i] = o
-        return tree_unflatten(leaves, spec)
 
 
 class ShardState:
@@ -325,27 +165,6 @@ class ShardState:
                 for f in u.flats:
                     f.settle()
             self.backward_active = False
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread right now."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors in a forward's output: pytrees, and dataclasses inside them."""
-    found = []
-    for leaf in tree_flatten(output)[0]:
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            found += _tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
-    return found
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
-                    and t.is_floating_point() and t.dtype != dtype else t, tree)
 
 
 def _optimizer_step_hooks(state_ref: weakref.ref) -> tuple[Any, Any]:

@@ -57,7 +57,7 @@ def install(units: list, order: dict[nn.Module, list[str]]) -> None:
     for mod, entries in owned.items():
         rank = {name: k for k, name in enumerate(order.get(mod, []))}
         entries.sort(key=lambda e: rank.get(e[0], len(rank)))
-        mod._zeropp_params = entries  # its parameters in order (deepspeed/parameters.py)
+        mod._zeropp_params = entries  # its parameters in order (for a front door that lists them)
         keep_vars: dict[str, bool] = {}
         mod.register_state_dict_pre_hook(functools.partial(_note_keep_vars, keep_vars))
         mod.register_state_dict_post_hook(functools.partial(_save, entries, keep_vars))
@@ -95,7 +95,8 @@ def _value(f: FlatParam, i: int, keep_vars: bool) -> torch.Tensor:
         return t if keep_vars else t.detach().clone()
     info = f.infos[i]
     placeholder = torch.empty(0, dtype=f.compute_dtype, device=t.device)
-    placeholder.ds_shape, placeholder.ds_numel = info.shape, info.numel
+    for hook in FlatParam.on_tensor:
+        hook(placeholder, f, info, "placeholder")
     return placeholder
 
 

@@ -8,13 +8,12 @@ CUDA). `ReduceOp` is torch's, so the two can be mixed.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
-
-from .compat import init_distributed
 
 __all__ = ["init_distributed", "is_initialized", "is_available", "get_rank", "get_world_size",
            "get_local_rank", "get_global_rank", "get_world_group", "get_backend", "new_group",
@@ -23,6 +22,43 @@ __all__ = ["init_distributed", "is_initialized", "is_available", "get_rank", "ge
            "reduce_scatter_tensor", "reduce_scatter_fn", "all_to_all_single", "gather",
            "scatter", "send", "recv", "isend", "irecv", "destroy_process_group", "ReduceOp",
            "configure", "log_summary"]
+
+
+def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True,
+                     timeout: Optional[timedelta] = None, init_method: Optional[str] = None,
+                     dist_init_required: Optional[bool] = None, config: Any = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Initialize torch.distributed from the launcher's environment (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), from `init_method` with `rank` and
+    `world_size` when given (DeepSpeed's own test launcher: file://), or as one
+    process when there is none; a no-op when already initialized. Backend: NCCL
+    with CUDA, else gloo."""
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise RuntimeError("zeropp.init_distributed: dist_init_required=False but "
+                           "torch.distributed is not initialized")
+    explicit = rank >= 0 and world_size > 0
+    if not explicit and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
+        if rank > 0 or world_size > 1:
+            raise RuntimeError("zeropp.init_distributed: no launcher environment (RANK, "
+                               "WORLD_SIZE) and not both rank= and world_size=; start with "
+                               "torchrun or `zeropp launch`")
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    if explicit:  # what the rest of zeropp reads (topology, devices), as a launcher sets it
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+        os.environ.setdefault("LOCAL_RANK", str(rank))
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    where = {"rank": rank, "world_size": world_size} if explicit else {}
+    dist.init_process_group(backend, init_method=init_method,
+                            timeout=timeout or timedelta(minutes=10), **where)
+
 
 
 def _need() -> None:

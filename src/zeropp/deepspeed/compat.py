@@ -28,7 +28,6 @@ import os
 import warnings
 import weakref
 from collections.abc import Iterable
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -36,53 +35,19 @@ import torch.distributed as dist
 from torch import nn
 
 from ..deferred import is_deferred, show_module
-from ..flat_param import FlatParam, ZeroParamStatus
 from ..guards import one_line
 from ..shard import get_state, shard
 from . import config as ds_config
-from . import lr_schedules
+from . import lr_schedules, utils
+from .alias import installed
+from .attributes import ZeroParamStatus, owner_of
+from .comm import init_distributed
 from .engine import DeepSpeedEngine
 from .parameters import expose_original_parameters, master_shards
 from .zero import add_gather_methods
 
 _DS_OPTIMIZERS_NOT_HERE = {"lamb", "lion", "onebitadam", "zerooneadam", "onebitlamb", "muadam",
                            "muadamw", "musgd", "muon"}
-
-
-def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = 29500, verbose: bool = True,
-                     timeout: Optional[timedelta] = None, init_method: Optional[str] = None,
-                     dist_init_required: Optional[bool] = None, config: Any = None,
-                     rank: int = -1, world_size: int = -1) -> None:
-    """Initialize torch.distributed from the launcher's environment (RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), from `init_method` with `rank` and
-    `world_size` when given (DeepSpeed's own test launcher: file://), or as one
-    process when there is none; a no-op when already initialized. Backend: NCCL
-    with CUDA, else gloo."""
-    if dist.is_initialized():
-        return
-    if dist_init_required is False:
-        raise RuntimeError("zeropp.init_distributed: dist_init_required=False but "
-                           "torch.distributed is not initialized")
-    explicit = rank >= 0 and world_size > 0
-    if not explicit and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
-        if rank > 0 or world_size > 1:
-            raise RuntimeError("zeropp.init_distributed: no launcher environment (RANK, "
-                               "WORLD_SIZE) and not both rank= and world_size=; start with "
-                               "torchrun or `zeropp launch`")
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    if explicit:  # what the rest of zeropp reads (topology, devices), as a launcher sets it
-        os.environ.setdefault("RANK", str(rank))
-        os.environ.setdefault("WORLD_SIZE", str(world_size))
-        os.environ.setdefault("LOCAL_RANK", str(rank))
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    where = {"rank": rank, "world_size": world_size} if explicit else {}
-    dist.init_process_group(backend, init_method=init_method,
-                            timeout=timeout or timedelta(minutes=10), **where)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -115,7 +80,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     config = _config_source(args, config, config_params)
     try:
-        ds = ds_config.parse(config, dist.get_world_size())
+        ds = ds_config.parse(config, dist.get_world_size(), alias_installed=installed())
     except ValueError as e:  # a key to fix in the config: one line, not a traceback per rank
         raise one_line(ds_config.DeepSpeedConfigError(str(e))) from None
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -148,7 +113,6 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
 
 def _mark_leaf_modules(model: nn.Module, leaf: dict) -> None:
     """The config's zero_optimization.leaf_module, as set_z3_leaf_modules would."""
-    from . import utils  # here: utils imports comm, which imports this module
     if leaf.get("classes"):
         utils.set_z3_leaf_modules(model, leaf["classes"], raise_if_not_found=False)
     if leaf.get("names"):
@@ -270,7 +234,7 @@ def _shards_of(params: list) -> list:
     each once, in order."""
     out: dict[int, torch.Tensor] = {}
     for p in params:
-        f = FlatParam.owner_of(p)
+        f = owner_of(p)
         if f is not None and f.trainable:
             out.setdefault(id(f.primary_shard), f.primary_shard)
     return list(out.values())

@@ -283,10 +283,9 @@ def _warn_stage_under_alias(given: dict) -> None:
     they hold; zeropp runs stage 3 whatever that says (a missing section, or stage 3
     from ZEROPP_DS_CONFIG), so a config not saying 3 itself leaves them on the wrong
     paths."""
-    from .alias import installed
     zo = given.get("zero_optimization")
     stage = zo.get("stage") if isinstance(zo, dict) else None
-    if installed() and stage != 3:
+    if stage != 3:
         warnings.warn(f"zeropp: the config says zero_optimization.stage={stage!r}; zeropp runs "
                       "ZeRO-3, but Hugging Face libraries read the stage from their config: set "
                       "\"zero_optimization\": {\"stage\": 3} in it", stacklevel=4)
@@ -329,11 +328,12 @@ def _read_by_config(key: str) -> bool:
     return key.startswith("zero_") or key in _DS_KEYS
 
 
-def parse(config: Any, world: int) -> DSConfig:
+def parse(config: Any, world: int, alias_installed: bool = False) -> DSConfig:
     """A DeepSpeed config (dict or JSON path) for a world of `world` ranks, with
     `ZEROPP_DS_CONFIG` merged over it."""
     given = _load_ds(config)
-    _warn_stage_under_alias(given)
+    if alias_installed:
+        _warn_stage_under_alias(given)
     ds = _auto_values(with_override(given))
     # TRL writes tuning knobs as flat dotted keys ("zero_optimization.reduce_bucket_size");
     # DeepSpeed ignores them, and so do we when they name a knob zeropp ignores.

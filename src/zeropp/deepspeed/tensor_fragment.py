@@ -25,16 +25,17 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..flat_param import FlatParam
+from .attributes import owner_of
 
 
 def _locate(p: torch.Tensor) -> tuple[FlatParam, Optional[int]]:
     """The flat parameter of `p` and the index of `p` among its original
     parameters (None: `p` is the master shard itself)."""
-    f = FlatParam.owner_of(p) if isinstance(p, torch.Tensor) else None
+    f = owner_of(p) if isinstance(p, torch.Tensor) else None
     if f is None:
         raise ValueError("deepspeed.utils tensor-fragment API: this tensor is not a parameter "
                          "of a model sharded by zeropp (initialize or zeropp.shard)")
-    if p is f.primary_shard or p is f.full:
+    if p is f.primary_shard:
         return f, None
     return f, next(k for k, t in enumerate(f.params) if t is p)
 

@@ -30,9 +30,9 @@ import torch
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..deferred import deferred_init, hide, is_deferred, is_hidden, materialize, release, show
-from ..flat_param import FlatParam, ZeroParamStatus
 from ..gathered import gathered
 from ..guards import first_failure, in_one_line
+from .attributes import ZeroParamStatus, owner_of
 
 
 def _unit_of(t: Any) -> Any:
@@ -40,9 +40,8 @@ def _unit_of(t: Any) -> Any:
     yields after sharding) or a module attribute (a view of a unit's weights)."""
     if not isinstance(t, torch.Tensor):
         return None
-    from ..flat_param import FlatParam
     for cand in (t, t._base):
-        f = FlatParam.owner_of(cand) if cand is not None else None
+        f = owner_of(cand) if cand is not None else None
         if f is not None:
             return f.unit
     return None
@@ -187,7 +186,7 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
         yield
         return
     if not torch.distributed.is_initialized():  # as DeepSpeed's Init does
-        from .compat import init_distributed
+        from .comm import init_distributed
         init_distributed()
     built: list = []
     with deferred_init():
@@ -200,7 +199,7 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     for ref in built:  # DeepSpeed's partitioned look: 0 elements until gathered or sharded
         p = ref()
         if (p is not None and p.ds_status is ZeroParamStatus.NOT_AVAILABLE
-                and FlatParam.owner_of(p) is None):  # (a master shard: sharded inside)
+                and owner_of(p) is None):  # (a master shard: sharded inside)
             hide(p)
 
 

@@ -1,0 +1,105 @@
+"""The package's shape: no import cycle in src/zeropp, the core never imports or
+names the DeepSpeed front door, no file over 500 lines. Read from the sources
+(every import, inside functions too; `if TYPE_CHECKING:` blocks aside)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+# Around the core: the front doors and the tools built on the engine.
+NOT_CORE = ("zeropp", "zeropp.__main__", "zeropp.cli", "zeropp.commands", "zeropp.launch")
+NOT_CORE_PACKAGES = ("zeropp.deepspeed", "zeropp.train", "zeropp.bench")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted((SRC / "zeropp").rglob("*.py")):
+        name = ".".join(p.relative_to(SRC).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            skip |= {id(n) for n in ast.walk(node)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in known else target)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {m for m in found if m in known and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {m: _imports(m, p, known) for m, p in known.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _is_core(name: str) -> bool:
+    return name not in NOT_CORE and not name.startswith(NOT_CORE_PACKAGES)
+
+
+def test_no_import_cycle_in_src_zeropp():
+    assert _cycles(_graph()) == []
+
+
+def test_the_core_never_imports_or_names_the_deepspeed_front_door():
+    graph, modules = _graph(), _modules()
+    core = [m for m in graph if _is_core(m)]
+    assert "zeropp.shard" in core and "zeropp.flat_param" in core  # (the check checks)
+    for m in core:
+        assert not [d for d in graph[m] if d.startswith("zeropp.deepspeed")], m
+        assert "zeropp.deepspeed" not in modules[m].read_text(), m
+
+
+def test_no_source_file_over_500_lines():
+    long = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}
