@@ -1,7 +1,7 @@
 """The largest model that trains here: TinyLlama-1.1B's shape (width 2048, GQA 32/4
 heads, MLP 5632, vocabulary 32000, untied head) at increasing depth, fp32 masters
 and compute, AdamW, 3 steps on one fixed batch of 1 x 64 tokens, W=4 ranks as 2 x 2
-(zeropp's ZeRO-3, FSDP2, DeepSpeed ZeRO-3) against one unsharded process (issue 21).
+(zeropp's ZeRO-3, FSDP2, DeepSpeed ZeRO-3) against one unsharded process.
 
 [Note: the budget]
 The four ranks share this machine's memory, so a sharded run can never hold more

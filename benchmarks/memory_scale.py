@@ -1,6 +1,6 @@
 """Per-rank memory at real model sizes: zeropp's presets against PyTorch FSDP2 and
 DeepSpeed ZeRO-3 in one run, W=4 ranks (2 nodes x 2 on loopback), an HF model built
-from its config (no hub), AdamW, batch 1 x T, a few steps (issue 21).
+from its config (no hub), AdamW, batch 1 x T, a few steps.
 
 Each configuration is one `torchrun` of benchmarks/_memory_worker.py (DeepSpeed's
 under `--ds-python`, a Python with deepspeed installed); the peak is the largest

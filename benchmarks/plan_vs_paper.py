@@ -1,4 +1,4 @@
-"""`zeropp plan` against ZeRO++'s published throughput (issue 21).
+"""`zeropp plan` against ZeRO++'s published throughput.
 
 The published points are the DeepSpeed ZeRO++ blog's Figs. 6-8 (the TFLOP/s
 labels printed on the bars; 384 V100 = 24 DGX-2 nodes x 16, inter-node 1 or 4 x

@@ -138,7 +138,7 @@ def test_the_pipeline_bounds_full_gradients_not_reductions_in_flight():
     has not been through stage 1, and does not wait for its stage 2 (qgZ's
     inter-node hop on the slow link, which holds only a small piece)."""
     from zeropp.collectives import Comm
-    from zeropp.reduce import ReducePipeline
+    from zeropp.grads.pipeline import ReducePipeline
     from zeropp.stats import CommStats
     from zeropp.topology import Topology
     topo = Topology(world_size=1, rank=0, node_size=1)

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import zeropp
 from zeropp.collectives import Comm
+from zeropp.grads.qgz import HopCodec, reduce_scatter_qgz
 from zeropp.launch import spawn
-from zeropp.qgz import HopCodec, reduce_scatter_qgz
 from zeropp.stats import CommStats
 
 BLOCK, CHUNK = 64, 3 * 64  # each rank's chunk: 3 blocks

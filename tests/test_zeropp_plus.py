@@ -10,8 +10,8 @@ import torch.distributed as dist
 from cases import build, loss_of, train
 
 import zeropp
+from zeropp.grads.qgz import HopCodec
 from zeropp.launch import spawn
-from zeropp.qgz import HopCodec
 from zeropp.quant import QTensor, quantize
 from zeropp.train.model import GPT, GPTConfig
 

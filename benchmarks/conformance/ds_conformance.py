@@ -1,4 +1,4 @@
-"""DeepSpeed's own ZeRO-3 unit tests against `zeropp.install_as_deepspeed()` (issue 42).
+"""DeepSpeed's own ZeRO-3 unit tests against `zeropp.install_as_deepspeed()`.
 
 Not part of `make test`: a full run takes the better part of an hour on two cores.
 

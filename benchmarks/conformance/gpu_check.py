@@ -1,4 +1,4 @@
-"""The engine's device path in one command: what a GPU task runs first (issue 21).
+"""The engine's device path in one command: what a GPU task runs first.
 
     python benchmarks/conformance/gpu_check.py                 # CUDA when available, bounded to ~8 min
     python benchmarks/conformance/gpu_check.py --device cpu    # the same checks on the CPU (in make test)

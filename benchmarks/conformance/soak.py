@@ -1,4 +1,4 @@
-"""Random-kill soak of `zeropp train` (issue 43): each trial runs the main job,
+"""Random-kill soak of `zeropp train`: each trial runs the main job,
 hurts it once, lets it recover, and compares the result with a run that was
 never hurt, bit for bit.
 

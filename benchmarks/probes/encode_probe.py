@@ -17,8 +17,8 @@ import time
 
 import torch
 
+from zeropp.grads.qgz import HopCodec, _encode
 from zeropp.host_memory import release_freed_host_memory
-from zeropp.qgz import HopCodec, _encode
 from zeropp.quant import QTensor, dequantize, quantize, scratch_buffer
 
 BLOCK = 2048

@@ -25,7 +25,7 @@ from pathlib import Path
 
 
 def _traced_worker(events_path: str, argv: list[str]) -> None:
-    import zeropp.reduce as reduce_mod
+    import zeropp.grads.pipeline as reduce_mod
     shard_mod = sys.modules["zeropp.shard"]  # zeropp.shard is also the function's name
     events: list = []
     now = time.perf_counter

@@ -6,6 +6,23 @@ equal *primary shards*. Rank r keeps shard r in fp32 as an `nn.Parameter`: the
 master weights the optimizer updates. The full weights exist only between a
 gather and the matching free.
 
+[Note: zeropp's tensors]
+  primary shard   rank r's 1/W of a flat buffer, fp32 (frozen: maybe INT8 wire
+                  bytes): the master weights, an nn.Parameter the optimizer steps
+  full weights    `full`: the whole flat buffer at the compute dtype, alive
+                  between a gather and the matching free
+  module attributes  `params`: one tensor per original parameter on `full`'s
+                  storage (0 elements while freed); what the model computes with
+  secondary shard hpZ: W/P primary shards of the ranks in this rank's column,
+                  kept after a forward so the backward gathers inside the node
+                  (weights.py, "the secondary shard's layout")
+  qWD copy        a secondary kept across steps and moved by deltas (INT8 codes
+                  by default)
+  wire bytes      a quantized tensor as it travels: fp32 scales, then codes
+                  (quant.py, "wire format")
+  flat gradient   `grad`: a backward's full gradient of the buffer, assembled
+                  from the per-parameter ones, handed to the reduce pipeline
+
 [Note: how the full weights reach the module and come back in backward]
 `full` is one flat buffer whose storage is allocated for a gather and resized
 to zero bytes to free it; the same storage object lives on, so tensors that
@@ -56,7 +73,7 @@ from torch import nn
 from .collectives import Comm, Pending, dequantize_gathered
 from .config import Config
 from .deferred import materialize, release
-from .qgz import inter_node_codec, qgz_inter_encode, qgz_inter_exchange, qgz_intra_hop
+from .grads import route_for
 from .quant import QTensor, dequantize, quantize
 from .topology import Topology
 from .weights import WeightPath
@@ -124,7 +141,6 @@ class FlatParam:
         self.padded_numel = self.shard_numel * w
         # Elements of this rank's shard that hold parameters (the rest is padding).
         self.shard_valid = min(self.shard_numel, max(0, self.numel - topo.rank * self.shard_numel))
-        self.split_sizes = [i.numel for i in self.infos] + [self.padded_numel - self.numel]
         device = params[0][0].device
         with torch.no_grad():
             flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
@@ -170,7 +186,9 @@ class FlatParam:
             hook(self.primary_shard, self, None, "master")
             for t, info in zip(self.params, self.infos):
                 hook(t, self, info, "attribute")
-        self.grad_codec = inter_node_codec(cfg, self.block, topo, name) if trainable else None
+        # How its gradient is reduced (grads/): ZeRO-3's ring or qgZ's two hops.
+        self.reduce_route = route_for(cfg, block=self.block, topo=topo, name=name) \
+            if trainable else None
 
     @property
     def stale(self) -> bool:
@@ -319,33 +337,14 @@ class FlatParam:
         self.arrived = set()
         return g
 
-    def reduce_first(self, comm: Comm, cfg: Config, g: torch.Tensor) -> Any:
-        """Stage 1 of reducing the full gradient `g` to the mean over W: qgZ's
-        intra-node hop and the inter-node hop's quantization, or the whole plain
-        ring reduce-scatter. Stage 2
-        (`reduce_second`) finishes; the reduce pipeline (reduce.py) runs the two
-        on two threads, so one unit's stage 1 overlaps the previous unit's stage 2."""
-        if cfg.quantized_gradients:  # quantized hops, sums in fp32 whatever reduce_dtype
-            if self.world_size == 1:
-                return g.float()
-            partial = qgz_intra_hop(comm, g.float(), block=self.block,
-                                    intra_bits=cfg.intra_node_grad_bits or cfg.grad_bits)
-            # The inter-node hop's quantization too: stage 2 then only holds the link.
-            return qgz_inter_encode(comm.topo, partial, inter=self.grad_codec)
-        w, rd = self.world_size, cfg.reduce_dtype
-        g = g.to(rd)
-        if rd != torch.float32:
-            g = g / w  # pre-divide: a low-precision sum of W gradients may overflow
-        part = comm.reduce_scatter_sum(g, op="reduce_scatter").float()
-        if rd == torch.float32:
-            part.div_(w)
-        return part
+    @property
+    def grad_codec(self) -> Any:
+        """The gradient route's state (qgZ's inter-node codec), or None."""
+        return self.reduce_route.codec if self.reduce_route is not None else None
 
-    def reduce_second(self, comm: Comm, cfg: Config, part: Any) -> None:
-        """Stage 2: qgZ's inter-node all-to-all and sum; then add the mean to the
-        primary shard's `.grad` (accumulating micro-batches)."""
-        if cfg.quantized_gradients and self.world_size > 1:
-            part = qgz_inter_exchange(comm, part, inter=self.grad_codec)
+    def accumulate_grad(self, part: torch.Tensor) -> None:
+        """This rank's chunk of a reduced gradient (the mean, fp32) into the
+        master shard's `.grad`, accumulating micro-batches."""
         # Padding must stay exactly zero: a rotated quantization spreads error into it.
         part[self.shard_valid:] = 0
         p = self.primary_shard

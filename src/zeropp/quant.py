@@ -19,8 +19,8 @@ aligned when a gathered buffer is cut into per-rank pieces of whole blocks.
 
 [Note: non-finite input]
 A NaN or Inf makes its block's absmax, hence its scale, non-finite: that block
-dequantizes to non-finite values (never finite garbage), and
-`has_non_finite()` reports it so the engine can flag the step.
+dequantizes to non-finite values (never finite garbage), so whatever checks
+the result for overflow (fp16's loss scaler, `clip_grad_norm_`) still sees it.
 """
 
 from __future__ import annotations
@@ -62,9 +62,6 @@ class QTensor:
     @property
     def scale_bytes(self) -> int:
         return self.scales.numel() * 4
-
-    def has_non_finite(self) -> bool:
-        return not bool(torch.isfinite(self.scales).all())
 
     def to_bytes(self) -> torch.Tensor:
         """One uint8 buffer: scales (fp32 bytes), then the data (no copy when

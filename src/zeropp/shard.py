@@ -27,11 +27,11 @@ from .collectives import Comm
 from .config import Config
 from .deferred import defer_meta, paused, show_module
 from .flat_param import FlatParam
+from .grads.pipeline import ReducePipeline
 from .guards import check_same_model, forget_parameters
 from .host_memory import mmap_threshold_for, release_freed_host_memory
 from .meter import GatherMeter
 from .quant import release_scratch
-from .reduce import ReducePipeline
 from .state_dict import install as install_state_dict_hooks
 from .stats import CommStats
 from .topology import Topology, get_topology, reduce_groups

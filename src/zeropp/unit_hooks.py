@@ -7,7 +7,7 @@ Per unit and iteration:
   output grad hook   (backward reaches this unit) gather again, prefetch the
                      unit backward reaches next
   param grad hooks   its gradient is complete: hand it to the reduce pipeline
-                     (reduce.py; reduced on two threads while backward goes on), free
+                     (grads/pipeline.py; reduced on two threads while backward goes on), free
   end of backward    (shard.ShardState) wait for every reduction, free leftovers
 """
 
@@ -56,10 +56,6 @@ class Unit:
             self.state.stats.count_unit(self.label, f"all_gather/{phase}")
             if prefetch:
                 self.state.stats.count_unit(self.label, f"prefetch/{phase}")
-
-    def gather(self) -> None:
-        self.issue_gather()
-        self.wait()
 
     def wait(self) -> None:
         for f in self.flats:
@@ -152,8 +148,9 @@ class Unit:
     def submit_reduce(self, flat: FlatParam, g: torch.Tensor) -> None:
         st = self.state
         st.stats.count_unit(self.label, "reduce_scatter")
-        st.reducer.submit(self.label, g, lambda comm: flat.reduce_first(comm, st.cfg, g),
-                          lambda comm, part: flat.reduce_second(comm, st.cfg, part))
+        route = flat.reduce_route
+        st.reducer.submit(self.label, g, lambda comm: route.first(comm, g),
+                          lambda comm, state: flat.accumulate_grad(route.second(comm, state)))
 
 
 class _PostBackward(torch.autograd.Function):

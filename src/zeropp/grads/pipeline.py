@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .collectives import Comm
+from ..collectives import Comm
 
 
 class _Job:

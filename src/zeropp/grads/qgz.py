@@ -3,7 +3,7 @@ each of its two hops (SPEC.md, qgZ and "Gradient-quantization accuracy").
 
 Hop 1 (inside the node) quantizes with `intra_node_grad_bits` (8 by default:
 it costs no inter-node byte). Hop 2 (across nodes) is where bytes are scarce
-and INT4 error hurts; its `InterNodeCodec` may add, each behind one Config
+and INT4 error hurts; its codec (`HopCodec`) may add, each behind one Config
 switch:
 - `gradient_rotation`: a randomized Hadamard rotation of each block before
   quantizing (outliers spread over the block, so the INT4 step shrinks). It is
@@ -26,10 +26,10 @@ from typing import Optional
 
 import torch
 
-from .collectives import Comm
-from .config import Config
-from .quant import QTensor, dequantize, quantize, rotate, scratch_buffer, unrotate
-from .topology import Topology
+from ..collectives import Comm
+from ..config import Config
+from ..quant import QTensor, dequantize, quantize, rotate, scratch_buffer, unrotate
+from ..topology import Topology
 
 ROTATION_SEED = 0x5EED   # the Hadamard signs every rank shares
 ERROR_BETA = 0.8         # LoCo's err_beta: weight of the older residual
@@ -133,24 +133,48 @@ def inter_node_codec(cfg: Config, block: int, topo: Topology, name: str) -> HopC
                     residual_dtype=cfg.error_feedback_dtype)
 
 
-def reduce_scatter_qgz(comm: Comm, g: torch.Tensor, *, block: int, intra_bits: int,
-                       inter: HopCodec, op: str = "reduce_scatter/qgz") -> torch.Tensor:
-    """qgZ: the mean over the world of `g` (fp32, W equal chunks of whole
-    blocks), this rank's chunk, by two quantized all-to-alls.
+class QgzReduce:
+    """qgZ's gradient route: the mean over the world of `g` (W equal chunks of
+    whole blocks), this rank's chunk, by two quantized all-to-alls.
 
     Hop 1 (inside the node): chunk p is for rank p = m*D + j; the N chunks
     for local index j go, quantized, to local peer j, which sums the D pieces
     it holds in fp32. Hop 2 (across nodes, among the ranks of local index j):
-    the node-partial sum for node m goes, quantized by `inter`, to node m,
+    the node-partial sum for node m goes, quantized by `codec`, to node m,
     which sums the N pieces in fp32. Across its boundary a node sends (N-1)/N
-    of |g| values at `inter.bits` each (plus scales) where a ring sends (W-1)/W
+    of |g| values at `codec.bits` each (plus scales) where a ring sends (W-1)/W
     of them at full width. One node or one rank per node skips the hop that
     would move nothing; padding, not fallbacks, handles any size.
+    Stage 1 is hop 1 and hop 2's quantization; stage 2 only hop 2's exchange,
+    so the thread holding the slow link only sends. Sums are fp32 whatever
+    the reduce dtype.
     """
-    if comm.topo.world_size == 1:
-        return g.clone()
-    partial = qgz_intra_hop(comm, g, block=block, intra_bits=intra_bits, op=op)
-    return qgz_inter_hop(comm, partial, inter=inter, op=op)
+
+    def __init__(self, *, block: int, intra_bits: int, codec: HopCodec,
+                 op: str = "reduce_scatter/qgz") -> None:
+        self.block, self.intra_bits, self.codec, self.op = block, intra_bits, codec, op
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, block: int, topo: Topology, name: str) -> QgzReduce:
+        return cls(block=block, intra_bits=cfg.intra_node_grad_bits or cfg.grad_bits,
+                   codec=inter_node_codec(cfg, block, topo, name))
+
+    def first(self, comm: Comm, g: torch.Tensor) -> tuple:
+        partial = qgz_intra_hop(comm, g.float(), block=self.block, intra_bits=self.intra_bits,
+                                op=self.op)
+        return qgz_inter_encode(comm.topo, partial, inter=self.codec)
+
+    def second(self, comm: Comm, encoded: tuple) -> torch.Tensor:
+        return qgz_inter_exchange(comm, encoded, inter=self.codec, op=self.op)
+
+    def reduce(self, comm: Comm, g: torch.Tensor) -> torch.Tensor:
+        return self.second(comm, self.first(comm, g))
+
+
+def reduce_scatter_qgz(comm: Comm, g: torch.Tensor, *, block: int, intra_bits: int,
+                       inter: HopCodec, op: str = "reduce_scatter/qgz") -> torch.Tensor:
+    """qgZ's reduce-scatter of `g` (see QgzReduce): the two stages the engine runs."""
+    return QgzReduce(block=block, intra_bits=intra_bits, codec=inter, op=op).reduce(comm, g)
 
 
 def qgz_intra_hop(comm: Comm, g: torch.Tensor, *, block: int, intra_bits: int,
@@ -167,13 +191,6 @@ def qgz_intra_hop(comm: Comm, g: torch.Tensor, *, block: int, intra_bits: int,
     return _quantized_a2a_sum(comm, by_local.reshape(d, n * chunk), group="intra_node",
                               op=f"{op}/intra", codec=HopCodec(intra_bits, block),
                               own=topo.local_rank)
-
-
-def qgz_inter_hop(comm: Comm, partial: torch.Tensor, *, inter: HopCodec,
-                  op: str = "reduce_scatter/qgz") -> torch.Tensor:
-    """qgZ's second hop: the mean over the world of this rank's chunk."""
-    return qgz_inter_exchange(comm, qgz_inter_encode(comm.topo, partial, inter=inter),
-                              inter=inter, op=op)
 
 
 def qgz_inter_encode(topo: Topology, partial: torch.Tensor, *, inter: HopCodec) -> tuple:

@@ -1,0 +1,35 @@
+"""The gradient path: a unit's full gradient becomes this rank's chunk of the
+mean over the world.
+
+  ring.py      ZeRO-3: one reduce-scatter over the world (RingReduce)
+  qgz.py       qgZ: two quantized all-to-all hops, inside the node then across
+               (QgzReduce), with the inter-node hop's codec (rotation, stochastic
+               rounding, error feedback)
+  pipeline.py  the reduce pipeline: the two stages of a route on two threads,
+               off backward's critical path
+
+A route has two stages, `first(comm, g)` and `second(comm, state)`, which the
+pipeline runs on its two threads (so one unit's first stage overlaps the
+previous unit's second); `second` returns this rank's chunk of the mean, fp32.
+`reduce(comm, g)` runs both. The engine picks one route per flat buffer, once,
+with `route_for`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Union
+
+from .qgz import QgzReduce
+from .ring import RingReduce
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..topology import Topology
+
+
+def route_for(cfg: Config, *, block: int, topo: Topology, name: str
+              ) -> Union[QgzReduce, RingReduce]:
+    """The gradient route of flat buffer `name` (quantization blocks of `block`)."""
+    if cfg.quantized_gradients:
+        return QgzReduce.from_config(cfg, block=block, topo=topo, name=name)
+    return RingReduce(cfg.reduce_dtype)
