@@ -1,6 +1,6 @@
 """Every collective zeropp issues, each recorded in CommStats as it goes out:
 the plain ones of ZeRO-3 and the quantized gather of qwZ (`dequantize_gathered`);
-qgZ's hierarchical reduce (qgz.py) and the weight path (weights.py) build on them.
+qgZ's hierarchical reduce (grads/qgz.py) and the weight path (weights/) build on them.
 
 [Note: counting bytes]
 We count what this rank really puts on the wire under the algorithm that

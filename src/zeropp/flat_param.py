@@ -15,7 +15,7 @@ gather and the matching free.
                   storage (0 elements while freed); what the model computes with
   secondary shard hpZ: W/P primary shards of the ranks in this rank's column,
                   kept after a forward so the backward gathers inside the node
-                  (weights.py, "the secondary shard's layout")
+                  (weights/hpz.py, "the secondary shard's layout")
   qWD copy        a secondary kept across steps and moved by deltas (INT8 codes
                   by default)
   wire bytes      a quantized tensor as it travels: fp32 scales, then codes
@@ -203,7 +203,7 @@ class FlatParam:
 
     # ---- gather / free -------------------------------------------------------
     def issue_gather(self, comm: Comm, *, phase: str) -> bool:
-        """Start gathering the full weights (the route: see weights.py); False if
+        """Start gathering the full weights (the route: see weights/); False if
         gathered or in flight."""
         if self.gathered or self.pending is not None:
             return False
