@@ -1,5 +1,5 @@
 """Every collective zeropp issues, each recorded in CommStats as it goes out:
-the plain ones of ZeRO-3 and the quantized gather of qwZ (`dequantize_gathered`);
+the plain ones of ZeRO-3 and the payloads of the quantized ones (wire bytes);
 qgZ's hierarchical reduce (grads/qgz.py) and the weight path (weights/) build on them.
 
 [Note: counting bytes]
@@ -38,7 +38,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .quant import QTensor, dequantize
 from .stats import CommStats
 from .topology import Topology, hpz_group
 
@@ -241,14 +240,3 @@ class Comm:
             _wait(dist.all_reduce(t, op=reduce_op, group=self.groups["world"], async_op=True),
                   self, op, self.unit)
         return t
-
-
-# ---- qwZ ---------------------------------------------------------------------------
-def dequantize_gathered(gathered: torch.Tensor, full: torch.Tensor, *, pieces: int,
-                        bits: int, block: int) -> None:
-    """Dequantize a gathered buffer of `pieces` equal wire-format shards into
-    the flat `full` (compute dtype), each shard into its slot."""
-    wb, numel = gathered.numel() // pieces, full.numel() // pieces
-    for r in range(pieces):
-        q = QTensor.from_bytes(gathered[r * wb:(r + 1) * wb], (numel,), full.dtype, bits, block)
-        dequantize(q, out=full[r * numel:(r + 1) * numel])

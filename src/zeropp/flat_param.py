@@ -70,11 +70,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .collectives import Comm, Pending, dequantize_gathered
+from .collectives import Comm, Pending
 from .config import Config
 from .deferred import materialize, release
 from .grads import route_for
-from .quant import QTensor, dequantize, quantize
+from .quant import QTensor, dequantize, dequantize_pieces, quantize
 from .topology import Topology
 from .weights import WeightPath
 
@@ -415,7 +415,7 @@ class FlatParam:
                               device=shard.device)
             comm.all_gather(out, shard, op="all_gather/state_dict").wait()
             full = torch.empty(self.padded_numel, dtype=torch.float32, device=shard.device)
-            dequantize_gathered(out, full, pieces=self.world_size, bits=self.weight_bits,
+            dequantize_pieces(out, full, pieces=self.world_size, bits=self.weight_bits,
                                 block=self.block)
             return full
         full = torch.empty(self.padded_numel, dtype=torch.float32, device=shard.device)

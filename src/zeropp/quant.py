@@ -301,6 +301,18 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
 assert sys.byteorder == "little", "INT4 packing assumes a little-endian host"
 
 
+def dequantize_pieces(wire: torch.Tensor, out: torch.Tensor, *, pieces: int, bits: int,
+                      block: int, slots: Optional[list[int]] = None) -> None:
+    """Dequantize `wire`, `pieces` equal wire-format pieces one after another (a
+    gathered buffer), into `out` (flat, compute dtype): piece r into slot
+    `slots[r]` (default r) of `out` cut into `pieces` equal slots."""
+    wb, numel = wire.numel() // pieces, out.numel() // pieces
+    for r in range(pieces):
+        s = r if slots is None else slots[r]
+        q = QTensor.from_bytes(wire[r * wb:(r + 1) * wb], (numel,), out.dtype, bits, block)
+        dequantize(q, out=out[s * numel:(s + 1) * numel])
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Integer values in [-8, 7] (any integer or float dtype, even count) ->
     uint8, two per byte (low nibble first)."""

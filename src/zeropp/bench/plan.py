@@ -30,16 +30,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import is_named
+from ..config import NAMED, is_named
 
-CONFIGS = {  # (qwZ, hpZ, qgZ, zeropp-plus's qWD + 8-bit intra-node gradients)
-    "zero3": (False, False, False, False),
-    "qwz": (True, False, False, False),
-    "hpz": (False, True, False, False),
-    "qgz": (False, False, True, False),
-    "zeropp": (True, True, True, False),
-    "zeropp-plus": (True, True, True, True),
-}
+
+def _switches(switches: dict) -> tuple[bool, bool, bool, bool]:
+    """What the cost model distinguishes: qwZ, hpZ, qgZ, and zeropp-plus's qWD
+    (with its 8-bit intra-node gradients)."""
+    return (switches.get("quantized_weights", False), switches.get("hpz_partition_size", 1) != 1,
+            switches.get("quantized_gradients", False), switches.get("weight_delta", False))
+
+
+CONFIGS = {name: _switches(switches) for name, switches in NAMED.items()}
 
 
 @dataclass(frozen=True)

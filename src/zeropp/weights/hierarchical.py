@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..collectives import Comm, Pending, dequantize_gathered
+from ..collectives import Comm, Pending
+from ..quant import dequantize_pieces
 from . import hpz
 from .world import gather_buffer, send
 
@@ -43,5 +44,5 @@ def issue(path: WeightPath, comm: Comm, op: str) -> Pending:
 def dequantized(path: WeightPath, wire: torch.Tensor, pieces: int) -> torch.Tensor:
     f = path.flat
     out = torch.empty(pieces * f.shard_numel, dtype=f.compute_dtype, device=wire.device)
-    dequantize_gathered(wire, out, pieces=pieces, bits=f.weight_bits, block=f.block)
+    dequantize_pieces(wire, out, pieces=pieces, bits=f.weight_bits, block=f.block)
     return out

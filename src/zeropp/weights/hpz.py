@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..collectives import Comm, Pending
-from ..quant import QTensor, dequantize, quantize
+from ..quant import QTensor, dequantize_pieces, quantize
 
 if TYPE_CHECKING:
     from . import WeightPath
@@ -76,16 +76,10 @@ def issue_inner(path: WeightPath, comm: Comm, mine: torch.Tensor, op: str, group
     k = f.world_size // g
     out = torch.empty(g * mine.numel(), dtype=mine.dtype, device=mine.device)
     if bits is not None:
-        wb = QTensor.wire_bytes(f.shard_numel, bits, f.block)
 
-        def then() -> None:
-            pieces = out.view(g, k, wb)
-            for i in range(g):
-                for j in range(k):
-                    q = QTensor.from_bytes(pieces[i, j], (f.shard_numel,), f.compute_dtype,
-                                           bits, f.block)
-                    s = (j * g + i) * f.shard_numel
-                    dequantize(q, out=f.full[s:s + f.shard_numel])
+        def then() -> None:  # member i's piece j arrives at i*k + j, goes to slot j*g + i
+            dequantize_pieces(out, f.full, pieces=g * k, bits=bits, block=f.block,
+                              slots=[j * g + i for i in range(g) for j in range(k)])
         return comm.all_gather(out, mine, op=op, group=group,
                                scale_bytes=path.scale_bytes * g * k, then=then)
 

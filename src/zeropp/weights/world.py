@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..collectives import Comm, Pending, dequantize_gathered
-from ..quant import quantize
+from ..collectives import Comm, Pending
+from ..quant import dequantize_pieces, quantize
 from . import hpz
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def issue(path: WeightPath, comm: Comm, op: str) -> Pending:
         out, scales = gather_buffer(path, w)
 
         def then() -> None:
-            dequantize_gathered(out, f.full, pieces=w, bits=f.weight_bits, block=f.block)
+            dequantize_pieces(out, f.full, pieces=w, bits=f.weight_bits, block=f.block)
             hpz.keep(path, out, wire=True)
         return comm.all_gather(out, send(path), op=op, group="world", scale_bytes=scales,
                                then=then)
