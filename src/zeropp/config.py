@@ -9,9 +9,7 @@ at construction time rather than deep inside a collective.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -197,59 +195,13 @@ class Config:
         a bad value is an error naming the key. `overrides` are Config fields
         that win over the file.
         """
-        ds = _load_ds(ds_config)
-        zo = ds.get("zero_optimization")
-        if not isinstance(zo, dict):
-            raise ValueError("DeepSpeed config: a 'zero_optimization' section (a JSON object) "
-                             "is required")
-        if zo.get("stage") != 3:
-            raise ValueError(f"DeepSpeed config: zero_optimization.stage={zo.get('stage')!r} is "
-                             "invalid; allowed: 3 (zeropp is ZeRO stage 3)")
-        # DeepSpeed's default: parameters of up to 1e5 elements stay gathered.
-        kwargs: dict[str, Any] = {"persistence_threshold": 100_000}
-        ignored = [k for k in ds if k not in ("zero_optimization", "bf16", "fp16", "zeropp")]
-        for key, value in zo.items():
-            if key == "stage":
-                continue
-            if key not in _DS_KEYS:
-                ignored.append(f"zero_optimization.{key}")
-                continue
-            field = _DS_KEYS[key]
-            if isinstance(value, float) and value.is_integer() and field.endswith("threshold"):
-                value = int(value)  # JSON's 1e5, as DeepSpeed reads it
-            try:
-                cls(**{field: value})
-            except ValueError as e:
-                raise ValueError(str(e).replace(f"zeropp.Config: {field}",
-                                                f"DeepSpeed config: zero_optimization.{key}")
-                                 ) from None
-            kwargs[field] = value
-        enabled = []
-        for section, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
-            sec = ds.get(section, {})
-            if not isinstance(sec, dict):
-                raise ValueError(f"DeepSpeed config: {section}={sec!r} is invalid; allowed: a JSON "
-                                 "object such as {\"enabled\": true}")
-            on = sec.get("enabled", False)
-            if not isinstance(on, bool):
-                raise ValueError(f"DeepSpeed config: {section}.enabled={on!r} is invalid; "
-                                 "allowed: true or false")
-            ignored += [f"{section}.{k}" for k in sec if k != "enabled"]
-            if on:
-                enabled.append(section)
-                kwargs["param_dtype"] = getattr(torch, dtype)
-        if len(enabled) > 1:
-            raise ValueError("DeepSpeed config: bf16.enabled and fp16.enabled are both true; "
-                             "allowed: at most one")
-        preset = _zeropp_section(ds.get("zeropp", {}), kwargs)
-        if ignored:
-            warnings.warn("zeropp: these DeepSpeed config keys do not apply and are ignored: "
-                          + ", ".join(sorted(ignored)), stacklevel=2)
-        kwargs.update(overrides)
-        if preset is not None:
-            node = kwargs.pop("node_size", None) or _default_node_size()
-            return named(preset, node, **kwargs)
-        return cls(**kwargs)
+        return _DEEPSPEED[0](ds_config, **overrides)
+
+
+# The DeepSpeed front door's parser of a ds_config.json's ZeRO section
+# (zeropp/deepspeed/zero_config.py), registered when it is imported (`import
+# zeropp` does): DeepSpeed JSON is read in one place, outside the core.
+_DEEPSPEED: list = []
 
 
 # The configurations that Config.preset, --compare, the benchmarks and `zeropp
@@ -321,34 +273,6 @@ def named(name: str, node_size: int, **fields) -> Config:
     return Config(node_size=node_size, **{**switches, **fields})
 
 
-def _zeropp_section(zp: Any, kwargs: dict) -> Optional[str]:
-    """The config's `zeropp` section into `kwargs`; returns its preset name (or None)."""
-    if not isinstance(zp, dict):
-        raise ValueError(f"DeepSpeed config: zeropp={zp!r} is invalid; allowed: a JSON object "
-                         "such as {\"preset\": \"zeropp-plus\", \"node_size\": 2}")
-    fields = {f.name for f in dataclasses.fields(Config)}
-    preset = zp.get("preset")
-    if preset is not None and (not isinstance(preset, str) or not is_named(preset)):
-        raise ValueError(f"DeepSpeed config: zeropp.preset={preset!r} is invalid; allowed: "
-                         f"{', '.join(NAMED)} (optionally with ~SWITCH flips)")
-    for key, value in zp.items():
-        if key == "preset":
-            continue
-        if key not in fields:
-            raise ValueError(f"DeepSpeed config: zeropp.{key} is not a zeropp setting; allowed: "
-                             f"preset, {', '.join(sorted(fields))}")
-        if isinstance(value, str) and key in ("param_dtype", "reduce_dtype",
-                                              "error_feedback_dtype"):
-            value = getattr(torch, value, value)  # JSON names a dtype: "bfloat16"
-        try:
-            Config(**{key: value})
-        except (ValueError, TypeError) as e:
-            raise ValueError(str(e).replace(f"zeropp.Config: {key}",
-                                            f"DeepSpeed config: zeropp.{key}")) from None
-        kwargs[key] = value
-    return preset
-
-
 def _default_node_size() -> int:
     if "LOCAL_WORLD_SIZE" in os.environ:
         return int(os.environ["LOCAL_WORLD_SIZE"])
@@ -356,36 +280,6 @@ def _default_node_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return 1
-
-
-_DS_KEYS = {
-    "zero_quantized_weights": "quantized_weights",
-    "zero_quantized_nontrainable_weights": "quantized_nontrainable_weights",
-    "zero_hpz_partition_size": "hpz_partition_size",
-    "zero_quantized_gradients": "quantized_gradients",
-    "stage3_param_persistence_threshold": "persistence_threshold",
-    "stage3_model_persistence_threshold": "model_persistence_threshold",
-}
-
-
-def _load_ds(ds_config: Union[dict, str, os.PathLike]) -> dict:
-    if isinstance(ds_config, dict):
-        return ds_config
-    if not isinstance(ds_config, (str, os.PathLike)):
-        raise TypeError(f"from_deepspeed: expected a dict or a path, got "
-                        f"{type(ds_config).__name__}")
-    try:
-        with open(ds_config, encoding="utf-8") as f:
-            ds = json.load(f)
-    except OSError as e:
-        raise ValueError(f"DeepSpeed config: cannot read {os.fspath(ds_config)!r}: "
-                         f"{e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"DeepSpeed config: {os.fspath(ds_config)!r} is not valid JSON "
-                         f"(line {e.lineno}, column {e.colno}: {e.msg})") from None
-    if not isinstance(ds, dict):
-        raise ValueError(f"DeepSpeed config: {os.fspath(ds_config)!r} must hold a JSON object")
-    return ds
 
 
 def _is_int(v) -> bool:

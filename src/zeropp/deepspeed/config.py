@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..config import _DS_KEYS, Config, _is_int, _load_ds
+from ..config import Config, _is_int
+from .zero_config import ZERO_KEYS, load_ds, zero_config
 
 # Top-level keys read here.
 KNOWN = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -324,14 +325,14 @@ def _leaf_module(sec: Any) -> dict:
 
 
 def _read_by_config(key: str) -> bool:
-    """zero_optimization keys that Config.from_deepspeed reads (or refuses)."""
-    return key.startswith("zero_") or key in _DS_KEYS
+    """zero_optimization keys that zero_config reads (or refuses)."""
+    return key.startswith("zero_") or key in ZERO_KEYS
 
 
 def parse(config: Any, world: int, alias_installed: bool = False) -> DSConfig:
     """A DeepSpeed config (dict or JSON path) for a world of `world` ranks, with
     `ZEROPP_DS_CONFIG` merged over it."""
-    given = _load_ds(config)
+    given = load_ds(config)
     if alias_installed:
         _warn_stage_under_alias(given)
     ds = _auto_values(with_override(given))
@@ -363,9 +364,7 @@ def parse(config: Any, world: int, alias_installed: bool = False) -> DSConfig:
            "bf16": {"enabled": bool(bf16 and bf16.get("enabled"))}}
     if "zeropp" in ds:
         sub["zeropp"] = ds["zeropp"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        zero = Config.from_deepspeed(sub)
+    zero = zero_config(sub, warn=False)
     clip = ds.get("gradient_clipping", 1.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
         raise _err("gradient_clipping", clip, "a number >= 0 (0 = off)")
