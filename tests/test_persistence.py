@@ -66,8 +66,30 @@ def _case(preset: str, threshold: int, node_size: int) -> dict:
 CASES = [("zero3", 0), ("zero3", THRESHOLD), ("zeropp-plus", 0), ("zeropp-plus", THRESHOLD)]
 
 
-def _run(node_size: int) -> list[dict]:
-    return [_case(p, t, node_size) for p, t in CASES]
+def _engine_case() -> dict:
+    """Under the DeepSpeed engine: DeepSpeed's default threshold (1e5) keeps every
+    parameter of the MLP gathered; empty_partition_cache() lets them go."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    eng, _, _, _ = zeropp.initialize(model=build("mlp"), config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    out = {}
+    for s in range(2):
+        x, y = batch("mlp", s, 0, world, rank)
+        eng.backward(loss_of("mlp", eng, x, y))
+        eng.step()
+    out["numel_after_step"] = sum(p.numel() for p in eng.module.parameters())
+    eng.empty_partition_cache()
+    out["numel_after_empty"] = sum(p.numel() for p in eng.module.parameters())
+    x, y = batch("mlp", 2, 0, world, rank)
+    eng.backward(loss_of("mlp", eng, x, y))
+    eng.step()
+    out["numel_after_next_step"] = sum(p.numel() for p in eng.module.parameters())
+    return out
+
+
+def _run(node_size: int) -> list:
+    return [_case(p, t, node_size) for p, t in CASES] + [_engine_case()]
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +177,11 @@ def test_model_persistence_threshold_caps_the_total_in_model_order():
     kept = {n for f in model._zeropp_state.flats if f.persistent
             for i in f.infos for n in i.fqns}
     assert kept == {"layers.0.bias", "layers.2.bias"}
+
+
+def test_engine_default_keeps_small_parameters_gathered_until_empty_partition_cache(w2):
+    numel = sum(p.numel() for p in build("mlp").parameters())  # 1037: each at most 1e5
+    for r in w2:
+        e = r[-1]
+        assert (e["numel_after_step"], e["numel_after_empty"], e["numel_after_next_step"]) == (
+            numel, 0, numel)

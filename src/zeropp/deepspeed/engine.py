@@ -325,14 +325,16 @@ class DeepSpeedEngine(GradSyncContexts, nn.Module):
 
     # ---- memory ------------------------------------------------------------------------
     def empty_partition_cache(self) -> None:
-        """Release every unit's gathered weights and hpZ secondaries (not the qWD
-        copies, which are training state; nor what zeropp.gathered() holds). The
-        next forward gathers afresh. Call it on every rank (the routes must agree)."""
+        """Release every unit's gathered weights (persistent ones too) and hpZ
+        secondaries (not the qWD copies, which are training state; nor what
+        zeropp.gathered() holds). The next forward gathers afresh. Call it on every
+        rank (the routes must agree)."""
         st = get_state(self.module)
         for u in st.units:
             u.free()
             if not u.pins:
                 for f in u.flats:
+                    f.free(let_go=True, force=True)  # (a persistent flat)
                     if not f.weights.delta:
                         f.weights.invalidate()
 
