@@ -63,7 +63,6 @@ call `zeropp.refresh(model)`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -74,6 +73,7 @@ from .collectives import Comm, Pending
 from .config import Config
 from .deferred import materialize, release
 from .grads import route_for
+from .layout import ShardLayout
 from .quant import QTensor, dequantize, dequantize_pieces, quantize
 from .topology import Topology
 from .weights import WeightPath
@@ -125,22 +125,11 @@ class FlatParam:
         self.int_storage = not trainable and cfg.quantized_nontrainable_weights
         self.quantized_gather = cfg.quantized_weights or self.int_storage
         self.weight_bits = cfg.weight_bits
-        # Quantized shards hold whole blocks, so blocks never straddle two ranks:
-        # any size, any W. Each shard is cut into as few blocks of at most
-        # `block_size` as it needs, of equal size rounded up to a multiple of 8
-        # (keeps wire pieces 4-byte aligned): padding stays under 8 per block.
-        per_rank = max(1, math.ceil(self.numel / w))
-        nblocks = -(-per_rank // cfg.block_size)
-        self.block = -(-per_rank // nblocks // 8) * 8 if cfg.quantized else 1
-        if cfg.quantized_gradients and cfg.gradient_rotation:
-            # The Hadamard rotation needs power-of-two blocks: the largest one not
-            # above block_size, or the smallest that holds the whole shard.
-            cap = 1 << (cfg.block_size.bit_length() - 1)
-            self.block = min(cap, max(8, 1 << (per_rank - 1).bit_length()))
-        self.shard_numel = -(-per_rank // self.block) * self.block
-        self.padded_numel = self.shard_numel * w
+        lay = ShardLayout.of(self.numel, w, cfg)  # (layout.py)
+        self.block, self.shard_numel, self.padded_numel = lay.block, lay.shard_numel, \
+            lay.padded_numel
         # Elements of this rank's shard that hold parameters (the rest is padding).
-        self.shard_valid = min(self.shard_numel, max(0, self.numel - topo.rank * self.shard_numel))
+        self.shard_valid = lay.valid(topo.rank)
         device = params[0][0].device
         with torch.no_grad():
             flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
