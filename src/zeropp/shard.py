@@ -316,9 +316,14 @@ def get_state(model: nn.Module) -> ShardState:
     return st
 
 
+def _stats(model: nn.Module) -> CommStats:
+    fsdp2 = getattr(model, "_zeropp_fsdp2", None)  # zeropp.fsdp2.install
+    return fsdp2.stats if fsdp2 is not None else get_state(model).stats
+
+
 def comm_stats(model: nn.Module) -> dict:
     """Bytes this rank sent since the last reset (see stats.CommStats)."""
-    return get_state(model).stats.as_dict()
+    return _stats(model).as_dict()
 
 
 def refresh(model: nn.Module) -> None:
@@ -337,4 +342,4 @@ def refresh(model: nn.Module) -> None:
 
 
 def reset_comm_stats(model: nn.Module) -> None:
-    get_state(model).stats.reset()
+    _stats(model).reset()

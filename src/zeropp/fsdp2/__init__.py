@@ -1,0 +1,92 @@
+"""ZeRO++ under PyTorch FSDP2: zeropp's collectives in `fully_shard`'s custom-comm slots.
+
+    fully_shard(block) for each block; fully_shard(model)   # the user's own FSDP2
+    zeropp.fsdp2.install(model, "zeropp")                   # one line
+
+`install` puts a `WeightGather` and a `GradReduce` (comms.py) on every FSDP
+module: the same codecs and routes as zeropp's own engine (quant.py,
+layout.py, grads/qgz.py, hpZ's column layout), with the bytes counted in
+`zeropp.comm_stats(model)`. Presets: "zero3" (pass-through, counted), "qwz",
+"hpz" (with qwZ: an INT8 secondary held by the comm), "qgz", "zeropp".
+Not yet: the hierarchical gather and qWD (zeropp-plus), reshard_after_forward=int,
+HSDP meshes, CPU offload (each refused in one line).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ..collectives import Comm
+from ..config import Config
+from ..stats import CommStats
+from ..topology import get_topology
+from .comms import GradReduce, WeightGather
+
+
+class Installed:
+    """What `install` leaves on the model (`model._zeropp_fsdp2`): the Config, the
+    byte accounting, and the optimizer steps seen (hpZ's secondaries go stale)."""
+
+    def __init__(self, cfg: Config, stats: CommStats) -> None:
+        self.cfg, self.stats, self.steps = cfg, stats, 0
+        self.params: set[int] = set()
+        self._hook: Any = None
+
+
+def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
+            node_size: Optional[int] = None) -> nn.Module:
+    """Put zeropp's comms on every FSDP module of `model` (after the user's
+    `fully_shard` calls; every rank). Returns the model."""
+    if hasattr(model, "_zeropp_fsdp2"):
+        raise RuntimeError("zeropp.fsdp2.install: already installed on this model")
+    cfg = preset if isinstance(preset, Config) else Config.preset(preset, node_size=node_size)
+    if cfg.hierarchical_gather or cfg.weight_delta:
+        raise NotImplementedError("zeropp.fsdp2: the hierarchical gather and qWD (zeropp-plus) "
+                                  "are not supported under FSDP2 yet; use preset 'zeropp'")
+    topo = get_topology(cfg.node_size)
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("zeropp.fsdp2.install: no FSDP module in this model; call "
+                         "fully_shard on its blocks and on the root first")
+    inst = Installed(cfg, CommStats())
+    hpz = cfg.hpz_partition_size if cfg.quantized_weights else 1
+    if topo.world_size % hpz:
+        raise ValueError(f"zeropp.fsdp2: hpz_partition_size={hpz} must divide the world size "
+                         f"{topo.world_size}")
+    comm = Comm(topo, inst.stats, hpz, cfg.collective_timeout)
+    for name, m in modules:
+        groups = m._get_fsdp_state()._fsdp_param_groups
+        if not groups:
+            continue  # a module with no parameters of its own
+        if len(groups) > 1:
+            raise ValueError(f"zeropp.fsdp2: module {name or '<root>'} has several FSDP "
+                             "parameter groups (shard_placement_fn meshes); one is supported")
+        group = groups[0]
+        if isinstance(group.offload_policy, CPUOffloadPolicy):
+            raise NotImplementedError("zeropp.fsdp2: CPUOffloadPolicy is not supported")
+        sharded = [fp.sharded_param for fp in group.fsdp_params]
+        inst.params |= {id(p) for p in sharded}
+        label = name or "<root>"
+        m.set_custom_all_gather(WeightGather(comm, cfg, label, _version(inst, sharded)))
+        m.set_custom_reduce_scatter(GradReduce(comm, cfg, label))
+
+    def count_step(opt: Any, args: Any, kwargs: Any) -> None:
+        if any(id(p) in inst.params for g in opt.param_groups for p in g["params"]):
+            inst.steps += 1
+    inst._hook = register_optimizer_step_post_hook(count_step)
+    model._zeropp_fsdp2 = inst
+    return model
+
+
+def _version(inst: Installed, sharded: list) -> Any:
+    """What a module's weights are now: the optimizer steps seen and each sharded
+    tensor's version counter and storage (in-place writes, loads, replacement)."""
+    locals_ = [getattr(p, "_local_tensor", p) for p in sharded]
+
+    def version() -> tuple:
+        return (inst.steps, *((t._version, t.data_ptr()) for t in locals_))
+    return version
