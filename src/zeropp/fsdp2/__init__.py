@@ -6,10 +6,10 @@
 `install` puts a `WeightGather` and a `GradReduce` (comms.py) on every FSDP
 module: the same codecs and routes as zeropp's own engine (quant.py,
 layout.py, grads/qgz.py, hpZ's column layout), with the bytes counted in
-`zeropp.comm_stats(model)`. Presets: "zero3" (pass-through, counted), "qwz",
-"hpz" (with qwZ: an INT8 secondary held by the comm), "qgz", "zeropp".
-Not yet: the hierarchical gather and qWD (zeropp-plus), reshard_after_forward=int,
-HSDP meshes, CPU offload (each refused in one line).
+`zeropp.comm_stats(model)`. Any preset or Config: "zero3" (FSDP2's own
+traffic, counted), "qwz", "hpz", "qgz", "zeropp", "zeropp-plus".
+Not yet: reshard_after_forward=int, HSDP meshes, CPU offload (each refused in
+one line).
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from typing import Any, Optional, Union
 
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from ..collectives import Comm
 from ..config import Config
@@ -34,7 +37,8 @@ class Installed:
     def __init__(self, cfg: Config, stats: CommStats) -> None:
         self.cfg, self.stats, self.steps = cfg, stats, 0
         self.params: set[int] = set()
-        self._hook: Any = None
+        self.paths: list = []  # the weight routes' state, one per FSDP module
+        self._hooks: Any = None
 
 
 def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
@@ -44,16 +48,13 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
     if hasattr(model, "_zeropp_fsdp2"):
         raise RuntimeError("zeropp.fsdp2.install: already installed on this model")
     cfg = preset if isinstance(preset, Config) else Config.preset(preset, node_size=node_size)
-    if cfg.hierarchical_gather or cfg.weight_delta:
-        raise NotImplementedError("zeropp.fsdp2: the hierarchical gather and qWD (zeropp-plus) "
-                                  "are not supported under FSDP2 yet; use preset 'zeropp'")
     topo = get_topology(cfg.node_size)
     modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("zeropp.fsdp2.install: no FSDP module in this model; call "
                          "fully_shard on its blocks and on the root first")
     inst = Installed(cfg, CommStats())
-    hpz = cfg.hpz_partition_size if cfg.quantized_weights else 1
+    hpz = cfg.hpz_partition_size
     if topo.world_size % hpz:
         raise ValueError(f"zeropp.fsdp2: hpz_partition_size={hpz} must divide the world size "
                          f"{topo.world_size}")
@@ -71,13 +72,27 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
         sharded = [fp.sharded_param for fp in group.fsdp_params]
         inst.params |= {id(p) for p in sharded}
         label = name or "<root>"
-        m.set_custom_all_gather(WeightGather(comm, cfg, label, _version(inst, sharded)))
+        gather = WeightGather(comm, cfg, label, _version(inst, sharded))
+        if gather.path is not None:
+            inst.paths.append(gather.path)
+        m.set_custom_all_gather(gather)
         m.set_custom_reduce_scatter(GradReduce(comm, cfg, label))
 
-    def count_step(opt: Any, args: Any, kwargs: Any) -> None:
-        if any(id(p) in inst.params for g in opt.param_groups for p in g["params"]):
+    def ours(opt: Any) -> bool:
+        return any(id(p) in inst.params for g in opt.param_groups for p in g["params"])
+
+    def before_step(opt: Any, args: Any, kwargs: Any) -> None:
+        if ours(opt):  # a secondary made stale by anything but a step refreshes in full
+            for path in inst.paths:
+                path.before_step()
+
+    def after_step(opt: Any, args: Any, kwargs: Any) -> None:
+        if ours(opt):  # hpZ's secondaries go stale; qWD's are refreshed by a delta
             inst.steps += 1
-    inst._hook = register_optimizer_step_post_hook(count_step)
+            for path in inst.paths:
+                path.after_step()
+    inst._hooks = (register_optimizer_step_pre_hook(before_step),
+                   register_optimizer_step_post_hook(after_step))
     model._zeropp_fsdp2 = inst
     return model
 

@@ -30,7 +30,7 @@ from ..collectives import Comm
 from ..config import Config
 from ..grads.qgz import QgzReduce
 from ..layout import ShardLayout
-from ..quant import dequantize_pieces, quantize
+from ..weights import WeightPath
 
 
 class _Buffers:
@@ -48,54 +48,70 @@ def _check_group(comm: Comm, group: dist.ProcessGroup, what: str) -> None:
             "supported yet; use reshard_after_forward=True/False on a 1-D mesh")
 
 
+class _Chunk:
+    """One FSDP module's all-gather chunk, seen by zeropp's weight routes
+    (weights/) as a flat buffer: this rank's chunk padded to whole blocks is the
+    primary shard, `full` the W padded chunks. The routes read only these."""
+
+    trainable, int_storage = True, False
+
+    def __init__(self, cfg: Config, name: str, world_size: int,
+                 version: Callable[[], tuple]) -> None:
+        self.name, self.world_size, self._version = name, world_size, version
+        self.quantized_gather, self.weight_bits = cfg.quantized_weights, cfg.weight_bits
+        self.cfg = cfg
+        self.layout: Optional[ShardLayout] = None
+        self.primary_shard: Optional[torch.Tensor] = None
+        self.full: Optional[torch.Tensor] = None
+        self.compute_dtype: Optional[torch.dtype] = None
+
+    @property
+    def version(self) -> tuple:
+        return self._version()
+
+    def take(self, chunk: torch.Tensor, out_dtype: torch.dtype) -> None:
+        """This call's chunk (and the buffer the routes write the full weights into)."""
+        if self.layout is None or self.layout.numel != chunk.numel() * self.world_size:
+            self.layout = ShardLayout.of(chunk.numel() * self.world_size, self.world_size,
+                                         self.cfg)
+        self.block, self.shard_numel = self.layout.block, self.layout.shard_numel
+        self.padded_numel = self.layout.padded_numel
+        shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=chunk.device)
+        shard[:chunk.numel()] = chunk
+        self.primary_shard, self.compute_dtype = shard, out_dtype
+        self.full = torch.empty(self.padded_numel, dtype=out_dtype, device=chunk.device)
+
+
 class WeightGather(_Buffers, AllGather):
+    """zero3: FSDP2's own all-gather, counted. Otherwise the module's chunk goes
+    through zeropp's weight routes (weights/: qwZ, hpZ, the hierarchical gather,
+    qWD), the same the engine runs, and the full weights into FSDP2's output."""
+
     def __init__(self, comm: Comm, cfg: Config, label: str,
                  version: Callable[[], tuple]) -> None:
-        self.comm, self.cfg, self.label, self.version = comm, cfg, label, version
-        self.p = cfg.hpz_partition_size if cfg.quantized_weights else 1
-        self.secondary: Optional[torch.Tensor] = None  # this rank's column of wire pieces
-        self.current_for: Optional[tuple] = None       # the weights' version it stands for
+        self.comm, self.cfg, self.label = comm, cfg, label
+        self.plain = not (cfg.quantized_weights or cfg.hpz_partition_size > 1
+                          or cfg.hierarchical_gather)
+        self.chunk = _Chunk(cfg, label, comm.topo.world_size, version)
+        self.path = None if self.plain else WeightPath(self.chunk, comm.topo, cfg)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
         _check_group(self.comm, group, "an all-gather")
         self.comm.unit = self.label
-        if not self.cfg.quantized_weights or output_tensor.dtype == torch.uint8:
-            # zero3 (and mixed parameter dtypes, which FSDP2 gathers as bytes)
+        if self.plain:
             self.comm.all_gather(output_tensor, input_tensor, op="all_gather/fsdp2").wait()
             return None
+        if output_tensor.dtype == torch.uint8:
+            raise NotImplementedError(
+                f"zeropp.fsdp2: module {self.label} mixes parameter dtypes (FSDP2 gathers them "
+                "as bytes); zeropp's weight routes need one dtype per module")
         w, c = self.comm.topo.world_size, input_tensor.numel()
-        lay = ShardLayout.of(c * w, w, self.cfg)
-        bits = self.cfg.weight_bits
-        if self.p > 1 and self.secondary is not None and self.current_for == self.version():
-            wire, pieces, slots = self._from_secondary(lay)
-        else:
-            x = torch.zeros(lay.shard_numel, dtype=torch.float32, device=input_tensor.device)
-            x[:c] = input_tensor
-            send = quantize(x, bits, lay.block).to_bytes()
-            wire = torch.empty(w * send.numel(), dtype=torch.uint8, device=send.device)
-            self.comm.all_gather(wire, send, op="all_gather/fsdp2",
-                                 scale_bytes=w * (lay.shard_numel // lay.block) * 4).wait()
-            pieces, slots = w, None
-            if self.p > 1:  # hpZ: keep this rank's pieces k*P + i
-                i = self.comm.topo.rank % self.p
-                self.secondary = wire.view(-1, self.p, send.numel())[:, i].clone().view(-1)
-                self.current_for = self.version()
-        full = torch.empty(w * lay.shard_numel, dtype=output_tensor.dtype,
-                           device=output_tensor.device)
-        dequantize_pieces(wire, full, pieces=pieces, bits=bits, block=lay.block, slots=slots)
-        output_tensor.view(w, c).copy_(full.view(w, -1)[:, :c])
+        self.chunk.take(input_tensor, output_tensor.dtype)
+        self.path.issue(self.comm, "fsdp2").wait()
+        output_tensor.view(w, c).copy_(self.chunk.full.view(w, -1)[:, :c])
+        self.chunk.full = self.chunk.primary_shard = None
         return None
-
-    def _from_secondary(self, lay: ShardLayout) -> tuple[torch.Tensor, int, list[int]]:
-        """The gather inside the hpZ group from the kept pieces: member i's piece k
-        arrives at i*K + k and belongs in slot k*P + i."""
-        g, k = self.p, self.comm.topo.world_size // self.p
-        wire = torch.empty(g * self.secondary.numel(), dtype=torch.uint8,
-                           device=self.secondary.device)
-        self.comm.all_gather(wire, self.secondary, op="all_gather/fsdp2/hpz", group="hpz",
-                             scale_bytes=g * k * (lay.shard_numel // lay.block) * 4).wait()
-        return wire, g * k, [j * g + i for i in range(g) for j in range(k)]
 
 
 class GradReduce(_Buffers, ReduceScatter):
