@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.optim.optimizer import (
@@ -38,6 +39,7 @@ class Installed:
         self.cfg, self.stats, self.steps = cfg, stats, 0
         self.params: set[int] = set()
         self.paths: list = []  # the weight routes' state, one per FSDP module
+        self.comms: list[tuple[str, WeightGather, GradReduce]] = []
         self._hooks: Any = None
 
 
@@ -73,10 +75,12 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
         inst.params |= {id(p) for p in sharded}
         label = name or "<root>"
         gather = WeightGather(comm, cfg, label, _version(inst, sharded))
+        reduce = GradReduce(comm, cfg, label)
         if gather.path is not None:
             inst.paths.append(gather.path)
+        inst.comms.append((label, gather, reduce))
         m.set_custom_all_gather(gather)
-        m.set_custom_reduce_scatter(GradReduce(comm, cfg, label))
+        m.set_custom_reduce_scatter(reduce)
 
     def ours(opt: Any) -> bool:
         return any(id(p) in inst.params for g in opt.param_groups for p in g["params"])
@@ -105,3 +109,47 @@ def _version(inst: Installed, sharded: list) -> Any:
     def version() -> tuple:
         return (inst.steps, *((t._version, t.data_ptr()) for t in locals_))
     return version
+
+
+def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """This rank's comm state an exact resume needs, per FSDP module: qWD's
+    copies (and whether a delta is due), qgZ's error-feedback residuals and
+    rounding generators. Different on every rank: save it per rank (e.g.
+    `torch.save(comm_state(model), f"{dir}/zeropp_rank{rank}.pt")`) beside the
+    model and optimizer's DCP checkpoint."""
+    out = {}
+    for label, gather, reduce in _installed(model).comms:
+        s: dict[str, Any] = {}
+        if gather.path is not None and gather.chunk.layout is not None:
+            s.update({f"weights/{k}": v for k, v in gather.path.state().items()})
+            s["numel"] = gather.chunk.layout.numel
+        if reduce.route is not None:
+            s.update({f"grad/{k}": v for k, v in reduce.route.codec.state().items()})
+            s["grad_block"] = reduce.route.block
+        out[label] = s
+    return out
+
+
+def load_comm_state(model: nn.Module, state: dict[str, dict[str, Any]]) -> None:
+    """Restore `comm_state` after the model's sharded weights were loaded (DCP):
+    the copies stand for the weights as they are at this call."""
+    device = next(model.parameters()).device
+    for label, gather, reduce in _installed(model).comms:
+        s = state.get(label, {})
+        if gather.path is not None and "numel" in s:
+            gather.chunk.set_numel(int(s["numel"]))
+            gather.chunk.full = torch.empty(0, device=device)  # (its device)
+            gather.path.load_state({k[len("weights/"):]: v for k, v in s.items()
+                                    if k.startswith("weights/")})
+            gather.chunk.full = None
+        if "grad_block" in s:
+            reduce.make_route(int(s["grad_block"]))
+            reduce.route.codec.load_state({k[len("grad/"):]: v for k, v in s.items()
+                                           if k.startswith("grad/")}, device)
+
+
+def _installed(model: nn.Module) -> Installed:
+    inst = getattr(model, "_zeropp_fsdp2", None)
+    if inst is None:
+        raise ValueError("zeropp.fsdp2: zeropp.fsdp2.install was not called on this model")
+    return inst

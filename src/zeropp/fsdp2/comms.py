@@ -69,13 +69,16 @@ class _Chunk:
     def version(self) -> tuple:
         return self._version()
 
-    def take(self, chunk: torch.Tensor, out_dtype: torch.dtype) -> None:
-        """This call's chunk (and the buffer the routes write the full weights into)."""
-        if self.layout is None or self.layout.numel != chunk.numel() * self.world_size:
-            self.layout = ShardLayout.of(chunk.numel() * self.world_size, self.world_size,
-                                         self.cfg)
+    def set_numel(self, numel: int) -> None:
+        """The module's gathered size (W chunks): its layout."""
+        if self.layout is None or self.layout.numel != numel:
+            self.layout = ShardLayout.of(numel, self.world_size, self.cfg)
         self.block, self.shard_numel = self.layout.block, self.layout.shard_numel
         self.padded_numel = self.layout.padded_numel
+
+    def take(self, chunk: torch.Tensor, out_dtype: torch.dtype) -> None:
+        """This call's chunk (and the buffer the routes write the full weights into)."""
+        self.set_numel(chunk.numel() * self.world_size)
         shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=chunk.device)
         shard[:chunk.numel()] = chunk
         self.primary_shard, self.compute_dtype = shard, out_dtype
@@ -119,6 +122,10 @@ class GradReduce(_Buffers, ReduceScatter):
         self.comm, self.cfg, self.label = comm, cfg, label
         self.route: Optional[QgzReduce] = None  # made at the first call (its block)
 
+    def make_route(self, block: int) -> None:
+        self.route = QgzReduce.from_config(self.cfg, block=block, topo=self.comm.topo,
+                                           name=self.label)
+
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
         _check_group(self.comm, group, "a reduce-scatter")
@@ -140,8 +147,7 @@ class GradReduce(_Buffers, ReduceScatter):
             return None
         lay = ShardLayout.of(c * w, w, self.cfg)
         if self.route is None:
-            self.route = QgzReduce.from_config(self.cfg, block=lay.block, topo=self.comm.topo,
-                                               name=self.label)
+            self.make_route(lay.block)
         g = torch.zeros(w, lay.shard_numel, dtype=torch.float32, device=input_tensor.device)
         g[:, :c] = input_tensor.view(w, c)
         mean = self.route.reduce(self.comm, g.view(-1))  # the sum / W
