@@ -26,9 +26,9 @@ def _fsdp2_gpt(reshard=True):
     return model
 
 
-def _train(preset):
+def _train(preset, reshard=True):
     import zeropp.fsdp2
-    model = _fsdp2_gpt()
+    model = _fsdp2_gpt(reshard)
     if preset is not None:
         zeropp.fsdp2.install(model, preset, node_size=2)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -53,8 +53,8 @@ def _train(preset):
 def _refusals() -> list[str]:
     import zeropp.fsdp2
 
-    def int_reshard():
-        model = zeropp.fsdp2.install(_fsdp2_gpt(reshard=2), "zeropp", node_size=2)
+    def int_reshard():  # a post-forward group of 2 ranks on one node of 4
+        model = zeropp.fsdp2.install(_fsdp2_gpt(reshard=2), "zeropp", node_size=4)
         x = torch.zeros(2, 32, dtype=torch.long)
         model(x, x)[1].backward()  # the backward's gather runs in the post-forward group
     out = []
@@ -72,7 +72,8 @@ def _refusals() -> list[str]:
 def _work() -> dict:
     torch.set_num_threads(1)
     return {"stock": _train(None), "zero3": _train("zero3"), "zeropp": _train("zeropp"),
-            "zeropp-plus": _train("zeropp-plus"), "refusals": _refusals()}
+            "zeropp-plus": _train("zeropp-plus"), "zeropp-node": _train("zeropp", reshard=2),
+            "refusals": _refusals()}
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +111,20 @@ def test_hpz_backward_gathers_stay_inside_the_node(runs):
     assert ops["all_gather/fsdp2/hpz"]["inter_node_bytes"] == 0
 
 
+def test_reshard_after_forward_at_the_node_size_regathers_inside_the_node_bit_for_bit(runs):
+    """FSDP2 keeps a post-forward shard of the weights zeropp gathered, over the
+    node: the backward sees the forward's weights, as hpZ's secondary gives them."""
+    for r in runs:
+        assert r["zeropp-node"]["losses"] == r["zeropp"]["losses"]
+    ops = runs[0]["zeropp-node"]["stats"]["by_op"]
+    assert ops["all_gather/fsdp2/post_forward"]["calls"] > 0
+    assert ops["all_gather/fsdp2/post_forward"]["inter_node_bytes"] == 0
+
+
 def test_unsupported_setups_are_refused_in_one_line(runs):
     int_reshard, no_fsdp = runs[0]["refusals"]
-    assert "reshard_after_forward=int" in int_reshard and "\n" not in int_reshard
+    assert "reshard_after_forward=int other than the node size" in int_reshard
+    assert "\n" not in int_reshard
     assert "no FSDP module" in no_fsdp and "\n" not in no_fsdp
 
 

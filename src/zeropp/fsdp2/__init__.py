@@ -8,8 +8,8 @@ module: the same codecs and routes as zeropp's own engine (quant.py,
 layout.py, grads/qgz.py, hpZ's column layout), with the bytes counted in
 `zeropp.comm_stats(model)`. Any preset or Config: "zero3" (FSDP2's own
 traffic, counted), "qwz", "hpz", "qgz", "zeropp", "zeropp-plus".
-Not yet: reshard_after_forward=int, HSDP meshes, CPU offload (each refused in
-one line).
+reshard_after_forward True, False or the node size. Not yet: other ints, HSDP
+meshes, CPU offload (each refused in one line).
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ def _check_group(comm: Comm, group: dist.ProcessGroup, what: str) -> None:
     if group.size() != comm.topo.world_size:
         raise NotImplementedError(
             f"zeropp.fsdp2: {what} over a group of {group.size()} ranks, not the world of "
-            f"{comm.topo.world_size}: reshard_after_forward=int and HSDP meshes are not "
-            "supported yet; use reshard_after_forward=True/False on a 1-D mesh")
+            f"{comm.topo.world_size}: reshard_after_forward=int other than the node size, and "
+            "HSDP meshes, are not supported yet; use True, False or the node size on a 1-D "
+            "mesh")
 
 
 class _Chunk:
@@ -100,8 +101,15 @@ class WeightGather(_Buffers, AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
-        _check_group(self.comm, group, "an all-gather")
         self.comm.unit = self.label
+        if (group.size() == self.comm.topo.node_size < self.comm.topo.world_size
+                and dist.get_process_group_ranks(group) == self.comm.ranks["intra_node"]):
+            # reshard_after_forward=node size: the backward's gather of FSDP2's own
+            # post-forward shard (of the weights this comm gathered), inside the node
+            self.comm.all_gather(output_tensor, input_tensor, op="all_gather/fsdp2/post_forward",
+                                 group="intra_node").wait()
+            return None
+        _check_group(self.comm, group, "an all-gather")
         if self.plain:
             self.comm.all_gather(output_tensor, input_tensor, op="all_gather/fsdp2").wait()
             return None
