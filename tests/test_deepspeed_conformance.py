@@ -185,6 +185,13 @@ def _user_backward() -> dict:
         un.step()
         applied.append(un.was_step_applied())
     out["unmanaged_every_step"] = applied == [True, True, True] and un.global_steps == 3
+    # global_samples: the micro-batches since the last step, each micro 2 x W=2 rows
+    samples = [un.global_samples]
+    for k in range(3):
+        _step(un, 3 + k)
+    un.step()
+    samples.append(un.global_samples)
+    out["unmanaged_samples_count_micro_batches"] = samples == [12, 24]
     # Param groups that leave a trainable parameter out: it is simply not stepped.
     model = build("mlp")
     groups = [{"params": [model.layers[0].weight, model.layers[0].bias]}]

@@ -103,6 +103,7 @@ class DeepSpeedEngine(GradSyncContexts, nn.Module):
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.loss_scaler = LossScaler(ds.fp16) if ds.fp16 is not None else None
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
+        self._backwards = 0
         self._step_applied = False
         self._global_grad_norm: Optional[float] = None
         self._is_gradient_accumulation_boundary: Optional[bool] = None  # DeepSpeed's name
@@ -238,6 +239,7 @@ class DeepSpeedEngine(GradSyncContexts, nn.Module):
 
     def _loss_scaled(self, loss: torch.Tensor) -> torch.Tensor:
         self._scaled = True
+        self._backwards += 1  # micro-batches since the last step (backward or scale)
         return loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -316,7 +318,12 @@ class DeepSpeedEngine(GradSyncContexts, nn.Module):
             print(f"[zeropp] step={self.global_steps + 1}, skipped={self.skipped_steps}, "
                   f"lr={self.get_lr()}{scale_txt}", flush=True)
         self.global_steps += 1
-        self.global_samples += self._config.train_batch_size
+        if self._config.managed_accumulation:
+            self.global_samples += self._config.train_batch_size
+        else:  # the caller's step() ends a varying number of micro-batches
+            per_micro = self._config.train_batch_size // self._config.grad_accum
+            self.global_samples += per_micro * max(1, self._backwards)
+        self._backwards = 0
 
     def compile(self, backend: Any = None, compile_kwargs: Any = None, **kwargs: Any) -> None:
         raise NotImplementedError("zeropp engine.compile(): torch.compile of a zeropp-sharded "
