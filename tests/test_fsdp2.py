@@ -16,25 +16,27 @@ from zeropp.train.model import GPT, GPTConfig
 STEPS = 40
 
 
-def _fsdp2_gpt(reshard=True):
-    from torch.distributed.fsdp import fully_shard
+def _fsdp2_gpt(reshard=True, bf16=False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_embd=64, n_head=2))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if bf16 else MixedPrecisionPolicy()
     for block in model.h:
-        fully_shard(block, reshard_after_forward=reshard)
-    fully_shard(model)
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     return model
 
 
-def _train(preset, reshard=True):
+def _train(preset, reshard=True, bf16=False, steps=STEPS):
     import zeropp.fsdp2
-    model = _fsdp2_gpt(reshard)
+    model = _fsdp2_gpt(reshard, bf16)
     if preset is not None:
         zeropp.fsdp2.install(model, preset, node_size=2)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(dist.get_rank())
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         x = torch.randint(0, 256, (2, 32), generator=g)
         loss = model(x, x)[1]
         loss.backward()
@@ -73,6 +75,9 @@ def _work() -> dict:
     torch.set_num_threads(1)
     return {"stock": _train(None), "zero3": _train("zero3"), "zeropp": _train("zeropp"),
             "zeropp-plus": _train("zeropp-plus"), "zeropp-node": _train("zeropp", reshard=2),
+            "stock-bf16": _train(None, bf16=True, steps=8),
+            "zero3-bf16": _train("zero3", bf16=True, steps=8),
+            "zeropp-plus-bf16": _train("zeropp-plus", bf16=True, steps=8),
             "refusals": _refusals()}
 
 
@@ -119,6 +124,16 @@ def test_reshard_after_forward_at_the_node_size_regathers_inside_the_node_bit_fo
     ops = runs[0]["zeropp-node"]["stats"]["by_op"]
     assert ops["all_gather/fsdp2/post_forward"]["calls"] > 0
     assert ops["all_gather/fsdp2/post_forward"]["inter_node_bytes"] == 0
+
+
+def test_bf16_parameters_with_fp32_reduction(runs):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): zero3 is stock
+    FSDP2's run; zeropp-plus trains, the same weights on every rank."""
+    stock, ours = runs[0]["stock-bf16"]["losses"], runs[0]["zero3-bf16"]["losses"]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, stock)), (ours, stock)
+    plus = runs[0]["zeropp-plus-bf16"]["losses"]
+    assert plus[-1] < plus[0] - 0.5 * (stock[0] - stock[-1]), (plus, stock)
+    assert len({r["zeropp-plus-bf16"]["probe"] for r in runs}) == 1
 
 
 def test_unsupported_setups_are_refused_in_one_line(runs):
