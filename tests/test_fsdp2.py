@@ -200,3 +200,37 @@ def test_resume_through_dcp_and_comm_state_gives_the_uninterrupted_losses_bit_fo
     runs = spawn(_resume_run, 4, 2, args=(str(tmp_path / "ckpt"),), timeout=300)
     for r in runs:
         assert r["resumed"] == r["whole"][4:], (r["whole"], r["resumed"])
+
+
+# ---- per-block torch.compile, as torchtitan uses it ---------------------------------
+def _compiled_blocks() -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    import zeropp.fsdp2
+    torch.set_num_threads(1)
+
+    def run(compile_blocks: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=2))
+        for block in model.h:
+            fully_shard(block)
+            if compile_blocks:
+                block.compile()
+        fully_shard(model)
+        zeropp.fsdp2.install(model, "zeropp-plus", node_size=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        out = []
+        for s in range(3):
+            x = _step_batch(s)[:, :16] % 64
+            loss = model(x, x)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+    return {"eager": run(False), "compiled": run(True)}
+
+
+def test_per_block_compile_with_the_installed_comms_matches_eager_at_w2():
+    for r in spawn(_compiled_blocks, 2, 1, timeout=300):
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["compiled"], r["eager"])), r
