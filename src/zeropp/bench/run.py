@@ -26,13 +26,15 @@ from .cluster import Cluster, available, parse_rate, rate_bytes_per_s
 
 FSDP = ["fsdp2", "fsdp2-hsdp"]
 DEEPSPEED = ["deepspeed-zero3", "deepspeed-hpz"]
-ALL = [*FSDP, *DEEPSPEED, "zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-plus"]
+ALL = [*FSDP, "fsdp2+zeropp", "fsdp2+zeropp-plus", *DEEPSPEED, "zero3", "qwz", "hpz", "qgz",
+       "zeropp", "zeropp-plus"]
 
 
 def known(cfg: str) -> bool:
-    """FSDP2's two, DeepSpeed's two, or a zeropp preset with any ~SWITCH flips
-    (e.g. zeropp~async)."""
-    return cfg in FSDP or cfg in DEEPSPEED or is_named(cfg)
+    """FSDP2's two, DeepSpeed's two, a zeropp preset with any ~SWITCH flips
+    (e.g. zeropp~async), or fsdp2+PRESET (stock FSDP2 with zeropp.fsdp2.install)."""
+    return (cfg in FSDP or cfg in DEEPSPEED or is_named(cfg)
+            or (cfg.startswith("fsdp2+") and is_named(cfg[len("fsdp2+"):])))
 
 
 def _without_missing_deepspeed(configs: list[str]) -> list[str]:

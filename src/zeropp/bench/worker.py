@@ -45,7 +45,7 @@ def build(name: str, a, node_size: int, nodes: int):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=a.seq_len, **PRESETS[a.model]))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
-    if name in FSDP:
+    if name in FSDP or name.startswith("fsdp2+"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
@@ -54,6 +54,9 @@ def build(name: str, a, node_size: int, nodes: int):
         for block in model.h:
             fully_shard(block, mp_policy=mp, mesh=mesh)
         fully_shard(model, mp_policy=mp, mesh=mesh)
+        if name.startswith("fsdp2+"):  # zeropp's comms under stock FSDP2
+            import zeropp.fsdp2
+            zeropp.fsdp2.install(model, named(name[len("fsdp2+"):], node_size))
         return model
     if name in DEEPSPEED:
         return _deepspeed(model, name, a, node_size, dtype)
@@ -83,7 +86,8 @@ def _deepspeed(model, name: str, a, node_size: int, dtype):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--config", required=True, help="fsdp2, fsdp2-hsdp or a zeropp preset")
+    p.add_argument("--config", required=True,
+                   help="fsdp2, fsdp2-hsdp, fsdp2+PRESET or a zeropp preset")
     p.add_argument("--model", default="gpt-6x384")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
@@ -93,7 +97,8 @@ def main() -> None:
                    help="ranks per node (default LOCAL_WORLD_SIZE, as torchrun sets it)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    if a.config not in (*FSDP, *DEEPSPEED) and not is_named(a.config):
+    fsdp2_zeropp = a.config.startswith("fsdp2+") and is_named(a.config[len("fsdp2+"):])
+    if a.config not in (*FSDP, *DEEPSPEED) and not is_named(a.config) and not fsdp2_zeropp:
         p.error(f"unknown configuration {a.config!r}")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -103,7 +108,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in GPT(GPTConfig(vocab_size=256, block_size=a.seq_len,
                                                     **PRESETS[a.model])).parameters())
     model = build(a.config, a, node_size, nodes)
-    ours = is_named(a.config)  # zeropp: instrumented (comm_stats)
+    ours = is_named(a.config) or fsdp2_zeropp  # zeropp's comms: instrumented (comm_stats)
     engine = a.config in DEEPSPEED
     opt = None if engine else torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, 256, (a.batch, a.seq_len), generator=torch.Generator().manual_seed(rank))
