@@ -192,6 +192,11 @@ def _user_backward() -> dict:
     un.step()
     samples.append(un.global_samples)
     out["unmanaged_samples_count_micro_batches"] = samples == [12, 24]
+    try:  # the caller owns the boundary: setting it is refused, as DeepSpeed does
+        un.set_gradient_accumulation_boundary(True)
+        out["unmanaged_boundary_refused"] = False
+    except AssertionError as e:
+        out["unmanaged_boundary_refused"] = "set_gradient_accumulation_boundary" in str(e)
     # Param groups that leave a trainable parameter out: it is simply not stepped.
     model = build("mlp")
     groups = [{"params": [model.layers[0].weight, model.layers[0].bias]}]

@@ -423,7 +423,8 @@ def _apply(plan: dict, st: ShardState, model: nn.Module,
             _load_engine_state(f, plan["engine"].get(f.name, {}))
         for u in st.units:
             u.free()
-        st.regather_persistent(st.flats)
+            for f in u.flats:  # persistent: gathered again by the next forward (DeepSpeed's way)
+                f.free(let_go=True, force=True)
         bufs = _buffers(model)
         for n, t in plan["buffers"].items():
             bufs[n].copy_(t)

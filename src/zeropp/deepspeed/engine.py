@@ -218,6 +218,11 @@ class DeepSpeedEngine(GradSyncContexts, nn.Module):
         return (self.micro_steps + 1) % self._config.grad_accum == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        if not self._config.managed_accumulation:
+            raise EngineAssertionError(
+                "zeropp engine.set_gradient_accumulation_boundary(): not with "
+                "\"managed_gradient_accumulation\": false, where every step() is the caller's "
+                "boundary")
         self._is_gradient_accumulation_boundary = bool(is_boundary)
 
     def _need_optimizer(self, what: str) -> None:
