@@ -69,6 +69,11 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
             raise ValueError(f"zeropp.fsdp2: module {name or '<root>'} has several FSDP "
                              "parameter groups (shard_placement_fn meshes); one is supported")
         group = groups[0]
+        if getattr(group.mesh_info, "replicate_mesh_dim", None) is not None:
+            raise NotImplementedError(
+                f"zeropp.fsdp2: module {name or '<root>'} is on a 2-D (HSDP) mesh; FSDP2's "
+                "replicate all-reduce is its own. Use a 1-D mesh with preset 'zeropp-plus' "
+                "(docs/fsdp2.md, HSDP users)")
         if isinstance(group.offload_policy, CPUOffloadPolicy):
             raise NotImplementedError("zeropp.fsdp2: CPUOffloadPolicy is not supported")
         sharded = [fp.sharded_param for fp in group.fsdp_params]
