@@ -4,7 +4,8 @@ script runs with `import zeropp as deepspeed`, and Hugging Face's Trainer,
 accelerate and TRL after `zeropp.install_as_deepspeed()` (alias.py).
 
   compat.py        initialize, add_config_arguments
-  engine.py        DeepSpeedEngine: backward / step / accumulation / checkpoints
+  engine.py        DeepSpeedEngine: backward / step / accumulation (checkpoints:
+                   engine_checkpoints.py)
   config.py        a ds_config.json with DeepSpeed's semantics
   lr_schedules.py  WarmupLR, WarmupDecayLR, WarmupCosineLR
   zero.py          GatheredParameters, Init, ZeroParamStatus, unwrap_model_for_generation
