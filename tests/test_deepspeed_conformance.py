@@ -184,7 +184,8 @@ def _user_backward() -> dict:
         _step(un, k)
         un.step()
         applied.append(un.was_step_applied())
-    out["unmanaged_every_step"] = applied == [True, True, True] and un.global_steps == 3
+    out["unmanaged_every_step"] = (applied == [True, True, True] and un.global_steps == 3
+                                   and un.managed_gradient_accumulation() is False)
     # global_samples: the micro-batches since the last step, each micro 2 x W=2 rows
     samples = [un.global_samples]
     for k in range(3):

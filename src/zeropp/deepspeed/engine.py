@@ -134,6 +134,10 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
     def gradient_accumulation_steps(self) -> int:
         return self._config.grad_accum
 
+    def managed_gradient_accumulation(self) -> bool:
+        """False with "managed_gradient_accumulation": false (every step() is a boundary)."""
+        return self._config.managed_accumulation
+
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
 
