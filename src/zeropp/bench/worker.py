@@ -55,8 +55,8 @@ def build(name: str, a, node_size: int, nodes: int):
             fully_shard(block, mp_policy=mp, mesh=mesh)
         fully_shard(model, mp_policy=mp, mesh=mesh)
         if name.startswith("fsdp2+"):  # zeropp's comms under stock FSDP2
-            import zeropp.fsdp2
-            zeropp.fsdp2.install(model, named(name[len("fsdp2+"):], node_size))
+            from zeropp.fsdp2 import install
+            install(model, named(name[len("fsdp2+"):], node_size))
         return model
     if name in DEEPSPEED:
         return _deepspeed(model, name, a, node_size, dtype)
