@@ -164,6 +164,18 @@ def _step_batch(step: int) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(1000 * dist.get_rank() + step))
 
 
+def _steps(model, opt, batches: list) -> list[float]:
+    """One AdamW step per batch (inputs = targets); this rank's losses."""
+    out = []
+    for x in batches:
+        loss = model(x, x)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
 def _resume_run(ckpt: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -176,15 +188,7 @@ def _resume_run(ckpt: str) -> dict:
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def steps(model, opt, first, last):
-        out = []
-        for s in range(first, last):
-            x = _step_batch(s)
-            loss = model(x, x)[1]
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        return out
+        return _steps(model, opt, [_step_batch(s) for s in range(first, last)])
 
     model, opt = fresh()
     whole = steps(model, opt, 0, 8)
@@ -227,15 +231,7 @@ def _compiled_blocks() -> dict:
         fully_shard(model)
         zeropp.fsdp2.install(model, "zeropp-plus", node_size=1)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        out = []
-        for s in range(3):
-            x = _step_batch(s)[:, :16] % 64
-            loss = model(x, x)[1]
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        return out
+        return _steps(model, opt, [_step_batch(s)[:, :16] % 64 for s in range(3)])
     return {"eager": run(False), "compiled": run(True)}
 
 

@@ -14,6 +14,7 @@ meshes, CPU offload (each refused in one line).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -38,7 +39,6 @@ class Installed:
     def __init__(self, cfg: Config, stats: CommStats) -> None:
         self.cfg, self.stats, self.steps = cfg, stats, 0
         self.params: set[int] = set()
-        self.paths: list = []  # the weight routes' state, one per FSDP module
         self.comms: list[tuple[str, WeightGather, GradReduce]] = []
         self._hooks: Any = None
 
@@ -81,24 +81,27 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
         label = name or "<root>"
         gather = WeightGather(comm, cfg, label, _version(inst, sharded))
         reduce = GradReduce(comm, cfg, label)
-        if gather.path is not None:
-            inst.paths.append(gather.path)
         inst.comms.append((label, gather, reduce))
         m.set_custom_all_gather(gather)
         m.set_custom_reduce_scatter(reduce)
 
-    def ours(opt: Any) -> bool:
-        return any(id(p) in inst.params for g in opt.param_groups for p in g["params"])
+    paths = [g.path for _, g, _ in inst.comms if g.path is not None]
+    seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def ours(opt: Any) -> bool:  # (global hooks: every optimizer's steps come here)
+        if opt not in seen:
+            seen[opt] = any(id(p) in inst.params for g in opt.param_groups for p in g["params"])
+        return seen[opt]
 
     def before_step(opt: Any, args: Any, kwargs: Any) -> None:
         if ours(opt):  # a secondary made stale by anything but a step refreshes in full
-            for path in inst.paths:
+            for path in paths:
                 path.before_step()
 
     def after_step(opt: Any, args: Any, kwargs: Any) -> None:
         if ours(opt):  # hpZ's secondaries go stale; qWD's are refreshed by a delta
             inst.steps += 1
-            for path in inst.paths:
+            for path in paths:
                 path.after_step()
     inst._hooks = (register_optimizer_step_pre_hook(before_step),
                    register_optimizer_step_post_hook(after_step))
