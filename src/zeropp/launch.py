@@ -162,6 +162,13 @@ def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout))
+        # Not before every rank is through gloo's connection set-up: a rank whose
+        # init returned may close its sockets (a function that destroys the group at
+        # once, or does no collective) while a slower peer still reads its handshake
+        # on them ("Connection closed by peer" in connectFullMesh, seen in CI with two
+        # test worlds sharing the cores). NCCL connects lazily, at the first collective.
+        if backend == "gloo":
+            dist.barrier()
         # Plain pickle: torch's queue pickler would pass tensors as shared-memory
         # handles, which die with this process.
         q.put((rank, True, pickle.dumps(fn(*args))))
@@ -356,12 +363,7 @@ def run_script(path: str, argv: Sequence[str], ports: Sequence[int]) -> None:
 
     import torch.distributed as dist
     if dist.is_initialized():  # spawn's own group: the script initializes as under torchrun
-        # Not before every rank is through gloo's connection set-up: a rank whose
-        # init returned may close its sockets while a slower peer still reads its
-        # handshake on them ("Connection closed by peer" in connectFullMesh, seen
-        # with two test worlds sharing the cores).
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # (every rank is through its set-up: _worker's barrier)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[restart]),
                       TORCHELASTIC_USE_AGENT_STORE="True")
