@@ -12,7 +12,7 @@ The model class is untouched and the training loop stays plain PyTorch.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -284,8 +284,10 @@ def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
             mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)
         unit = Unit(name, mod, flats, state)
         mod._zeropp_unit = unit
-        mod.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
-        mod.register_forward_hook(unit.post_forward)
+        # Under torch.compile(model) the hooks (collectives, storage resizes) run
+        # eagerly, each a graph break at the unit's boundary; the units' compute compiles.
+        mod.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True)
+        mod.register_forward_hook(_eager(unit.post_forward))
         state.units.append(unit)
     install_state_dict_hooks(state.units, order)
     model._zeropp_state = state
@@ -294,6 +296,12 @@ def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
     state._step_hooks = (register_optimizer_step_pre_hook(pre),
                          register_optimizer_step_post_hook(post))
     return model
+
+
+def _eager(hook: Callable) -> Callable:
+    return torch.compiler.disable(hook, reason=(
+        "zeropp: a unit's gather and free run outside the graph, so fullgraph=True "
+        "cannot hold; compile without it, or compile each block"))
 
 
 def _persistent(model: nn.Module, cfg: Config) -> set[int]:

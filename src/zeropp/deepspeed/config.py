@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from ..config import Config, _is_int
 from .zero_config import ZERO_KEYS, load_ds, zero_config
 
@@ -139,13 +141,21 @@ def batch_sizes(ds: dict, world: int) -> tuple[int, int, int]:
     elif mb is not None and tb is None:
         gas, tb = 1, mb * world
     if not mb or not gas or tb != mb * gas * world:
+        # HF Trainer and accelerate fill the batch size in for the world they see: on a
+        # machine without a GPU, one process unless told to run on the CPU.
+        hint = ("; it was written for a world of 1: on a machine without a GPU, HF Trainer "
+                "and accelerate see one process unless given TrainingArguments(use_cpu=True)"
+                " or PartialState(cpu=True)"
+                if world > 1 and tb is not None and mb and gas and tb == mb * gas
+                and not torch.cuda.is_available() else "")
         raise ValueError(
             f"DeepSpeed config: train_batch_size ({tb}) must equal "
             f"train_micro_batch_size_per_gpu ({mb}) x gradient_accumulation_steps ({gas}) x "
             f"the world size ({world}); given: "
             + ", ".join(f"{k}={ds[k]}" for k in ("train_batch_size",
                                                  "train_micro_batch_size_per_gpu",
-                                                 "gradient_accumulation_steps") if k in ds))
+                                                 "gradient_accumulation_steps") if k in ds)
+            + hint)
     return tb, mb, gas
 
 

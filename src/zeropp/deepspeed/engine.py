@@ -102,6 +102,7 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._backwards = 0
         self._step_applied = False
+        self._is_compiled = False
         self._global_grad_norm: Optional[float] = None
         self._is_gradient_accumulation_boundary: Optional[bool] = None  # DeepSpeed's name
         self._scaled = False  # a loss went through scale() and awaits its backward
@@ -331,10 +332,26 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
             self.global_samples += per_micro * max(1, self._backwards)
         self._backwards = 0
 
-    def compile(self, backend: Any = None, compile_kwargs: Any = None, **kwargs: Any) -> None:
-        raise NotImplementedError("zeropp engine.compile(): torch.compile of a zeropp-sharded "
-                                  "model is not supported (its gathers run in module hooks); "
-                                  "train without torch_compile")
+    def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's: compile the module in place (`nn.Module.compile`), once. Each
+        unit's compute compiles; its gathers, frees and reductions run eagerly in its
+        hooks, a graph break at each unit's boundary (docs/performance.md)."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotImplementedError(
+                "zeropp engine.compile(): DeepCompile's schedule and compiled autograd "
+                "are not supported; call compile(backend=..., compile_kwargs=...)")
+        if self._is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        backend = backend or kwargs.pop("backend", None) or "inductor"
+        kwargs.pop("backend", None)
+        self.module.compile(backend=backend, **kwargs)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._is_compiled
 
     # ---- memory ------------------------------------------------------------------------
     def empty_partition_cache(self) -> None:
