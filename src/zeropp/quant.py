@@ -33,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from . import kernels
+
 _QMAX = {8: 127, 4: 7}
 # Smallest normal fp32: a non-zero block whose absmax / qmax is below it gets this
 # scale instead. A subnormal scale is rounded too coarsely (134 * 2^-149 / 127 is
@@ -191,25 +193,33 @@ def div_exact(x: torch.Tensor, c: float) -> torch.Tensor:
 def absmax_rows(x: torch.Tensor) -> torch.Tensor:
     """max |x| of each row of a 2-D tensor, NaN propagated."""
     # max(amax, -amin): two fast reductions; |x| would need a temporary and
-    # vector_norm(ord=inf) is ~10x slower here. Both propagate NaN.
-    return torch.maximum(x.amax(dim=1), x.amin(dim=1).neg())
+    # vector_norm(ord=inf) is ~10x slower here. Both propagate NaN. An all-zero row's
+    # max(+0, -0) is either zero, by the kernel's path: +0 always, so the scale's bytes
+    # (and the zeros it decodes to) do not depend on the size or the kernel.
+    # A NaN is the quiet NaN whatever the input's was (sign, payload), for the same reason.
+    m = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg())
+    return torch.where(m == 0, 0.0, torch.where(m.isnan(), math.nan, m))
 
 
-def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *, stochastic: bool = False,
-                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *,
+                 noise: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each row's scale absmax / qmax (returned) and its values / scale, rounded into
-    `v` (fp32, the rows' shape): the integers `quantize` stores."""
+    `v` (fp32, the rows' shape): the integers `quantize` stores. Nearest (ties to
+    even), or with `noise` (uniform draws in [0, 1), the rows' shape) stochastic."""
     absmax = absmax_rows(xc)
     s = div_exact(absmax, qmax)
     s = torch.where((s < _TINY) & (absmax > 0), _TINY, s)
     # Divide rather than multiply by 1/scale: a subnormal scale's inverse
     # overflows. An all-zero block divides by 1 and stays zero.
     torch.div(xc, torch.where(s > 0, s, 1.0).unsqueeze(1), out=v)
-    if stochastic:
-        v.add_(torch.rand(v.shape, generator=generator, device=v.device)).floor_()
+    if noise is not None:
+        v.add_(noise).floor_()
         v.clamp_(-qmax, qmax)  # |x/scale| may exceed qmax by an ulp; floor(+u) then by 1
     else:
         v.round_()  # |x/scale| <= qmax (+ an ulp), so it rounds into range
+    # A non-finite block's codes are 0 (it decodes to NaN by its scale): its values
+    # would convert to integers undefined by C, differently by kernel.
+    v.masked_fill_(~s.isfinite().unsqueeze(1), 0.0)
     return s
 
 
@@ -231,11 +241,10 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
     """
     _check(bits, block_size)
     qmax = _QMAX[bits]
-    xb = _blocks(x, block_size)
-    nblocks = xb.shape[0]
+    nblocks = -(-x.numel() // block_size)
     nbytes = QTensor.wire_bytes(x.numel(), bits, block_size)
     if out is None:
-        out = torch.empty(nbytes, dtype=torch.uint8, device=xb.device)
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     elif out.dtype != torch.uint8 or out.numel() != nbytes or out.storage_offset() % 4:
         raise ValueError(f"quantize: out must be a 4-byte aligned uint8 tensor of {nbytes} "
                          f"bytes, got {out.numel()} of {out.dtype}")
@@ -246,26 +255,55 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
                          f"{x.numel()} values, got {tuple(dequantized.shape)} of "
                          f"{dequantized.dtype}")
     scales = out[:nblocks * 4].view(torch.float32)
-    per_block = block_size if bits == 8 else block_size // 2
+    per_block = block_size * bits // 8
     data = out[nblocks * 4:]
     data = data.view(torch.int8) if bits == 8 else data
-    for r0, r1 in _chunks(nblocks, block_size, xb.device):
-        xc = xb[r0:r1]
-        v = scratch_buffer("quantize", xc.numel(), xc.device).view(xc.shape)
-        s = scales[r0:r1] = round_blocks(xc, qmax, v, stochastic=stochastic,
-                                         generator=generator)
+    flat, bs, n, dev = x.reshape(-1), block_size, x.numel(), x.device
+    deq = dequantized.view(-1) if dequantized is not None else None
+    whole = n // bs  # blocks without padding: the compiled kernel's (kernels.py)
+
+    def compiled(r0: int, r1: int, noise: Optional[torch.Tensor]) -> bool:
+        return kernels.quantize_into(
+            flat[r0 * bs:r1 * bs].view(-1, bs), scales[r0:r1],
+            data[r0 * per_block:r1 * per_block].view(-1, per_block), bits, noise,
+            None if deq is None else deq[r0 * bs:r1 * bs].view(-1, bs))
+
+    def eager(r0: int, r1: int, noise: Optional[torch.Tensor]) -> None:
+        xc = _rows(flat, r0, r1, bs)
+        v = scratch_buffer("quantize", xc.numel(), dev).view(xc.shape)
+        s = scales[r0:r1] = round_blocks(xc, qmax, v, noise=noise)
         dst = data[r0 * per_block:r1 * per_block]
-        if bits == 8:
-            dst.copy_(v.view(-1))  # exact: v holds integers
-        else:
-            dst.copy_(pack_int4(v))
-        if dequantized is not None:
+        dst.copy_(v.view(-1) if bits == 8 else pack_int4(v))  # exact: v holds integers
+        if deq is not None:
             # dequantize's arithmetic on the same integers and scales; + 0 first turns
             # the -0.0 that rounding leaves into the +0.0 an unpacked integer is.
             v.add_(0.0).mul_(s.unsqueeze(1))
-            end = min(r1 * block_size, x.numel())
-            dequantized.view(-1)[r0 * block_size:end].copy_(v.view(-1)[:end - r0 * block_size])
+            end = min(r1 * bs, n)
+            deq[r0 * bs:end].copy_(v.view(-1)[:end - r0 * bs])
+
+    done = 0  # blocks [0, done) are quantized
+    if not stochastic and whole and kernels.enabled(dev, n) and compiled(0, whole, None):
+        done = whole
+    for r0, r1 in _chunks(nblocks, bs, dev):
+        if r1 <= done:
+            continue
+        r0, noise = max(r0, done), None
+        if stochastic:  # drawn per chunk, so the kernel and the eager ops see the same
+            noise = scratch_buffer("noise", (r1 - r0) * bs, dev).view(r1 - r0, bs)
+            torch.rand(noise.shape, generator=generator, device=dev, out=noise)
+            k = min(r1, whole)
+            if k > r0 and kernels.enabled(dev, n) and compiled(r0, k, noise[:k - r0]):
+                r0, noise = k, noise[k - r0:]
+        if r0 < r1:
+            eager(r0, r1, noise)
     return QTensor(data, scales, x.shape, x.dtype, bits, block_size, out)
+
+
+def _rows(flat: torch.Tensor, r0: int, r1: int, bs: int) -> torch.Tensor:
+    """Blocks r0..r1 of `flat` as fp32 (r1 - r0, bs), the last one zero-padded."""
+    rows = flat[r0 * bs:r1 * bs].float()
+    pad = (r1 - r0) * bs - rows.numel()
+    return (torch.nn.functional.pad(rows, (0, pad)) if pad else rows).view(-1, bs)
 
 
 def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
@@ -279,9 +317,16 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
         raise ValueError(f"dequantize: out must be contiguous with {q.numel} elements, got "
                          f"{tuple(out.shape)}")
     flat, bs, n = out.view(-1), q.block_size, q.numel
-    per_block = bs if q.bits == 8 else bs // 2
+    per_block = bs * q.bits // 8
+    whole = n // bs  # the compiled kernel's blocks (kernels.py); the padded one is eager
+    done = whole if whole and kernels.enabled(out.device, n) and kernels.dequantize_into(
+        q.data[:whole * per_block].view(whole, per_block), q.scales[:whole],
+        flat[:whole * bs].view(whole, bs), q.bits) else 0
     scratch = torch.empty(0, device=out.device)
     for r0, r1 in _chunks(q.scales.numel(), bs, out.device):
+        if r1 <= done:
+            continue
+        r0 = max(r0, done)
         raw = q.data[r0 * per_block:r1 * per_block]
         vals = raw if q.bits == 8 else _unpack_offset(raw)
         s = q.scales[r0:r1].unsqueeze(1)

@@ -1,0 +1,156 @@
+"""The codecs as compiled kernels: INT8 / INT4 blockwise quantize (nearest or
+stochastic rounding, nibble packing, the dequantized copy a sender keeps) and
+dequantize, each one fused kernel from torch.compile (inductor: C++ on the CPU,
+Triton on a GPU), bitwise equal to quant.py's eager ops, which stay the fallback.
+
+[Note: what makes them equal]
+The same fp32 arithmetic in the same order: max and min are exact, the scale is a
+true division absmax / qmax (inductor keeps it a division, never a multiplication
+by a reciprocal), the values a true division by it, rounding is round-half-even
+(`round`) or floor after adding the same uniform draw; those draws are made
+eagerly, chunk by chunk as the eager path makes them, so one generator gives the
+same bits either way. Checked over shapes, block sizes, dtypes, zero, subnormal
+and non-finite blocks in tests/test_kernels.py.
+
+The blocks' count is a dynamic dimension: one compile per variant (bits,
+rounding, output dtype), not per tensor size, paid once per process (inductor's
+on-disk cache makes later processes' compiles cheap). `ZEROPP_COMPILE=0` turns
+them off; a compile that fails turns them off for the process, with one warning.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+_TINY = torch.finfo(torch.float32).smallest_normal
+_failed = False
+
+
+# Below this many values a call's fixed cost (dynamo's guards, the wrapper) is more
+# than the kernel saves over the eager ops (benchmarks/quant.py, "by size").
+MIN_NUMEL = 1 << 20
+
+
+def enabled(device: torch.device, numel: int) -> bool:
+    """Whether the compiled kernels take `numel` values on `device` now (not while
+    dynamo traces a caller: inside a compiled region the eager ops are traced)."""
+    return (numel >= MIN_NUMEL and os.environ.get("ZEROPP_COMPILE", "1") != "0"
+            and not _failed and device.type in ("cpu", "cuda")
+            and not torch.compiler.is_compiling())
+
+
+def _guarded(fn: Callable) -> Callable:
+    compiled = torch.compile(fn, dynamic=True)
+
+    def call(*args, **kwargs):
+        global _failed
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as e:  # no compiler here, or an inductor bug: eager from now on
+            _failed = True
+            warnings.warn(f"zeropp: compiled codecs unavailable ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); using the eager "
+                          "ones (ZEROPP_COMPILE=0 silences this)", stacklevel=3)
+            raise _Fallback from e
+    return call
+
+
+class _Fallback(Exception):
+    """Raised once by a failed compile: the caller runs the eager op instead."""
+
+
+def _round_rows(xb: torch.Tensor, noise: Optional[torch.Tensor], qmax: int):
+    """quant.round_blocks, as one expression."""
+    absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg())
+    # +0 and the quiet NaN, as quant.absmax_rows
+    absmax = torch.where(absmax == 0, 0.0, torch.where(absmax.isnan(), math.nan, absmax))
+    s = absmax / qmax
+    s = torch.where((s < _TINY) & (absmax > 0), _TINY, s)
+    v = xb / torch.where(s > 0, s, 1.0).unsqueeze(1)
+    if noise is None:
+        v = v.round()
+    else:
+        v = (v + noise).floor().clamp(-qmax, qmax)
+    return s, torch.where(s.isfinite().unsqueeze(1), v, 0.0)
+
+
+# Every tensor is 2-D, (blocks, values of a block): a flat view sliced to a dynamic
+# length would cost index arithmetic per element (inductor's C++ then is scalar).
+def _quantizer(bits: int) -> Callable:
+    qmax = {8: 127, 4: 7}[bits]
+
+    def kernel(x: torch.Tensor, data: torch.Tensor, noise: Optional[torch.Tensor],
+               deq: Optional[torch.Tensor]) -> torch.Tensor:
+        s, v = _round_rows(x.float(), noise, qmax)
+        if bits == 8:
+            data.copy_(v.to(torch.int8))
+        else:  # element 2i in the low nibble, 2i+1 in the high one, offset by 8
+            pairs = v.view(v.shape[0], -1, 2).to(torch.int32) + 8
+            data.copy_((pairs[:, :, 0] | (pairs[:, :, 1] << 4)).to(torch.uint8))
+        if deq is not None:  # the -0.0 rounding leaves becomes the +0.0 a code decodes to
+            deq.copy_(torch.where(v == 0, 0.0, v) * s.unsqueeze(1))
+        return s
+    return kernel
+
+
+def _dequantizer(bits: int) -> Callable:
+    def kernel(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        if bits == 8:
+            vals = data.to(torch.float32)
+        else:  # value j is byte j // 2's low (j even) or high nibble, offset by 8
+            b = data.to(torch.int32).unsqueeze(2).expand(-1, -1, 2).reshape(out.shape)
+            shift = (torch.arange(out.shape[1], device=out.device) & 1) * 4
+            vals = ((b >> shift) & 0xF).to(torch.float32) - 8
+        out.copy_((vals * scales.unsqueeze(1)).to(out.dtype))
+    return kernel
+
+
+# One compiled function per variant, so that each sees one graph (and the 0/1-size
+# specializations of its dynamic dimensions), far below dynamo's recompile limit.
+_KERNELS: dict[tuple, Callable] = {}
+
+
+def _kernel(key: tuple, make: Callable) -> Callable:
+    if key not in _KERNELS:
+        fn = make(key[1])
+        # dynamo keeps its compiled graphs (and counts recompiles) per code object,
+        # which closures share: give each variant its own.
+        name = "_".join(map(str, key)).replace("torch.", "")
+        code = fn.__code__.replace(co_name=f"zeropp_{name}")
+        _KERNELS[key] = _guarded(types.FunctionType(code, fn.__globals__, code.co_name,
+                                                    fn.__defaults__, fn.__closure__))
+    return _KERNELS[key]
+
+
+def quantize_into(x: torch.Tensor, scales: torch.Tensor, data: torch.Tensor, bits: int,
+                  noise: Optional[torch.Tensor], deq: Optional[torch.Tensor]) -> bool:
+    """quant.quantize's work on whole blocks: `x` (blocks, block size) in its own
+    float dtype; codes into `data` (blocks, bytes per block), scales into `scales`,
+    `dequantize()` of them into `deq` (fp32, as `x`) if given; False if the kernels
+    are off (the caller then runs the eager ops). The kernel returns the scales and
+    they are copied here: a float view of the uint8 wire buffer as a compiled
+    function's input defeats dynamic shapes (an internal assert); a view of the
+    same width (`data`) does not."""
+    try:
+        key = ("q", bits, x.dtype, noise is None, deq is None)
+        scales.copy_(_kernel(key, _quantizer)(x, data, noise, deq))
+    except _Fallback:
+        return False
+    return True
+
+
+def dequantize_into(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                    bits: int) -> bool:
+    """quant.dequantize of whole blocks: codes `data` (blocks, bytes per block) and
+    `scales` into `out` (blocks, block size); False if the kernels are off."""
+    try:
+        _kernel(("dq", bits, out.dtype), _dequantizer)(data, scales.clone(), out)
+    except _Fallback:
+        return False
+    return True
