@@ -3,7 +3,8 @@
     python benchmarks/quant.py [--write]
 
 Accuracy: relative L2 error ||x - dq(q(x))|| / ||x|| on 1M Gaussian values.
-Speed: a 64 MiB fp32 tensor (16M values), best of 7 runs after a warm-up:
+Speed: a 64 MiB fp32 tensor (16M values), best of 7 runs after a warm-up, eager
+and compiled (zeropp/kernels.py) codecs:
 quantize + dequantize into preallocated outputs (the engine keeps persistent
 send and full-weight buffers) against `copy_` into a preallocated tensor, so
 both write into memory that is already mapped: like for like. With fresh
@@ -20,7 +21,18 @@ import time
 import torch
 from _report import report
 
+from zeropp import kernels
 from zeropp.quant import dequantize, quantize, rotate, unrotate
+
+
+def _mode(mode: str) -> None:
+    """eager, compiled (at every size) or default (compiled from kernels.MIN_NUMEL)."""
+    import os
+    os.environ["ZEROPP_COMPILE"] = "0" if mode == "eager" else "1"
+    kernels.MIN_NUMEL = 0 if mode == "compiled" else _DEFAULT_MIN
+
+
+_DEFAULT_MIN = kernels.MIN_NUMEL
 
 BLOCKS = [64, 256, 1024, 2048, 4096]
 
@@ -68,25 +80,44 @@ def main() -> None:
               f"| copy_ into preallocated | {copy_ms:.1f} | {mb / copy_ms:.2f} | 100% |",
               f"| clone (fresh output) | {clone_ms:.1f} | {mb / clone_ms:.2f} | "
               f"{copy_ms / clone_ms:.0%} |"]
-    for bits in (8, 4):
-        q = quantize(big, bits, 2048)
-        wire = torch.empty_like(q.to_bytes())
-        q_fresh = best_ms(lambda: quantize(big, bits, 2048))  # noqa: B023
-        q_ms = best_ms(lambda: quantize(big, bits, 2048, out=wire))  # noqa: B023
-        dq_ms = best_ms(lambda: dequantize(q, out=dst))  # noqa: B023
-        dq_fresh = best_ms(lambda: dequantize(q))  # noqa: B023
-        for name, ms in [(f"INT{bits} quantize, fresh output", q_fresh),
-                         (f"INT{bits} dequantize, fresh output", dq_fresh),
-                         (f"INT{bits} quantize into out", q_ms),
-                         (f"INT{bits} dequantize into out", dq_ms),
-                         (f"**INT{bits} quantize + dequantize, into out**", q_ms + dq_ms),
-                         (f"INT{bits} quantize + dequantize, fresh outputs", q_fresh + dq_fresh)]:
-            lines.append(f"| {name} (block 2048) | {ms:.1f} | {mb / ms:.2f} | "
-                         f"{copy_ms / ms:.0%} |")
-    lines += ["", "Target: INT8 quantize + dequantize at block 2048 >= 25% of copy_ "
-              "bandwidth. Plain vectorized torch ops over cache-sized (4 MiB) chunks of "
-              "blocks, no torch.compile; INT4 pays for nibble packing. Run-to-run noise "
-              "on this shared 2-core machine is about 20%.", ""]
+    for mode in ("eager", "compiled"):
+        _mode(mode)
+        for bits in (8, 4):
+            q = quantize(big, bits, 2048)
+            wire = torch.empty_like(q.to_bytes())
+            q_fresh = best_ms(lambda: quantize(big, bits, 2048))  # noqa: B023
+            q_ms = best_ms(lambda: quantize(big, bits, 2048, out=wire))  # noqa: B023
+            dq_ms = best_ms(lambda: dequantize(q, out=dst))  # noqa: B023
+            dq_fresh = best_ms(lambda: dequantize(q))  # noqa: B023
+            for name, ms in [(f"INT{bits} quantize, fresh output", q_fresh),
+                             (f"INT{bits} dequantize, fresh output", dq_fresh),
+                             (f"INT{bits} quantize into out", q_ms),
+                             (f"INT{bits} dequantize into out", dq_ms),
+                             (f"**INT{bits} quantize + dequantize, into out**", q_ms + dq_ms),
+                             (f"INT{bits} quantize + dequantize, fresh outputs",
+                              q_fresh + dq_fresh)]:
+                lines.append(f"| {mode}: {name} (block 2048) | {ms:.1f} | {mb / ms:.2f} | "
+                             f"{copy_ms / ms:.0%} |")
+    lines += ["", "By size (INT8 quantize + dequantize into preallocated outputs, block "
+              "2048, ms, best of 7): where the compiled kernels start to pay "
+              "(`zeropp.kernels.MIN_NUMEL`).", "",
+              "| values | eager | compiled | compiled / eager |", "|---|---|---|---|"]
+    for n in (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22):
+        x = torch.randn(n)
+        ms = {}
+        for mode in ("eager", "compiled"):
+            _mode(mode)
+            q = quantize(x, 8, 2048)
+            wire, out = torch.empty_like(q.to_bytes()), torch.empty_like(x)
+            ms[mode] = (best_ms(lambda: quantize(x, 8, 2048, out=wire))  # noqa: B023
+                        + best_ms(lambda: dequantize(q, out=out)))  # noqa: B023
+        lines.append(f"| {n:,} | {ms['eager']:.3f} | {ms['compiled']:.3f} | "
+                     f"{ms['compiled'] / ms['eager']:.2f} |")
+    _mode("default")
+    lines += ["", "eager: vectorized torch ops over cache-sized (4 MiB) chunks of blocks; "
+              "compiled: one fused torch.compile kernel per operation (zeropp/kernels.py), "
+              "bitwise equal (tests/test_kernels.py), compiled once per process before "
+              "the timing. Run-to-run noise on this shared 2-core machine is about 20%.", ""]
     report(lines, a.write)
 
 

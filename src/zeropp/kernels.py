@@ -1,5 +1,5 @@
 """The codecs as compiled kernels: INT8 / INT4 blockwise quantize (nearest or
-stochastic rounding, nibble packing, the dequantized copy a sender keeps) and
+stochastic rounding, nibble packing, the dequantized copy a sender keeps) and INT8
 dequantize, each one fused kernel from torch.compile (inductor: C++ on the CPU,
 Triton on a GPU), bitwise equal to quant.py's eager ops, which stay the fallback.
 
@@ -33,14 +33,16 @@ _failed = False
 
 
 # Below this many values a call's fixed cost (dynamo's guards, the wrapper) is more
-# than the kernel saves over the eager ops (benchmarks/quant.py, "by size").
-MIN_NUMEL = 1 << 20
+# than the kernel saves over the eager ops (benchmarks/quant.py, "by size");
+# ZEROPP_COMPILE_MIN_NUMEL overrides it.
+MIN_NUMEL = 1 << 18
 
 
 def enabled(device: torch.device, numel: int) -> bool:
     """Whether the compiled kernels take `numel` values on `device` now (not while
     dynamo traces a caller: inside a compiled region the eager ops are traced)."""
-    return (numel >= MIN_NUMEL and os.environ.get("ZEROPP_COMPILE", "1") != "0"
+    least = int(os.environ.get("ZEROPP_COMPILE_MIN_NUMEL", MIN_NUMEL))
+    return (numel >= least and os.environ.get("ZEROPP_COMPILE", "1") != "0"
             and not _failed and device.type in ("cpu", "cuda")
             and not torch.compiler.is_compiling())
 
@@ -100,14 +102,12 @@ def _quantizer(bits: int) -> Callable:
 
 
 def _dequantizer(bits: int) -> Callable:
+    # INT8 only: INT4's unpacking compiled ran no faster than the eager ops (6.9 ms
+    # and 6.5 for 16M values here; benchmarks/quant.py), so it stays eager.
+    assert bits == 8
+
     def kernel(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-        if bits == 8:
-            vals = data.to(torch.float32)
-        else:  # value j is byte j // 2's low (j even) or high nibble, offset by 8
-            b = data.to(torch.int32).unsqueeze(2).expand(-1, -1, 2).reshape(out.shape)
-            shift = (torch.arange(out.shape[1], device=out.device) & 1) * 4
-            vals = ((b >> shift) & 0xF).to(torch.float32) - 8
-        out.copy_((vals * scales.unsqueeze(1)).to(out.dtype))
+        out.copy_((data.to(torch.float32) * scales.unsqueeze(1)).to(out.dtype))
     return kernel
 
 
@@ -148,7 +148,10 @@ def quantize_into(x: torch.Tensor, scales: torch.Tensor, data: torch.Tensor, bit
 def dequantize_into(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
                     bits: int) -> bool:
     """quant.dequantize of whole blocks: codes `data` (blocks, bytes per block) and
-    `scales` into `out` (blocks, block size); False if the kernels are off."""
+    `scales` into `out` (blocks, block size); False if the kernels are off, or for
+    INT4 (see _dequantizer)."""
+    if bits != 8:
+        return False
     try:
         _kernel(("dq", bits, out.dtype), _dequantizer)(data, scales.clone(), out)
     except _Fallback:
