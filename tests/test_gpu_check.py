@@ -1,7 +1,8 @@
 """benchmarks/conformance/gpu_check.py, the script a GPU task runs first, in its CPU
 mode so that it cannot rot: every check passes (zero3 equal to one process to 1e-5,
 ranks bitwise equal, the reduce pipeline bitwise equal to the synchronous path,
-quantization error within bounds) and the memory table is there."""
+quantization error within bounds, the compiled codecs' bytes equal the eager ones) and
+the memory table is there."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     names = [row["check"] for row in rows]
     assert names == ["train zero3", "train zeropp", "train zeropp-plus", "train zeropp-plus bf16",
                      "w1 (gloo)",
-                     "pipeline async == sync", "quant int8", "quant int4", "qwd"]
+                     "pipeline async == sync", "quant int8 eager", "quant int8 compiled",
+                     "quant int4 eager", "quant int4 compiled", "qwd"]
     assert all(row["ok"] for row in rows)
     assert "| zeropp-plus |" in r.stdout  # the memory table

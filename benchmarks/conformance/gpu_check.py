@@ -15,7 +15,9 @@ Checks, each a row (ok / FAILED, what was measured, seconds):
   pipeline     the reduce pipeline on its side stream / threads (async_reduce) vs
                the synchronous path, zeropp-plus: bitwise equal weights after 4 steps
   quant        INT8 and INT4 blockwise quantize + dequantize of 64 MiB (CPU: 16 MiB)
-               into preallocated outputs, against a copy of the same bytes: GB/s
+               into preallocated outputs, against a copy of the same bytes: GB/s, eager
+               and compiled (zeropp/kernels.py; Triton on a GPU), whose wire bytes and
+               dequantized values must equal the eager ones bit for bit
   qwd          qWD's code deltas (INT4 nearest, INT3 stochastic): owner and holder
                copies bitwise equal on the device; whether the CPU's bytes for the
                same moves are the same; encode / apply ms and host syncs
@@ -160,6 +162,9 @@ def check_pipeline(device: str, timeout: float) -> dict:
 
 
 def check_quant(device: str) -> list[dict]:
+    import os
+
+    from zeropp import kernels
     from zeropp.quant import dequantize, quantize
     n = (64 if device == "cuda" else 16) * 2**20 // 4
     x = torch.randn(n, device=device)
@@ -176,14 +181,27 @@ def check_quant(device: str) -> list[dict]:
             times.append(time.perf_counter() - t0)
         return min(times)
     copy = best(lambda: dst.copy_(x))
-    rows = []
+    rows, least = [], kernels.MIN_NUMEL
     for bits in (8, 4):
-        t = best(lambda b=bits: out.copy_(dequantize(quantize(x, b, 2048))))
-        err = ((out - x).norm() / x.norm()).item()
-        rows.append({"check": f"quant int{bits}", "ok": err < (0.02 if bits == 8 else 0.2),
-                     "measured": f"{x.nbytes / t / 1e9:.1f} GB/s vs copy {x.nbytes / copy / 1e9:.1f}"
-                                 f" GB/s ({t / copy:.1f}x); rel err {err:.4f}",
-                     "seconds": t})
+        wires = {}
+        for mode in ("eager", "compiled"):  # compiled: zeropp/kernels.py (Triton on a GPU)
+            os.environ["ZEROPP_COMPILE"] = "0" if mode == "eager" else "1"
+            kernels.MIN_NUMEL = 0
+            q = quantize(x, bits, 2048)
+            wires[mode] = (q.to_bytes().clone(), dequantize(q).clone())
+            wire = torch.empty_like(wires[mode][0])
+            t = best(lambda b=bits, w=wire: dequantize(quantize(x, b, 2048, out=w), out=out))
+            err = ((out - x).norm() / x.norm()).item()
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                       for a, b in zip(wires["eager"], wires[mode]))
+            rows.append({"check": f"quant int{bits} {mode}",
+                         "ok": err < (0.02 if bits == 8 else 0.2) and same and not kernels._failed,
+                         "measured": f"{x.nbytes / t / 1e9:.1f} GB/s vs copy "
+                                     f"{x.nbytes / copy / 1e9:.1f} GB/s ({t / copy:.1f}x); rel err "
+                                     f"{err:.4f}; bytes equal to eager: {same}",
+                         "seconds": t})
+    os.environ.pop("ZEROPP_COMPILE", None)
+    kernels.MIN_NUMEL = least
     return rows
 
 
