@@ -13,8 +13,12 @@ Each step clips gradients (`zeropp.clip_grad_norm_`, as `zeropp train` does; the
 bench worker does not), and each preset's model sees its own batches: the times
 are comparable between presets of one run, not with bench rows. Used for
 RESULTS.md's "zeropp-plus's compute" readings; environment variables (e.g.
-ZEROPP_KEEP_MALLOC=1) apply to every preset of the run.
+ZEROPP_KEEP_MALLOC=1) apply to every preset of the run. `PRESET@eager` runs the
+preset with the eager codecs (ZEROPP_COMPILE=0 during its steps), `PRESET@compiled`
+with the compiled ones at every size (zeropp/kernels.py), `PRESET@model` also with
+the model compiled in place (`model.compile()`), so they alternate in one world.
 """
+import os
 import resource
 import statistics
 import sys
@@ -35,11 +39,19 @@ def _usage() -> tuple[float, int]:
 def work(presets: list[str], steps: int, layers: int = 6, width: int = 384,
          warmup: int = 2) -> tuple:
     torch.set_num_threads(1)
-    runs = [sharded_gpt(p, layers, width) for p in presets]
+    runs = [sharded_gpt(p.split("@")[0], layers, width) for p in presets]
+    for p, (m, _) in zip(presets, runs):
+        if p.endswith("@model"):
+            m.compile()  # in place, as engine.compile(); the codecs compiled at every size
+    from zeropp import kernels
+    least = kernels.MIN_NUMEL
     g = torch.Generator().manual_seed(dist.get_rank())
     out: list[list[tuple[float, float, int]]] = [[] for _ in presets]
     for i in range(steps + warmup):  # warm-up steps first, each
         for k, (m, opt) in enumerate(runs):
+            mode = presets[k].partition("@")[2]
+            os.environ["ZEROPP_COMPILE"] = "0" if mode == "eager" else "1"
+            kernels.MIN_NUMEL = 0 if mode in ("compiled", "model") else least
             x = batch(g)
             dist.barrier()
             cpu0, flt0 = _usage()

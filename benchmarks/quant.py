@@ -115,9 +115,9 @@ def main() -> None:
                      f"{ms['compiled'] / ms['eager']:.2f} |")
     _mode("default")
     lines += ["", "eager: vectorized torch ops over cache-sized (4 MiB) chunks of blocks; "
-              "compiled: one fused torch.compile kernel per operation (zeropp/kernels.py), "
+              "compiled: quantize as one fused torch.compile kernel (zeropp/kernels.py), "
               "bitwise equal (tests/test_kernels.py), compiled once per process before "
-              "the timing. Run-to-run noise on this shared 2-core machine is about 20%.", ""]
+              "the timing; dequantize is eager in both. Run-to-run noise on this shared 2-core machine is about 20%.", ""]
     report(lines, a.write)
 
 

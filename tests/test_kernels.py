@@ -1,6 +1,6 @@
 """The compiled codecs (zeropp/kernels.py) write the eager ops' bytes, bit for bit:
-the wire buffer (scales and codes), the sender's dequantized copy and `dequantize`
-into fp32 and bf16, for INT8 and INT4, nearest and stochastic rounding (the same
+the wire buffer (scales and codes), the sender's dequantized copy, and what
+`dequantize` makes of them in fp32 and bf16, for INT8 and INT4, nearest and stochastic rounding (the same
 generator gives the same draws), whole and padded last blocks, fp32 / bf16 / fp16
 inputs, and all-zero, subnormal and non-finite blocks; ZEROPP_COMPILE=0 turns them
 off."""

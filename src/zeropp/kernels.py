@@ -1,7 +1,10 @@
 """The codecs as compiled kernels: INT8 / INT4 blockwise quantize (nearest or
-stochastic rounding, nibble packing, the dequantized copy a sender keeps) and INT8
-dequantize, each one fused kernel from torch.compile (inductor: C++ on the CPU,
-Triton on a GPU), bitwise equal to quant.py's eager ops, which stay the fallback.
+stochastic rounding, nibble packing, the dequantized copy a sender keeps) as one
+fused kernel from torch.compile (inductor: C++ on the CPU, Triton on a GPU),
+bitwise equal to quant.py's eager ops, which stay the fallback. Dequantize stays
+eager: compiled, it ran no faster here (INT8 into a preallocated output: 5.1 ms
+against eager's 2.9 for 16M values; INT4's unpacking 6.9 against 6.5, three
+formulations tried; benchmarks/quant.py).
 
 [Note: what makes them equal]
 The same fp32 arithmetic in the same order: max and min are exact, the scale is a
@@ -13,7 +16,7 @@ same bits either way. Checked over shapes, block sizes, dtypes, zero, subnormal
 and non-finite blocks in tests/test_kernels.py.
 
 The blocks' count is a dynamic dimension: one compile per variant (bits,
-rounding, output dtype), not per tensor size, paid once per process (inductor's
+rounding, input dtype, whether a dequantized copy is kept), not per tensor size, paid once per process (inductor's
 on-disk cache makes later processes' compiles cheap). `ZEROPP_COMPILE=0` turns
 them off; a compile that fails turns them off for the process, with one warning.
 """
@@ -101,16 +104,6 @@ def _quantizer(bits: int) -> Callable:
     return kernel
 
 
-def _dequantizer(bits: int) -> Callable:
-    # INT8 only: INT4's unpacking compiled ran no faster than the eager ops (6.9 ms
-    # and 6.5 for 16M values here; benchmarks/quant.py), so it stays eager.
-    assert bits == 8
-
-    def kernel(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_((data.to(torch.float32) * scales.unsqueeze(1)).to(out.dtype))
-    return kernel
-
-
 # One compiled function per variant, so that each sees one graph (and the 0/1-size
 # specializations of its dynamic dimensions), far below dynamo's recompile limit.
 _KERNELS: dict[tuple, Callable] = {}
@@ -140,20 +133,6 @@ def quantize_into(x: torch.Tensor, scales: torch.Tensor, data: torch.Tensor, bit
     try:
         key = ("q", bits, x.dtype, noise is None, deq is None)
         scales.copy_(_kernel(key, _quantizer)(x, data, noise, deq))
-    except _Fallback:
-        return False
-    return True
-
-
-def dequantize_into(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
-                    bits: int) -> bool:
-    """quant.dequantize of whole blocks: codes `data` (blocks, bytes per block) and
-    `scales` into `out` (blocks, block size); False if the kernels are off, or for
-    INT4 (see _dequantizer)."""
-    if bits != 8:
-        return False
-    try:
-        _kernel(("dq", bits, out.dtype), _dequantizer)(data, scales.clone(), out)
     except _Fallback:
         return False
     return True

@@ -318,15 +318,8 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
                          f"{tuple(out.shape)}")
     flat, bs, n = out.view(-1), q.block_size, q.numel
     per_block = bs * q.bits // 8
-    whole = n // bs  # the compiled kernel's blocks (kernels.py); the padded one is eager
-    done = whole if whole and kernels.enabled(out.device, n) and kernels.dequantize_into(
-        q.data[:whole * per_block].view(whole, per_block), q.scales[:whole],
-        flat[:whole * bs].view(whole, bs), q.bits) else 0
     scratch = torch.empty(0, device=out.device)
     for r0, r1 in _chunks(q.scales.numel(), bs, out.device):
-        if r1 <= done:
-            continue
-        r0 = max(r0, done)
         raw = q.data[r0 * per_block:r1 * per_block]
         vals = raw if q.bits == 8 else _unpack_offset(raw)
         s = q.scales[r0:r1].unsqueeze(1)
