@@ -4,7 +4,9 @@ drift (±20% by the hour here) hits both alike: gpt-6x384 (fp32, AdamW, batch
 s/step, the paired ratio to the first preset, CPU seconds per step summed over the
 four ranks (every thread) and minor page faults per step (all ranks), and the ranks' peak RSS.
 
-    python benchmarks/paired_step.py zeropp,zeropp-plus [steps] [LAYERSxWIDTH, default 6x384] [warm-up steps, default 2]
+    python benchmarks/paired_step.py zeropp,zeropp-plus [steps] [LAYERSxWIDTH or hf-gpt2, default 6x384] [warm-up steps, default 2]
+
+(hf-gpt2: Hugging Face's GPT-2 124M, built from its default config.)
 
 More warm-up steps measure later training: the first AdamW steps move every weight
 by about the lr, which costs qWD more than later steps do (benchmarks/probes/qwd_cost.py).
@@ -37,9 +39,9 @@ def _usage() -> tuple[float, int]:
 
 
 def work(presets: list[str], steps: int, layers: int = 6, width: int = 384,
-         warmup: int = 2) -> tuple:
+         warmup: int = 2, hf: bool = False) -> tuple:
     torch.set_num_threads(1)
-    runs = [sharded_gpt(p.split("@")[0], layers, width) for p in presets]
+    runs = [sharded_gpt(p.split("@")[0], layers, width, hf) for p in presets]
     for p, (m, _) in zip(presets, runs):
         if p.endswith("@model"):
             m.compile()  # in place, as engine.compile(); the codecs compiled at every size
@@ -67,9 +69,11 @@ def work(presets: list[str], steps: int, layers: int = 6, width: int = 384,
 if __name__ == "__main__":
     presets = sys.argv[1].split(",")
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
-    layers, width = (int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "6x384").split("x"))
+    shape = sys.argv[3] if len(sys.argv) > 3 else "6x384"
+    hf = shape == "hf-gpt2"
+    layers, width = (12, 768) if hf else (int(x) for x in shape.split("x"))
     warmup = int(sys.argv[4]) if len(sys.argv) > 4 else 2
-    got = spawn(work, 4, 2, args=(presets, steps, layers, width, warmup), timeout=3000)
+    got = spawn(work, 4, 2, args=(presets, steps, layers, width, warmup, hf), timeout=3000)
     res = [r for r, _ in got]
     print(f"peak RSS per rank (all presets of the run): {max(m for _, m in got):.0f} MB")
     base = [t for t, _, _ in res[0][0]]
