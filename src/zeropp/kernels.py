@@ -8,17 +8,21 @@ formulations tried; benchmarks/quant.py).
 
 [Note: what makes them equal]
 The same fp32 arithmetic in the same order: max and min are exact, the scale is a
-true division absmax / qmax (inductor keeps it a division, never a multiplication
-by a reciprocal), the values a true division by it, rounding is round-half-even
-(`round`) or floor after adding the same uniform draw; those draws are made
-eagerly, chunk by chunk as the eager path makes them, so one generator gives the
-same bits either way. Checked over shapes, block sizes, dtypes, zero, subnormal
-and non-finite blocks in tests/test_kernels.py.
+true division absmax / qmax, the values a true division by it (inductor's C++ keeps
+both divisions; a multiplication by the reciprocal would differ in the last bit),
+rounding is round-half-even (`round`) or floor after adding the same uniform draw;
+those draws are made eagerly, chunk by chunk as the eager path makes them, so one
+generator gives the same bits either way. Checked on the CPU over shapes, block
+sizes, dtypes, zero, subnormal and non-finite blocks (tests/test_kernels.py); on a
+GPU, where Triton compiles the kernel, `benchmarks/conformance/gpu_check.py` checks
+the same (not yet run on one). Every rank runs the same kernel either way, so ranks
+agree bit for bit whatever the device.
 
-The blocks' count is a dynamic dimension: one compile per variant (bits,
-rounding, input dtype, whether a dequantized copy is kept), not per tensor size, paid once per process (inductor's
-on-disk cache makes later processes' compiles cheap). `ZEROPP_COMPILE=0` turns
-them off; a compile that fails turns them off for the process, with one warning.
+The blocks' count is a dynamic dimension: one compile per variant (bits, rounding,
+input dtype, whether a dequantized copy is kept), not per tensor size, paid once per
+process (inductor's on-disk cache makes later processes' compiles cheap).
+`ZEROPP_COMPILE=0` turns them off; a compile that fails turns them off for the
+process, with one warning.
 """
 
 from __future__ import annotations
