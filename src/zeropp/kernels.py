@@ -14,9 +14,9 @@ rounding is round-half-even (`round`) or floor after adding the same uniform dra
 those draws are made eagerly, chunk by chunk as the eager path makes them, so one
 generator gives the same bits either way. Checked on the CPU over shapes, block
 sizes, dtypes, zero, subnormal and non-finite blocks (tests/test_kernels.py); on a
-GPU, where Triton compiles the kernel, `benchmarks/conformance/gpu_check.py` checks
-the same (not yet run on one). Every rank runs the same kernel either way, so ranks
-agree bit for bit whatever the device.
+GPU, where Triton compiles the kernel (told to divide exactly and keep subnormals),
+`benchmarks/conformance/gpu_check.py` checks the same; until it has run on one, the
+kernels run on a GPU only with ZEROPP_COMPILE=1.
 
 The blocks' count is a dynamic dimension: one compile per variant (bits, rounding,
 input dtype, whether a dequantized copy is kept), not per tensor size, paid once per
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import types
 import warnings
 from typing import Callable, Optional
@@ -47,20 +48,30 @@ MIN_NUMEL = 1 << 18
 
 def enabled(device: torch.device, numel: int) -> bool:
     """Whether the compiled kernels take `numel` values on `device` now (not while
-    dynamo traces a caller: inside a compiled region the eager ops are traced)."""
+    dynamo traces a caller: inside a compiled region the eager ops are traced). On
+    the CPU by default; on a GPU only with ZEROPP_COMPILE=1 set, until gpu_check.py
+    has shown Triton's bytes equal to the eager ones there (see the note)."""
     least = int(os.environ.get("ZEROPP_COMPILE_MIN_NUMEL", MIN_NUMEL))
-    return (numel >= least and os.environ.get("ZEROPP_COMPILE", "1") != "0"
-            and not _failed and device.type in ("cpu", "cuda")
+    flag = os.environ.get("ZEROPP_COMPILE")
+    return (numel >= least and flag != "0" and not _failed
+            and (device.type == "cpu" or (device.type == "cuda" and flag == "1"))
             and not torch.compiler.is_compiling())
 
 
+# Triton writes `/` as an approximate division and flushes subnormals unless told:
+# eager's exact division and subnormal scales need both (no effect on the CPU).
+_OPTIONS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
+
+
 def _guarded(fn: Callable) -> Callable:
-    compiled = torch.compile(fn, dynamic=True)
+    compiled = torch.compile(fn, dynamic=True, options=_OPTIONS)
 
     def call(*args, **kwargs):
         global _failed
         try:
             return compiled(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            raise  # the eager ops would need the memory too
         except Exception as e:  # no compiler here, or an inductor bug: eager from now on
             _failed = True
             warnings.warn(f"zeropp: compiled codecs unavailable ({type(e).__name__}: "
@@ -113,15 +124,22 @@ def _quantizer(bits: int) -> Callable:
 _KERNELS: dict[tuple, Callable] = {}
 
 
+_LOCK = threading.Lock()  # the reduce pipeline's two threads may ask at once
+
+
 def _kernel(key: tuple, make: Callable) -> Callable:
-    if key not in _KERNELS:
-        fn = make(key[1])
-        # dynamo keeps its compiled graphs (and counts recompiles) per code object,
-        # which closures share: give each variant its own.
-        name = "_".join(map(str, key)).replace("torch.", "")
-        code = fn.__code__.replace(co_name=f"zeropp_{name}")
-        _KERNELS[key] = _guarded(types.FunctionType(code, fn.__globals__, code.co_name,
-                                                    fn.__defaults__, fn.__closure__))
+    with _LOCK:
+        return _KERNELS[key] if key in _KERNELS else _make(key, make)
+
+
+def _make(key: tuple, make: Callable) -> Callable:
+    fn = make(key[1])
+    # dynamo keeps its compiled graphs (and counts recompiles) per code object, which
+    # closures share: give each variant its own.
+    name = "_".join(map(str, key)).replace("torch.", "")
+    code = fn.__code__.replace(co_name=f"zeropp_{name}")
+    _KERNELS[key] = _guarded(types.FunctionType(code, fn.__globals__, code.co_name,
+                                                fn.__defaults__, fn.__closure__))
     return _KERNELS[key]
 
 

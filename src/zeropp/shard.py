@@ -299,9 +299,12 @@ def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
 
 
 def _eager(hook: Callable) -> Callable:
-    return torch.compiler.disable(hook, reason=(
-        "zeropp: a unit's gather and free run outside the graph, so fullgraph=True "
-        "cannot hold; compile without it, or compile each block"))
+    reason = ("zeropp: a unit's gather and free run outside the graph, so fullgraph=True "
+              "cannot hold; compile without it, or compile each block")
+    try:
+        return torch.compiler.disable(hook, reason=reason)
+    except TypeError:  # torch < 2.8 has no reason=
+        return torch.compiler.disable(hook)
 
 
 def _persistent(model: nn.Module, cfg: Config) -> set[int]:
