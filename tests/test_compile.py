@@ -152,9 +152,12 @@ def test_compiled_zeropp_plus_at_w4_as_2x2_gives_the_eager_losses_and_compiles_o
 
 
 def test_hf_trainer_with_torch_compile_trains_through_engine_compile(tmp_path):
+    """Under `zeropp launch` (its preloading server starts the two ranks faster than
+    torchrun's fresh interpreters; tests/test_hf_deepspeed.py runs the example under both)."""
     pytest.importorskip("transformers")
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2",
+    r = subprocess.run([sys.executable, "-m", "zeropp", "launch", "--nproc", "2",
+                        "--node-size", "2", "--timeout", "400", "--as-deepspeed", "--preload",
+                        "torch.distributed.tensor,transformers,accelerate",
                         str(ROOT / "examples" / "hf" / "trainer_lm.py"), "--out",
                         str(tmp_path / "run"), "--node-size", "2", "--steps", "4",
                         "--torch-compile"], capture_output=True, text=True, timeout=420,
