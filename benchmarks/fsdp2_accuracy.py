@@ -30,21 +30,11 @@ import zeropp
 import zeropp.fsdp2
 from zeropp.launch import spawn
 from zeropp.train.data import get_batch, load_text, split_tokens
-from zeropp.train.loop import TrainArgs, lr_at
+from zeropp.train.loop import TrainArgs, _val_loss, lr_at
 from zeropp.train.model import GPT, PRESETS, GPTConfig
 from zeropp.train.tokenizer import encode
 
 CONFIGS = ["fsdp2", "fsdp2+zeropp", "fsdp2+zeropp-plus"]
-
-
-@torch.no_grad()
-def val_loss(model, val, a: TrainArgs) -> float:
-    gen = torch.Generator().manual_seed(10_000 + dist.get_rank())  # the same batches each time
-    losses = [model(*get_batch(val, a.batch, a.seq_len, gen))[1].item()
-              for _ in range(a.eval_batches)]
-    t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
 
 
 def worker(config: str, a: TrainArgs, tokens: str, node_size: int) -> dict:
@@ -76,7 +66,7 @@ def worker(config: str, a: TrainArgs, tokens: str, node_size: int) -> dict:
         if config != "fsdp2":  # this step's bytes (an evaluation's refresh not counted)
             inter += zeropp.comm_stats(model)["inter_node_bytes"]
         if (step + 1) % a.eval_every == 0 or step == a.steps - 1:
-            evals.append((step + 1, val_loss(model, val, a)))
+            evals.append((step + 1, _val_loss(model, val, a, rank, world)))
     per_node = torch.zeros(world // node_size, dtype=torch.float64)
     per_node[rank // node_size] = inter / a.steps
     dist.all_reduce(per_node)

@@ -181,7 +181,7 @@ def check_quant(device: str) -> list[dict]:
             times.append(time.perf_counter() - t0)
         return min(times)
     copy = best(lambda: dst.copy_(x))
-    rows, least = [], kernels.MIN_NUMEL
+    rows, least, flag = [], kernels.MIN_NUMEL, os.environ.get("ZEROPP_COMPILE")
     for bits in (8, 4):
         wires = {}
         for mode in ("eager", "compiled"):  # compiled: zeropp/kernels.py (Triton on a GPU)
@@ -201,6 +201,8 @@ def check_quant(device: str) -> list[dict]:
                                      f"{err:.4f}; bytes equal to eager: {same}",
                          "seconds": t})
     os.environ.pop("ZEROPP_COMPILE", None)
+    if flag is not None:
+        os.environ["ZEROPP_COMPILE"] = flag
     kernels.MIN_NUMEL = least
     return rows
 

@@ -218,8 +218,11 @@ def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *,
     else:
         v.round_()  # |x/scale| <= qmax (+ an ulp), so it rounds into range
     # A non-finite block's codes are 0 (it decodes to NaN by its scale): its values
-    # would convert to integers undefined by C, differently by kernel.
-    v.masked_fill_(~s.isfinite().unsqueeze(1), 0.0)
+    # would convert to integers undefined by C, differently by kernel. On the CPU the
+    # pass over the rows only when a block needs it; on a device the test would sync.
+    finite = s.isfinite()
+    if v.is_cuda or not bool(finite.all()):
+        v.masked_fill_(~finite.unsqueeze(1), 0.0)
     return s
 
 

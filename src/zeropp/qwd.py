@@ -222,12 +222,9 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
         shape = (r1 - r0, block)
         # t: qwZ's codes of the master (quantize's arithmetic), in fp32
         t = scratch_buffer("qwd_t", shape[0] * block, master.device).view(shape)
+        # (a non-finite master's block gets codes 0 from round_blocks: in range, and
+        # its scale dequantizes to NaN whatever the codes)
         s_new[r0:r1] = sn = round_blocks(xb[r0:r1], qc, t)
-        if t.is_cuda or not bool(torch.isfinite(sn).all()):
-            # a non-finite master leaves t NaN (or unbounded: such a block divides by
-            # 1); its scale dequantizes to NaN whatever the codes, so any codes in range
-            # do, as long as owner and holders agree on them
-            t.nan_to_num_(0.0).clamp_(-qc, qc)
         # t and the moves on the old grid as int16: integers in [-2 qmax, 2 qmax],
         # exact, and half the bytes of fp32 (int8 would wrap)
         c8 = _int8(c_data, copy_bits, r0, r1, block)

@@ -336,7 +336,7 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
         """DeepSpeed's: compile the module in place (`nn.Module.compile`), once. Each
         unit's compute compiles; its gathers, frees and reductions run eagerly in its
-        hooks, a graph break at each unit's boundary (docs/performance.md)."""
+        hooks, a graph break at each unit's boundary (docs/compile.md)."""
         if schedule is not None or compiled_autograd_enabled:
             raise NotImplementedError(
                 "zeropp engine.compile(): DeepCompile's schedule and compiled autograd "
@@ -344,9 +344,8 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
         if self._is_compiled:
             return
         kwargs = dict(compile_kwargs or {})
-        backend = backend or kwargs.pop("backend", None) or "inductor"
-        kwargs.pop("backend", None)
-        self.module.compile(backend=backend, **kwargs)
+        given = kwargs.pop("backend", None)  # the argument wins, as in DeepSpeed
+        self.module.compile(backend=backend or given or "inductor", **kwargs)
         self._is_compiled = True
 
     @property
