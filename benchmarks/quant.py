@@ -1,20 +1,25 @@
 """zeropp.quant: accuracy table and CPU throughput next to copy_ bandwidth.
 
-    python benchmarks/quant.py [--write]
+    python benchmarks/quant.py [--rounds N] [--write]
 
 Accuracy: relative L2 error ||x - dq(q(x))|| / ||x|| on 1M Gaussian values.
-Speed: a 64 MiB fp32 tensor (16M values), best of 7 runs after a warm-up, eager
-and compiled (zeropp/kernels.py) codecs:
-quantize + dequantize into preallocated outputs (the engine keeps persistent
-send and full-weight buffers) against `copy_` into a preallocated tensor, so
-both write into memory that is already mapped: like for like. With fresh
-outputs too: on this machine the page faults of a new 64 MiB buffer cost
-more than the arithmetic, for `clone` as for quantization.
+Speed: a 64 MiB fp32 tensor (16M values), block 2048, eager and compiled
+(zeropp/kernels.py) codecs, quantize and dequantize into preallocated outputs (the
+engine keeps persistent send and full-weight buffers) against `copy_` into a
+preallocated tensor: like for like. Every operation starts from a cold cache (a
+96 MiB read first: the L3 here is 32 MiB and would otherwise hold part of the
+previous operation's output, which favoured whichever ran after a writer of the
+same buffer by up to 40%), and the operations take turns, round by round, so
+that the machine's slow and fast spells fall on all of them; min and median over
+the rounds. With fresh outputs too: on this machine the page faults of a new
+64 MiB buffer cost more than the arithmetic, for `clone` as for quantization.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
 
@@ -27,12 +32,27 @@ from zeropp.quant import dequantize, quantize, rotate, unrotate
 
 def _mode(mode: str) -> None:
     """eager, compiled (at every size) or default (compiled from kernels.MIN_NUMEL)."""
-    import os
     os.environ["ZEROPP_COMPILE"] = "0" if mode == "eager" else "1"
     kernels.MIN_NUMEL = 0 if mode == "compiled" else _DEFAULT_MIN
 
 
 _DEFAULT_MIN = kernels.MIN_NUMEL
+_FLUSH = torch.ones(24 << 20)  # 96 MiB
+
+
+def rounds(ops: dict, n: int) -> dict:
+    """{name: (min ms, median ms)} of each op over n rounds, every call cold."""
+    for f in ops.values():
+        f()  # warm-up: compiles, page faults of the outputs
+    times: dict = {k: [] for k in ops}
+    for _ in range(n):
+        for k, f in ops.items():
+            _FLUSH.sum()
+            t0 = time.perf_counter()
+            f()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: (min(v), statistics.median(v)) for k, v in times.items()}
+
 
 BLOCKS = [64, 256, 1024, 2048, 4096]
 
@@ -58,6 +78,7 @@ def best_ms(f, n=7):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--write", action="store_true")
+    p.add_argument("--rounds", type=int, default=15)
     a = p.parse_args()
     x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
     lines = [f"### Quantization: accuracy and CPU speed ({time.strftime('%Y-%m-%d')})", "",
@@ -72,32 +93,42 @@ def main() -> None:
             lines.append(f"| {bits} | {b} | " + " | ".join(f"{e:.4f}" for e in errs) + " |")
     big = torch.randn(16 << 20)
     mb = big.numel() * 4 / 1e6
-    dst = torch.empty_like(big)
-    copy_ms = best_ms(lambda: dst.copy_(big))
-    clone_ms = best_ms(lambda: big.clone())
-    lines += ["", f"Throughput on a 64 MiB ({mb:.1f} MB) fp32 tensor (GB/s of fp32 input; best of 7):",
-              "", "| operation | ms | GB/s | vs copy_ |", "|---|---|---|---|",
-              f"| copy_ into preallocated | {copy_ms:.1f} | {mb / copy_ms:.2f} | 100% |",
-              f"| clone (fresh output) | {clone_ms:.1f} | {mb / clone_ms:.2f} | "
-              f"{copy_ms / clone_ms:.0%} |"]
+    dst, dst16 = torch.empty_like(big), torch.empty_like(big, dtype=torch.bfloat16)
+    ops = {"copy_ into preallocated": lambda: dst.copy_(big), "clone (fresh output)": big.clone}
     for mode in ("eager", "compiled"):
-        _mode(mode)
         for bits in (8, 4):
             q = quantize(big, bits, 2048)
             wire = torch.empty_like(q.to_bytes())
-            q_fresh = best_ms(lambda: quantize(big, bits, 2048))  # noqa: B023
-            q_ms = best_ms(lambda: quantize(big, bits, 2048, out=wire))  # noqa: B023
-            dq_ms = best_ms(lambda: dequantize(q, out=dst))  # noqa: B023
-            dq_fresh = best_ms(lambda: dequantize(q))  # noqa: B023
-            for name, ms in [(f"INT{bits} quantize, fresh output", q_fresh),
-                             (f"INT{bits} dequantize, fresh output", dq_fresh),
-                             (f"INT{bits} quantize into out", q_ms),
-                             (f"INT{bits} dequantize into out", dq_ms),
-                             (f"**INT{bits} quantize + dequantize, into out**", q_ms + dq_ms),
-                             (f"INT{bits} quantize + dequantize, fresh outputs",
-                              q_fresh + dq_fresh)]:
-                lines.append(f"| {mode}: {name} (block 2048) | {ms:.1f} | {mb / ms:.2f} | "
-                             f"{copy_ms / ms:.0%} |")
+
+            def run(f, mode=mode):
+                return lambda: (_mode(mode), f())
+            ops |= {f"{mode}: INT{bits} quantize, fresh output":
+                    run(lambda bits=bits: quantize(big, bits, 2048)),
+                    f"{mode}: INT{bits} quantize into out":
+                    run(lambda bits=bits, wire=wire: quantize(big, bits, 2048, out=wire)),
+                    f"{mode}: INT{bits} dequantize, fresh output": run(lambda q=q: dequantize(q)),
+                    f"{mode}: INT{bits} dequantize into out":
+                    run(lambda q=q: dequantize(q, out=dst)),
+                    f"{mode}: INT{bits} dequantize into a bf16 out":
+                    run(lambda q=q: dequantize(q, out=dst16))}
+    t = rounds(ops, a.rounds)
+    copy_ms = t["copy_ into preallocated"][0]
+    lines += ["", f"Throughput on a 64 MiB ({mb:.1f} MB) fp32 tensor, block 2048, every operation "
+              f"from a cold cache, {a.rounds} rounds taking turns (GB/s of fp32 input, from the "
+              "min; vs copy_ from the min):", "",
+              "| operation | min ms | median ms | GB/s | vs copy_ |", "|---|---|---|---|---|"]
+
+    def row(name, ms, med):
+        lines.append(f"| {name} | {ms:.2f} | {med:.2f} | {mb / ms:.2f} | {copy_ms / ms:.0%} |")
+    for name, (ms, med) in t.items():
+        row(name, ms, med)
+    for mode in ("eager", "compiled"):
+        for bits in (8, 4):
+            for out in ("into out", "fresh output"):
+                qn = f"{mode}: INT{bits} quantize{',' if out[0] == 'f' else ''} {out}"
+                dn = f"{mode}: INT{bits} dequantize{',' if out[0] == 'f' else ''} {out}"
+                pair = [t[qn][k] + t[dn][k] for k in (0, 1)]
+                row(f"**{mode}: INT{bits} quantize + dequantize, {out}**", *pair)
     lines += ["", "By size (INT8 quantize + dequantize into preallocated outputs, block "
               "2048, ms, best of 7): where the compiled kernels start to pay "
               "(`zeropp.kernels.MIN_NUMEL`).", "",
@@ -115,9 +146,10 @@ def main() -> None:
                      f"{ms['compiled'] / ms['eager']:.2f} |")
     _mode("default")
     lines += ["", "eager: vectorized torch ops over cache-sized (4 MiB) chunks of blocks; "
-              "compiled: quantize as one fused torch.compile kernel (zeropp/kernels.py), "
+              "compiled: quantize and dequantize each one fused torch.compile kernel "
+              "(zeropp/kernels.py), "
               "bitwise equal (tests/test_kernels.py), compiled once per process before "
-              "the timing; dequantize is eager in both. Run-to-run noise on this shared 2-core machine is about 20%.", ""]
+              "the timing. Run-to-run noise on this shared 2-core machine is about 20%.", ""]
     report(lines, a.write)
 
 

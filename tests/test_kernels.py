@@ -33,10 +33,12 @@ def _round_trip(x, bits, block, stochastic, out_dtype):
     return q.to_bytes().clone(), _bits(deq), _bits(out), g.get_state()
 
 
-def _input(n: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+def _input(n: int, block: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
     """Gaussian values with an all-zero block, a subnormal one, and a block holding
-    a NaN and one an Inf (when there are blocks enough)."""
-    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    a NaN and one an Inf (when there are blocks enough); `offset` values into its
+    storage (an odd one: not readable as pairs, the INT4 kernels' strided path)."""
+    x = torch.randn(offset + n, generator=torch.Generator().manual_seed(n)) * 3
+    x = x[offset:]
     if n >= 5 * block:
         x[:block] = 0
         x[block:2 * block] *= 1e-40
@@ -47,12 +49,15 @@ def _input(n: int, block: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits,stochastic", list(itertools.product([8, 4], [False, True])))
 def test_compiled_codecs_write_the_eager_bytes(monkeypatch, bits, stochastic):
-    for n, block, dtype, out_dtype in [(5 * 64 + 10, 64, torch.float32, torch.float32),
-                                       (6 * 2048, 2048, torch.float32, torch.bfloat16),
-                                       (5 * 256 + 2, 256, torch.bfloat16, torch.float32),
-                                       (4096, 2, torch.float16, torch.float32),
-                                       (7, 2048, torch.float32, torch.float32)]:
-        x = _input(n, block, dtype)
+    monkeypatch.setattr(kernels, "_KERNELS", {})  # what ran here, below
+    for n, block, dtype, out_dtype, offset in [
+            (5 * 64 + 10, 64, torch.float32, torch.float32, 0),
+            (6 * 2048, 2048, torch.float32, torch.bfloat16, 0),
+            (5 * 256 + 2, 256, torch.bfloat16, torch.float32, 0),
+            (4096, 2, torch.float16, torch.float32, 0),
+            (5 * 128, 128, torch.float32, torch.float32, 1),
+            (7, 2048, torch.float32, torch.float32, 0)]:
+        x = _input(n, block, dtype, offset)
         monkeypatch.setenv("ZEROPP_COMPILE", "0")
         eager = _round_trip(x, bits, block, stochastic, out_dtype)
         monkeypatch.setenv("ZEROPP_COMPILE", "1")
@@ -61,7 +66,20 @@ def test_compiled_codecs_write_the_eager_bytes(monkeypatch, bits, stochastic):
                               compiled):
             assert torch.equal(a, b), (what, n, block, dtype, out_dtype)
     assert not kernels._failed
-    assert any(k[:2] == ("q", bits) for k in kernels._KERNELS), "no kernel ran"
+    ran = set(kernels._KERNELS)
+    assert {("q", bits), ("dq", bits)} <= {k[:2] for k in ran}, "no kernel ran"
+    if bits == 4:  # both INT4 quantize paths: pairs and strided (odd offset, fp16)
+        assert {k[-1] for k in ran if k[:2] == ("q", 4)} == {True, False}
+
+
+@pytest.mark.parametrize("qmax", [127, 7])
+def test_the_kernels_scale_equals_a_true_division(qmax):
+    """kernels._divisor's fp32(fp64(a) * fp64(1 / qmax)) is fp32(a / qmax) (its
+    note): here on every 251st fp32 bit pattern from 0 to +inf (8.5M values); the
+    notebook records all 2^31."""
+    a = torch.arange(0, 0x7F800001, 251, dtype=torch.int32).view(torch.float32)
+    mul = (a.double() * (1.0 / qmax)).float()
+    assert torch.equal(mul.view(torch.int32), (a / qmax).view(torch.int32))
 
 
 def test_zeropp_compile_0_runs_no_kernel(monkeypatch):

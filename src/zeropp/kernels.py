@@ -1,33 +1,47 @@
 """The codecs as compiled kernels: INT8 / INT4 blockwise quantize (nearest or
-stochastic rounding, nibble packing, the dequantized copy a sender keeps) as one
-fused kernel from torch.compile (inductor: C++ on the CPU, Triton on a GPU),
-bitwise equal to quant.py's eager ops, which stay the fallback. Dequantize stays
-eager: compiled, it ran no faster here (INT8 into a preallocated output: 5.1 ms
-against eager's 2.9 for 16M values; INT4's unpacking 6.9 against 6.5, three
-formulations tried; benchmarks/quant.py).
+stochastic rounding, nibble packing, the dequantized copy a sender keeps) and
+dequantize, each one fused torch.compile kernel (inductor: C++ on the CPU, Triton
+on a GPU), bitwise equal to quant.py's eager ops, which stay the fallback.
+quant.py calls them on whole blocks and finishes around them: the scales from the
+absmax a kernel returns, and the codes of a non-finite block.
 
 [Note: what makes them equal]
-The same fp32 arithmetic in the same order: max and min are exact, the scale is a
-true division absmax / qmax, the values a true division by it (inductor's C++ keeps
-both divisions; a multiplication by the reciprocal would differ in the last bit),
-rounding is round-half-even (`round`) or floor after adding the same uniform draw;
-those draws are made eagerly, chunk by chunk as the eager path makes them, so one
-generator gives the same bits either way. Checked on the CPU over shapes, block
-sizes, dtypes, zero, subnormal and non-finite blocks (tests/test_kernels.py); on a
-GPU, where Triton compiles the kernel (told to divide exactly and keep subnormals),
-`benchmarks/conformance/gpu_check.py` checks the same; until it has run on one, the
-kernels run on a GPU only with ZEROPP_COMPILE=1.
+The same fp32 arithmetic: max |x| is exact; the values are divided by the scale
+absmax / qmax with a true division (inductor's C++ keeps it; a multiplication by
+the reciprocal would differ in the last bit); rounding is round-half-even or floor
+after adding the same uniform draws, which are made eagerly, chunk by chunk as
+the eager path makes them, so one generator gives the same bits either way.
+The scale inside a kernel is fp32(fp64(absmax) * fp64(1 / qmax)), not a division:
+it equals fp32(absmax / qmax) for every finite fp32 absmax and +inf, for qmax 127
+and 7 (fp64 carries the quotient to within 2^-52 of itself, and a quotient of two
+fp32 numbers lies at least 2^-49 from a rounding boundary of fp32; checked over
+all 2^31 of them, docs/notebook.md "Compiled codecs, second cut"). A division there sat
+inside the loop over a block's values (the int8 stores may alias the absmax, so
+the compiler reloads and recomputes it each step) and cost 0.2 to 0.8 ms of
+a 3 ms kernel. Checked on the CPU over shapes, block sizes, dtypes, zero,
+subnormal and non-finite blocks (tests/test_kernels.py); on a GPU, where Triton
+compiles them (told to divide exactly and keep subnormals),
+`benchmarks/conformance/gpu_check.py` checks the same; until it has run on one,
+the kernels run on a GPU only with ZEROPP_COMPILE=1.
 
-The blocks' count is a dynamic dimension: one compile per variant (bits, rounding,
-input dtype, whether a dequantized copy is kept), not per tensor size, paid once per
-process (inductor's on-disk cache makes later processes' compiles cheap).
-`ZEROPP_COMPILE=0` turns them off; a compile that fails turns them off for the
-process, with one warning.
+[Note: one pass, pairs]
+A quantize kernel is one loop over the blocks: each block's max |x| and then its
+codes while it is in cache; returning a per-block result computed from the max
+(the scale) splits it into passes that read the input twice from memory, so the
+kernel returns the max and quant.py makes the scales (8K values for 64 MiB).
+INT4 packs element 2i and 2i+1 into a byte: with fp32 values read as int64 pairs
+(and the dequantized fp32 written as such pairs) every access is contiguous and
+vectorized; a strided pair view ran scalar (INT4 quantize 4.8 ms against 2.8,
+dequantize 40 against 2.9, benchmarks/quant.py's tensor).
+
+The blocks' count is a dynamic dimension: one compile per variant (op, bits,
+rounding, dtypes, outputs), not per tensor size, paid once per process (inductor's
+on-disk cache makes later processes' compiles cheap). `ZEROPP_COMPILE=0` turns
+them off; a compile that fails turns them off for the process, with one warning.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import types
@@ -36,7 +50,6 @@ from typing import Callable, Optional
 
 import torch
 
-_TINY = torch.finfo(torch.float32).smallest_normal
 _failed = False
 
 
@@ -85,40 +98,120 @@ class _Fallback(Exception):
     """Raised once by a failed compile: the caller runs the eager op instead."""
 
 
-def _round_rows(xb: torch.Tensor, noise: Optional[torch.Tensor], qmax: int):
-    """quant.round_blocks, as one expression."""
-    absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg())
-    # +0 and the quiet NaN, as quant.absmax_rows
-    absmax = torch.where(absmax == 0, 0.0, torch.where(absmax.isnan(), math.nan, absmax))
-    s = absmax / qmax
-    s = torch.where((s < _TINY) & (absmax > 0), _TINY, s)
-    v = xb / torch.where(s > 0, s, 1.0).unsqueeze(1)
+def _divisor(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
+    """quant.block_scales' scale, to divide by: absmax / qmax (see the note), at least
+    the smallest normal. An all-zero block's is that too (0 / it is 0, as 0 / 1 in the
+    eager ops); a non-finite block's is non-finite, and quant.py overwrites its codes."""
+    s = (absmax.double() * (1.0 / qmax)).float()
+    # quant._TINY written out: a float read from a global becomes an input of the
+    # compiled function, loaded and converted at every step of the loop over a block
+    # (3.3 ms against 3.1)
+    return torch.where(s < 2.0 ** -126, 2.0 ** -126, s)
+
+
+def _round(q: torch.Tensor, noise: Optional[torch.Tensor], qmax: int) -> torch.Tensor:
+    """quant.round_blocks' rounding of the quotients q."""
     if noise is None:
-        v = v.round()
-    else:
-        v = (v + noise).floor().clamp(-qmax, qmax)
-    return s, torch.where(s.isfinite().unsqueeze(1), v, 0.0)
+        return q.round()  # |q| <= qmax (+ an ulp), so it rounds into range
+    return (q + noise).floor().clamp(-qmax, qmax)
 
 
-# Every tensor is 2-D, (blocks, values of a block): a flat view sliced to a dynamic
-# length would cost index arithmetic per element (inductor's C++ then is scalar).
-def _quantizer(bits: int) -> Callable:
-    qmax = {8: 127, 4: 7}[bits]
+def _dequantized(v: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    # the -0.0 rounding leaves becomes the +0.0 a code decodes to
+    return torch.where(v == 0, 0.0, v) * d
 
+
+def _halves(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs of values (_as_pairs) -> the even and the odd values in fp32: an int64
+    holds two fp32 values, an int32 two bf16 ones (a bf16's bits are an fp32's upper
+    half); little-endian."""
+    if w.dtype == torch.int32:
+        return (w << 16).view(torch.float32), (w & -65536).view(torch.float32)
+    return (w.to(torch.int32).view(torch.float32),
+            (w >> 32).to(torch.int32).view(torch.float32))
+
+
+def _pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
+    """fp32 even and odd values -> int64 pairs (the inverse of _halves for fp32)."""
+    return ((even.view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
+            | (odd.view(torch.int32).to(torch.int64) << 32))
+
+
+def _as_pairs(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """fp32 as int64, bf16 as int32: the view _halves reads. Made outside the compiled
+    functions: a dtype view of an input made inside one is written back in a second
+    pass (INT4 dequantize 39 ms instead of 2.9)."""
+    if t is None:
+        return None
+    return t.view(torch.int64 if t.dtype == torch.float32 else torch.int32)
+
+
+def _pairable(*ts: Optional[torch.Tensor]) -> bool:
+    """Whether these tensors can be read as pairs: fp32 or bf16, at even offsets."""
+    return all(t is None or (t.dtype in (torch.float32, torch.bfloat16)
+                             and t.storage_offset() % 2 == 0) for t in ts)
+
+
+# Every tensor is 2-D, (blocks, values or bytes of a block): a flat view sliced to a
+# dynamic length would cost index arithmetic per element (inductor's C++ then is scalar).
+def _quantize8(_: tuple) -> Callable:
     def kernel(x: torch.Tensor, data: torch.Tensor, noise: Optional[torch.Tensor],
-               deq: Optional[torch.Tensor]) -> torch.Tensor:
-        s, v = _round_rows(x.float(), noise, qmax)
-        if bits == 8:
-            data.copy_(v.to(torch.int8))
-        else:  # element 2i in the low nibble, 2i+1 in the high one, offset by 8
-            pairs = v.view(v.shape[0], -1, 2).to(torch.int32) + 8
-            data.copy_((pairs[:, :, 0] | (pairs[:, :, 1] << 4)).to(torch.uint8))
-        if deq is not None:  # the -0.0 rounding leaves becomes the +0.0 a code decodes to
-            deq.copy_(torch.where(v == 0, 0.0, v) * s.unsqueeze(1))
-        return s
+               deq: Optional[torch.Tensor], _: None) -> torch.Tensor:
+        xf = x.float()
+        absmax = xf.abs().amax(dim=1, keepdim=True)
+        d = _divisor(absmax, 127)
+        v = _round(xf / d, noise, 127)
+        data.copy_(v.to(torch.int8))
+        if deq is not None:
+            deq.copy_(_dequantized(v, d))
+        return absmax
     return kernel
 
 
+def _quantize4(key: tuple) -> Callable:
+    pairs = key[-1]
+
+    def kernel(x: torch.Tensor, data: torch.Tensor, noise: Optional[torch.Tensor],
+               deq: Optional[torch.Tensor], xp: Optional[torch.Tensor]) -> torch.Tensor:
+        xf = x.float()
+        absmax = xf.abs().amax(dim=1, keepdim=True)
+        d = _divisor(absmax, 7)
+        if pairs:  # xp, noise and deq are x and the fp32 ones as pairs (the note)
+            lo, hi = _halves(xp)
+            n_lo, n_hi = (None, None) if noise is None else _halves(noise)
+        else:  # strided, slower
+            lo, hi = xf[:, 0::2], xf[:, 1::2]
+            n_lo, n_hi = (None, None) if noise is None else (noise[:, 0::2], noise[:, 1::2])
+        v_lo, v_hi = _round(lo / d, n_lo, 7), _round(hi / d, n_hi, 7)
+        codes = (v_lo.to(torch.int32) + 8) | ((v_hi.to(torch.int32) + 8) << 4)
+        data.copy_(codes.to(torch.uint8))
+        if deq is not None and pairs:
+            deq.copy_(_pairs(_dequantized(v_lo, d), _dequantized(v_hi, d)))
+        elif deq is not None:
+            deq[:, 0::2].copy_(_dequantized(v_lo, d))
+            deq[:, 1::2].copy_(_dequantized(v_hi, d))
+        return absmax
+    return kernel
+
+
+def _dequantize8(_: tuple) -> Callable:
+    def kernel(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        # through bf16 (exact for |code| <= 127): inductor then loops 32 values a step
+        # instead of 16, which ran 0.85x the time here
+        out.copy_(data.to(torch.bfloat16).float() * scales)
+    return kernel
+
+
+def _dequantize4(_: tuple) -> Callable:
+    def kernel(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        w = data.to(torch.int32)
+        out.copy_(_pairs(((w & 15) - 8).float() * scales,
+                                           ((w >> 4) - 8).float() * scales))
+    return kernel
+
+
+_MAKERS = {("q", 8): _quantize8, ("q", 4): _quantize4,
+           ("dq", 8): _dequantize8, ("dq", 4): _dequantize4}
 # One compiled function per variant, so that each sees one graph (and the 0/1-size
 # specializations of its dynamic dimensions), far below dynamo's recompile limit.
 _KERNELS: dict[tuple, Callable] = {}
@@ -127,13 +220,13 @@ _KERNELS: dict[tuple, Callable] = {}
 _LOCK = threading.Lock()  # the reduce pipeline's two threads may ask at once
 
 
-def _kernel(key: tuple, make: Callable) -> Callable:
+def _kernel(key: tuple) -> Callable:
     with _LOCK:
-        return _KERNELS[key] if key in _KERNELS else _make(key, make)
+        return _KERNELS[key] if key in _KERNELS else _make(key)
 
 
-def _make(key: tuple, make: Callable) -> Callable:
-    fn = make(key[1])
+def _make(key: tuple) -> Callable:
+    fn = _MAKERS[key[:2]](key)
     # dynamo keeps its compiled graphs (and counts recompiles) per code object, which
     # closures share: give each variant its own.
     name = "_".join(map(str, key)).replace("torch.", "")
@@ -143,18 +236,42 @@ def _make(key: tuple, make: Callable) -> Callable:
     return _KERNELS[key]
 
 
-def quantize_into(x: torch.Tensor, scales: torch.Tensor, data: torch.Tensor, bits: int,
-                  noise: Optional[torch.Tensor], deq: Optional[torch.Tensor]) -> bool:
-    """quant.quantize's work on whole blocks: `x` (blocks, block size) in its own
-    float dtype; codes into `data` (blocks, bytes per block), scales into `scales`,
-    `dequantize()` of them into `deq` (fp32, as `x`) if given; False if the kernels
-    are off (the caller then runs the eager ops). The kernel returns the scales and
-    they are copied here: a float view of the uint8 wire buffer as a compiled
-    function's input defeats dynamic shapes (an internal assert); a view of the
-    same width (`data`) does not."""
+def quantize_into(x: torch.Tensor, data: torch.Tensor, bits: int,
+                  noise: Optional[torch.Tensor],
+                  deq: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """quant.quantize's work on whole blocks: `x` (blocks, block size) in its own float
+    dtype; codes into `data` (blocks, bytes per block), `dequantize()` of them into
+    `deq` (fp32, as `x`) if given. Returns each block's max |x| (blocks, 1), NaN
+    propagated, from which quant.py makes the scales and fixes a non-finite block's
+    codes; None if the kernels are off (the caller then runs the eager ops)."""
+    key = ("q", bits, x.dtype, noise is None, deq is None)
+    args = (x, data, noise, deq, None)
+    if bits == 4:
+        pairs = _pairable(x, noise, deq)
+        key += (pairs,)
+        if pairs:
+            args = (x, data, _as_pairs(noise), _as_pairs(deq), _as_pairs(x))
     try:
-        key = ("q", bits, x.dtype, noise is None, deq is None)
-        scales.copy_(_kernel(key, _quantizer)(x, data, noise, deq))
+        return _kernel(key)(*args)
+    except _Fallback:
+        return None
+
+
+def dequantize_into(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                    bits: int) -> bool:
+    """quant.dequantize's work on whole blocks: codes `data` (blocks, bytes per block)
+    times `scales` (blocks, 1) into `out` (blocks, block size): fp32 (or, for INT8, any
+    float dtype); False if this kernel does not take them (the caller runs the eager
+    ops)."""
+    if not (bits == 8 and out.dtype.is_floating_point
+            or out.dtype == torch.float32 and _pairable(out)):
+        return False
+    try:
+        # the scales as their own tensor: as a view of the wire buffer the codes are
+        # also a view of, the compiled function reads both through their common
+        # storage, unvectorized (INT8: 4.9 ms instead of 2.7)
+        _kernel(("dq", bits, out.dtype))(data, scales.clone(),
+                                         out if bits == 8 else _as_pairs(out))
     except _Fallback:
         return False
     return True

@@ -191,14 +191,24 @@ def div_exact(x: torch.Tensor, c: float) -> torch.Tensor:
 
 
 def absmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """max |x| of each row of a 2-D tensor, NaN propagated."""
+    """max |x| of each row of a 2-D tensor, NaN propagated (canonical_absmax)."""
     # max(amax, -amin): two fast reductions; |x| would need a temporary and
-    # vector_norm(ord=inf) is ~10x slower here. Both propagate NaN. An all-zero row's
-    # max(+0, -0) is either zero, by the kernel's path: +0 always, so the scale's bytes
-    # (and the zeros it decodes to) do not depend on the size or the kernel.
-    # A NaN is the quiet NaN whatever the input's was (sign, payload), for the same reason.
-    m = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg())
+    # vector_norm(ord=inf) is ~10x slower here. Both propagate NaN.
+    return canonical_absmax(torch.maximum(x.amax(dim=1), x.amin(dim=1).neg()))
+
+
+def canonical_absmax(m: torch.Tensor) -> torch.Tensor:
+    """An all-zero row's max(+0, -0) is either zero, by the kernel's path: +0 always,
+    so the scale's bytes (and the zeros it decodes to) do not depend on the size or
+    the kernel. A NaN is the quiet NaN whatever the input's was (sign, payload), for
+    the same reason."""
     return torch.where(m == 0, 0.0, torch.where(m.isnan(), math.nan, m))
+
+
+def block_scales(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
+    """Each block's scale absmax / qmax, at least _TINY where absmax > 0."""
+    s = div_exact(absmax, qmax)
+    return torch.where((s < _TINY) & (absmax > 0), _TINY, s)
 
 
 def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *,
@@ -206,9 +216,7 @@ def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *,
     """Each row's scale absmax / qmax (returned) and its values / scale, rounded into
     `v` (fp32, the rows' shape): the integers `quantize` stores. Nearest (ties to
     even), or with `noise` (uniform draws in [0, 1), the rows' shape) stochastic."""
-    absmax = absmax_rows(xc)
-    s = div_exact(absmax, qmax)
-    s = torch.where((s < _TINY) & (absmax > 0), _TINY, s)
+    s = block_scales(absmax_rows(xc), qmax)
     # Divide rather than multiply by 1/scale: a subnormal scale's inverse
     # overflows. An all-zero block divides by 1 and stays zero.
     torch.div(xc, torch.where(s > 0, s, 1.0).unsqueeze(1), out=v)
@@ -224,6 +232,18 @@ def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *,
     if v.is_cuda or not bool(finite.all()):
         v.masked_fill_(~finite.unsqueeze(1), 0.0)
     return s
+
+
+def _non_finite_blocks(s: torch.Tensor, data: torch.Tensor, zero_code: int,
+                       deq: Optional[torch.Tensor]) -> None:
+    """What round_blocks makes of a non-finite block, after a compiled kernel: codes
+    of 0 (`zero_code` as stored) and a dequantized copy of 0 * scale."""
+    bad = ~s.isfinite()
+    if not (data.is_cuda or bool(bad.any())):
+        return
+    data.masked_fill_(bad.unsqueeze(1), zero_code)
+    if deq is not None:
+        deq.copy_(torch.where(bad.unsqueeze(1), s.unsqueeze(1) * 0.0, deq))
 
 
 def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
@@ -266,10 +286,15 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
     whole = n // bs  # blocks without padding: the compiled kernel's (kernels.py)
 
     def compiled(r0: int, r1: int, noise: Optional[torch.Tensor]) -> bool:
-        return kernels.quantize_into(
-            flat[r0 * bs:r1 * bs].view(-1, bs), scales[r0:r1],
-            data[r0 * per_block:r1 * per_block].view(-1, per_block), bits, noise,
-            None if deq is None else deq[r0 * bs:r1 * bs].view(-1, bs))
+        codes = data[r0 * per_block:r1 * per_block].view(-1, per_block)
+        dq = None if deq is None else deq[r0 * bs:r1 * bs].view(-1, bs)
+        absmax = kernels.quantize_into(flat[r0 * bs:r1 * bs].view(-1, bs), codes, bits,
+                                       noise, dq)
+        if absmax is None:
+            return False
+        s = scales[r0:r1] = block_scales(canonical_absmax(absmax.view(-1)), qmax)
+        _non_finite_blocks(s, codes, 0 if bits == 8 else 0x88, dq)
+        return True
 
     def eager(r0: int, r1: int, noise: Optional[torch.Tensor]) -> None:
         xc = _rows(flat, r0, r1, bs)
@@ -322,7 +347,15 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
     flat, bs, n = out.view(-1), q.block_size, q.numel
     per_block = bs * q.bits // 8
     scratch = torch.empty(0, device=out.device)
+    whole, done = n // bs, 0  # the compiled kernel takes whole blocks (kernels.py)
+    if whole and kernels.enabled(out.device, n) and kernels.dequantize_into(
+            q.data[:whole * per_block].view(whole, per_block),
+            q.scales[:whole].view(whole, 1), flat[:whole * bs].view(whole, bs), q.bits):
+        done = whole
     for r0, r1 in _chunks(q.scales.numel(), bs, out.device):
+        if r1 <= done:
+            continue
+        r0 = max(r0, done)
         raw = q.data[r0 * per_block:r1 * per_block]
         vals = raw if q.bits == 8 else _unpack_offset(raw)
         s = q.scales[r0:r1].unsqueeze(1)
