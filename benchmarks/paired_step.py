@@ -17,8 +17,9 @@ are comparable between presets of one run, not with bench rows. Used for
 RESULTS.md's "zeropp-plus's compute" readings; environment variables (e.g.
 ZEROPP_KEEP_MALLOC=1) apply to every preset of the run. `PRESET@eager` runs the
 preset with the eager codecs (ZEROPP_COMPILE=0 during its steps), `PRESET@compiled`
-with the compiled ones at every size (zeropp/kernels.py), `PRESET@model` also with
-the model compiled in place (`model.compile()`), so they alternate in one world.
+with the compiled ones from their default sizes (zeropp/kernels.py, MIN_NUMEL),
+`PRESET@every-size` with them at every size, `PRESET@model` with the default codecs
+and the model compiled in place (`model.compile()`), so they alternate in one world.
 """
 import os
 import resource
@@ -44,7 +45,7 @@ def work(presets: list[str], steps: int, layers: int = 6, width: int = 384,
     runs = [sharded_gpt(p.split("@")[0], layers, width, hf) for p in presets]
     for p, (m, _) in zip(presets, runs):
         if p.endswith("@model"):
-            m.compile()  # in place, as engine.compile(); the codecs compiled at every size
+            m.compile()  # in place, as engine.compile()
     from zeropp import kernels
     least = kernels.MIN_NUMEL
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -53,7 +54,7 @@ def work(presets: list[str], steps: int, layers: int = 6, width: int = 384,
         for k, (m, opt) in enumerate(runs):
             mode = presets[k].partition("@")[2]
             os.environ["ZEROPP_COMPILE"] = "0" if mode == "eager" else "1"
-            kernels.MIN_NUMEL = 0 if mode in ("compiled", "model") else least
+            kernels.MIN_NUMEL = {8: 0, 4: 0} if mode == "every-size" else least
             x = batch(g)
             dist.barrier()
             cpu0, flt0 = _usage()

@@ -33,7 +33,7 @@ from zeropp.quant import dequantize, quantize, rotate, unrotate
 def _mode(mode: str) -> None:
     """eager, compiled (at every size) or default (compiled from kernels.MIN_NUMEL)."""
     os.environ["ZEROPP_COMPILE"] = "0" if mode == "eager" else "1"
-    kernels.MIN_NUMEL = 0 if mode == "compiled" else _DEFAULT_MIN
+    kernels.MIN_NUMEL = dict.fromkeys(_DEFAULT_MIN, 0) if mode == "compiled" else _DEFAULT_MIN
 
 
 _DEFAULT_MIN = kernels.MIN_NUMEL
@@ -129,21 +129,25 @@ def main() -> None:
                 dn = f"{mode}: INT{bits} dequantize{',' if out[0] == 'f' else ''} {out}"
                 pair = [t[qn][k] + t[dn][k] for k in (0, 1)]
                 row(f"**{mode}: INT{bits} quantize + dequantize, {out}**", *pair)
-    lines += ["", "By size (INT8 quantize + dequantize into preallocated outputs, block "
-              "2048, ms, best of 7): where the compiled kernels start to pay "
-              "(`zeropp.kernels.MIN_NUMEL`).", "",
-              "| values | eager | compiled | compiled / eager |", "|---|---|---|---|"]
-    for n in (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22):
+    lines += ["", "By size (quantize + dequantize into preallocated outputs, block 2048, "
+              "fp32, ms, best of 7, warm: the sizes of a unit's pieces): where the compiled "
+              "kernels start to pay (`zeropp.kernels.MIN_NUMEL`).", "",
+              "| values | INT8 eager | INT8 compiled | compiled / eager | INT4 eager | "
+              "INT4 compiled | compiled / eager |", "|---|---|---|---|---|---|---|"]
+    for n in (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 21, 1 << 22):
         x = torch.randn(n)
-        ms = {}
-        for mode in ("eager", "compiled"):
-            _mode(mode)
-            q = quantize(x, 8, 2048)
-            wire, out = torch.empty_like(q.to_bytes()), torch.empty_like(x)
-            ms[mode] = (best_ms(lambda: quantize(x, 8, 2048, out=wire))  # noqa: B023
-                        + best_ms(lambda: dequantize(q, out=out)))  # noqa: B023
-        lines.append(f"| {n:,} | {ms['eager']:.3f} | {ms['compiled']:.3f} | "
-                     f"{ms['compiled'] / ms['eager']:.2f} |")
+        cells = []
+        for bits in (8, 4):
+            ms = {}
+            for mode in ("eager", "compiled"):
+                _mode(mode)
+                q = quantize(x, bits, 2048)
+                wire, out = torch.empty_like(q.to_bytes()), torch.empty_like(x)
+                ms[mode] = (best_ms(lambda: quantize(x, bits, 2048, out=wire))  # noqa: B023
+                            + best_ms(lambda: dequantize(q, out=out)))  # noqa: B023
+            cells += [f"{ms['eager']:.3f}", f"{ms['compiled']:.3f}",
+                      f"{ms['compiled'] / ms['eager']:.2f}"]
+        lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
     _mode("default")
     lines += ["", "eager: vectorized torch ops over cache-sized (4 MiB) chunks of blocks; "
               "compiled: quantize and dequantize each one fused torch.compile kernel "

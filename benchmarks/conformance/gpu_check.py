@@ -186,9 +186,10 @@ def check_quant(device: str) -> list[dict]:
         wires = {}
         for mode in ("eager", "compiled"):  # compiled: zeropp/kernels.py (Triton on a GPU)
             os.environ["ZEROPP_COMPILE"] = "0" if mode == "eager" else "1"
-            kernels.MIN_NUMEL = 0
+            kernels.MIN_NUMEL = {8: 0, 4: 0}
             q = quantize(x, bits, 2048)
-            wires[mode] = (q.to_bytes().clone(), dequantize(q).clone())
+            wires[mode] = (q.to_bytes().clone(), dequantize(q).clone(),
+                           dequantize(q, torch.bfloat16).clone())
             wire = torch.empty_like(wires[mode][0])
             t = best(lambda b=bits, w=wire: dequantize(quantize(x, b, 2048, out=w), out=out))
             err = ((out - x).norm() / x.norm()).item()

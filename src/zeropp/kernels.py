@@ -53,18 +53,19 @@ import torch
 _failed = False
 
 
-# Below this many values a call's fixed cost (dynamo's guards, the wrapper) is more
-# than the kernel saves over the eager ops (benchmarks/quant.py, "by size");
-# ZEROPP_COMPILE_MIN_NUMEL overrides it.
-MIN_NUMEL = 1 << 18
+# Per bit width, the tensor size from which the kernels run: below it a call's fixed
+# cost (dynamo's guards, quant.py's scales) is more than the kernel saves over the
+# eager ops, which work in cache-sized chunks (benchmarks/quant.py, "by size": INT8
+# pays from 2M values, INT4 from 256K); ZEROPP_COMPILE_MIN_NUMEL overrides both.
+MIN_NUMEL = {8: 1 << 21, 4: 1 << 18}
 
 
-def enabled(device: torch.device, numel: int) -> bool:
-    """Whether the compiled kernels take `numel` values on `device` now (not while
-    dynamo traces a caller: inside a compiled region the eager ops are traced). On
-    the CPU by default; on a GPU only with ZEROPP_COMPILE=1 set, until gpu_check.py
+def enabled(device: torch.device, numel: int, bits: int) -> bool:
+    """Whether the compiled kernels take `numel` values at `bits` on `device` now (not
+    while dynamo traces a caller: inside a compiled region the eager ops are traced).
+    On the CPU by default; on a GPU only with ZEROPP_COMPILE=1 set, until gpu_check.py
     has shown Triton's bytes equal to the eager ones there (see the note)."""
-    least = int(os.environ.get("ZEROPP_COMPILE_MIN_NUMEL", MIN_NUMEL))
+    least = int(os.environ.get("ZEROPP_COMPILE_MIN_NUMEL", MIN_NUMEL[bits]))
     flag = os.environ.get("ZEROPP_COMPILE")
     return (numel >= least and flag != "0" and not _failed
             and (device.type == "cpu" or (device.type == "cuda" and flag == "1"))
@@ -196,9 +197,7 @@ def _quantize4(key: tuple) -> Callable:
 
 def _dequantize8(_: tuple) -> Callable:
     def kernel(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-        # through bf16 (exact for |code| <= 127): inductor then loops 32 values a step
-        # instead of 16, which ran 0.85x the time here
-        out.copy_(data.to(torch.bfloat16).float() * scales)
+        out.copy_(data.float() * scales)
     return kernel
 
 
@@ -260,11 +259,14 @@ def quantize_into(x: torch.Tensor, data: torch.Tensor, bits: int,
 def dequantize_into(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
                     bits: int) -> bool:
     """quant.dequantize's work on whole blocks: codes `data` (blocks, bytes per block)
-    times `scales` (blocks, 1) into `out` (blocks, block size): fp32 (or, for INT8, any
-    float dtype); False if this kernel does not take them (the caller runs the eager
-    ops)."""
-    if not (bits == 8 and out.dtype.is_floating_point
-            or out.dtype == torch.float32 and _pairable(out)):
+    times `scales` (blocks, 1) into `out` (blocks, block size); False where no kernel
+    takes them (the caller runs the eager ops)."""
+    # INT8 into fp32 stays eager: its two ops over cache-sized chunks ran faster than
+    # the kernel at the sizes a unit's pieces have (1M values: 60 us against 87) and
+    # no slower on 64 MiB; into bf16 / fp16 and INT4 into fp32 the kernel is faster
+    # (4M values: 300 us against 530 and 1000)
+    if not (bits == 8 and out.dtype in (torch.bfloat16, torch.float16)
+            or bits == 4 and out.dtype == torch.float32 and _pairable(out)):
         return False
     try:
         # the scales as their own tensor: as a view of the wire buffer the codes are

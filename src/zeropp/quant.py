@@ -310,7 +310,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
             deq[r0 * bs:end].copy_(v.view(-1)[:end - r0 * bs])
 
     done = 0  # blocks [0, done) are quantized
-    if not stochastic and whole and kernels.enabled(dev, n) and compiled(0, whole, None):
+    if not stochastic and whole and kernels.enabled(dev, n, bits) and compiled(0, whole, None):
         done = whole
     for r0, r1 in _chunks(nblocks, bs, dev):
         if r1 <= done:
@@ -320,7 +320,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
             noise = scratch_buffer("noise", (r1 - r0) * bs, dev).view(r1 - r0, bs)
             torch.rand(noise.shape, generator=generator, device=dev, out=noise)
             k = min(r1, whole)
-            if k > r0 and kernels.enabled(dev, n) and compiled(r0, k, noise[:k - r0]):
+            if k > r0 and kernels.enabled(dev, n, bits) and compiled(r0, k, noise[:k - r0]):
                 r0, noise = k, noise[k - r0:]
         if r0 < r1:
             eager(r0, r1, noise)
@@ -348,7 +348,7 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
     per_block = bs * q.bits // 8
     scratch = torch.empty(0, device=out.device)
     whole, done = n // bs, 0  # the compiled kernel takes whole blocks (kernels.py)
-    if whole and kernels.enabled(out.device, n) and kernels.dequantize_into(
+    if whole and kernels.enabled(out.device, n, q.bits) and kernels.dequantize_into(
             q.data[:whole * per_block].view(whole, per_block),
             q.scales[:whole].view(whole, 1), flat[:whole * bs].view(whole, bs), q.bits):
         done = whole
