@@ -153,7 +153,9 @@ def main() -> None:
               "compiled: quantize and dequantize each one fused torch.compile kernel "
               "(zeropp/kernels.py), "
               "bitwise equal (tests/test_kernels.py), compiled once per process before "
-              "the timing. Run-to-run noise on this shared 2-core machine is about 20%.", ""]
+              "the timing; INT8 dequantize into fp32 runs the eager ops in both (faster at a "
+              "unit's sizes, kernels.py). Run-to-run noise on this shared 2-core machine is "
+              "about 20%.", ""]
     report(lines, a.write)
 
 

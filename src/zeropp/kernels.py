@@ -14,11 +14,11 @@ the eager path makes them, so one generator gives the same bits either way.
 The scale inside a kernel is fp32(fp64(absmax) * fp64(1 / qmax)), not a division:
 it equals fp32(absmax / qmax) for every finite fp32 absmax and +inf, for qmax 127
 and 7 (fp64 carries the quotient to within 2^-52 of itself, and a quotient of two
-fp32 numbers lies at least 2^-49 from a rounding boundary of fp32; checked over
-all 2^31 of them, docs/notebook.md "Compiled codecs, second cut"). A division there sat
-inside the loop over a block's values (the int8 stores may alias the absmax, so
-the compiler reloads and recomputes it each step) and cost 0.2 to 0.8 ms of
-a 3 ms kernel. Checked on the CPU over shapes, block sizes, dtypes, zero,
+fp32 numbers is never within 2^-49 of a midpoint between fp32 numbers; checked
+over all 2^31 of them, docs/notebook.md "Compiled codecs, second cut"). A division
+there sat inside the loop over a block's values (the int8 stores may alias the
+absmax, so the compiler reloads it and recomputes the scale at each step) and cost
+0.3 to 0.5 ms of a 3.5 ms kernel. Checked on the CPU over shapes, block sizes, dtypes, zero,
 subnormal and non-finite blocks (tests/test_kernels.py); on a GPU, where Triton
 compiles them (told to divide exactly and keep subnormals),
 `benchmarks/conformance/gpu_check.py` checks the same; until it has run on one,
@@ -269,9 +269,9 @@ def dequantize_into(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
             or bits == 4 and out.dtype == torch.float32 and _pairable(out)):
         return False
     try:
-        # the scales as their own tensor: as a view of the wire buffer the codes are
-        # also a view of, the compiled function reads both through their common
-        # storage, unvectorized (INT8: 4.9 ms instead of 2.7)
+        # the scales as their own tensor (4 bytes a block): an fp32 view of the uint8
+        # wire buffer as a compiled function's input tripped an internal assert of
+        # dynamic shapes in the first cut (quantize's scales, then an output)
         _kernel(("dq", bits, out.dtype))(data, scales.clone(),
                                          out if bits == 8 else _as_pairs(out))
     except _Fallback:
