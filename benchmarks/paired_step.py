@@ -47,13 +47,18 @@ def work(presets: list[str], steps: int, layers: int = 6, width: int = 384,
         if p.endswith("@model"):
             m.compile()  # in place, as engine.compile()
     from zeropp import kernels
-    least = kernels.MIN_NUMEL
+    least, user = kernels.MIN_NUMEL, os.environ.get("ZEROPP_COMPILE")
     g = torch.Generator().manual_seed(dist.get_rank())
     out: list[list[tuple[float, float, int]]] = [[] for _ in presets]
     for i in range(steps + warmup):  # warm-up steps first, each
         for k, (m, opt) in enumerate(runs):
             mode = presets[k].partition("@")[2]
-            os.environ["ZEROPP_COMPILE"] = "0" if mode == "eager" else "1"
+            if mode:
+                os.environ["ZEROPP_COMPILE"] = "0" if mode == "eager" else "1"
+            elif user is None:  # plain PRESET: the library's default, or the caller's
+                os.environ.pop("ZEROPP_COMPILE", None)
+            else:
+                os.environ["ZEROPP_COMPILE"] = user
             kernels.MIN_NUMEL = {8: 0, 4: 0} if mode == "every-size" else least
             x = batch(g)
             dist.barrier()

@@ -40,6 +40,12 @@ _DEFAULT_MIN = kernels.MIN_NUMEL
 _FLUSH = torch.ones(24 << 20)  # 96 MiB
 
 
+def _eager(mode: str, bits: int, out: str) -> str:
+    """' (eager ops)' where the compiled mode has no kernel for this dequantize."""
+    dtype = torch.float32 if out == "f" else torch.bfloat16
+    return " (eager ops)" if mode == "compiled" and not kernels.compiles_dequantize(bits, dtype) else ""
+
+
 def rounds(ops: dict, n: int) -> dict:
     """{name: (min ms, median ms)} of each op over n rounds, every call cold."""
     for f in ops.values():
@@ -106,10 +112,11 @@ def main() -> None:
                     run(lambda bits=bits: quantize(big, bits, 2048)),
                     f"{mode}: INT{bits} quantize into out":
                     run(lambda bits=bits, wire=wire: quantize(big, bits, 2048, out=wire)),
-                    f"{mode}: INT{bits} dequantize, fresh output": run(lambda q=q: dequantize(q)),
-                    f"{mode}: INT{bits} dequantize into out":
+                    f"{mode}: INT{bits} dequantize, fresh output{_eager(mode, bits, 'f')}":
+                    run(lambda q=q: dequantize(q)),
+                    f"{mode}: INT{bits} dequantize into out{_eager(mode, bits, 'f')}":
                     run(lambda q=q: dequantize(q, out=dst)),
-                    f"{mode}: INT{bits} dequantize into a bf16 out":
+                    f"{mode}: INT{bits} dequantize into a bf16 out{_eager(mode, bits, 'b')}":
                     run(lambda q=q: dequantize(q, out=dst16))}
     t = rounds(ops, a.rounds)
     copy_ms = t["copy_ into preallocated"][0]
@@ -126,9 +133,11 @@ def main() -> None:
         for bits in (8, 4):
             for out in ("into out", "fresh output"):
                 qn = f"{mode}: INT{bits} quantize{',' if out[0] == 'f' else ''} {out}"
-                dn = f"{mode}: INT{bits} dequantize{',' if out[0] == 'f' else ''} {out}"
+                dn = (f"{mode}: INT{bits} dequantize{',' if out[0] == 'f' else ''} {out}"
+                      f"{_eager(mode, bits, 'f')}")
                 pair = [t[qn][k] + t[dn][k] for k in (0, 1)]
-                row(f"**{mode}: INT{bits} quantize + dequantize, {out}**", *pair)
+                row(f"**{mode}: INT{bits} quantize + dequantize, {out}"
+                    f"{_eager(mode, bits, 'f')}**", *pair)
     lines += ["", "By size (quantize + dequantize into preallocated outputs, block 2048, "
               "fp32, ms, best of 7, warm: the sizes of a unit's pieces): where the compiled "
               "kernels start to pay (`zeropp.kernels.MIN_NUMEL`).", "",

@@ -1,18 +1,25 @@
 """The compiled codecs (zeropp/kernels.py) write the eager ops' bytes, bit for bit:
 the wire buffer (scales and codes), the sender's dequantized copy, and what
-`dequantize` makes of them in fp32 and bf16, for INT8 and INT4, nearest and stochastic rounding (the same
-generator gives the same draws), whole and padded last blocks, fp32 / bf16 / fp16
-inputs, and all-zero, subnormal and non-finite blocks; ZEROPP_COMPILE=0 turns them
-off."""
+`dequantize` makes of them in fp32, bf16 and fp16, for INT8 and INT4, nearest and
+stochastic rounding (the same generator gives the same draws), whole and padded last
+blocks, fp32 / bf16 / fp16 inputs, odd offsets, several chunks, and all-zero,
+subnormal, -0.0 and non-finite blocks (benchmarks/conformance/codec_cases.py, which
+gpu_check.py runs on a GPU); ZEROPP_COMPILE=0 turns them off; a failed compile falls
+back to them."""
 
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from zeropp import kernels, quant
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "conformance"))
+import codec_cases  # noqa: E402  (shared with gpu_check.py)
 
 
 @pytest.fixture(autouse=True)
@@ -21,55 +28,36 @@ def every_size(monkeypatch):
     monkeypatch.setenv("ZEROPP_COMPILE", "1")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def _round_trip(x, bits, block, stochastic, out_dtype):
-    g = torch.Generator().manual_seed(1)
-    deq = torch.empty(x.numel())
-    q = quant.quantize(x, bits, block, stochastic=stochastic, generator=g, dequantized=deq)
-    out = quant.dequantize(q, out=torch.empty(x.numel(), dtype=out_dtype))
-    return q.to_bytes().clone(), _bits(deq), _bits(out), g.get_state()
-
-
-def _input(n: int, block: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
-    """Gaussian values with an all-zero block, a subnormal one, and a block holding
-    a NaN and one an Inf (when there are blocks enough); `offset` values into its
-    storage (an odd one: not readable as pairs, the INT4 kernels' strided path)."""
-    x = torch.randn(offset + n, generator=torch.Generator().manual_seed(n)) * 3
-    x = x[offset:]
-    if n >= 5 * block:
-        x[:block] = 0
-        x[block:2 * block] *= 1e-40
-        x[2 * block + 3] = float("nan")
-        x[3 * block + 1] = float("inf")
-    return x.to(dtype)
-
-
 @pytest.mark.parametrize("bits,stochastic", list(itertools.product([8, 4], [False, True])))
 def test_compiled_codecs_write_the_eager_bytes(monkeypatch, bits, stochastic):
+    """codec_cases.CASES: the wire, the sender's dequantized copy, dequantize() into
+    fp32 / bf16 / fp16, the generator after, and a quantize without the copy."""
     monkeypatch.setattr(kernels, "_KERNELS", {})  # what ran here, below
-    for n, block, dtype, out_dtype, offset in [
-            (5 * 64 + 10, 64, torch.float32, torch.float32, 0),
-            (6 * 2048, 2048, torch.float32, torch.bfloat16, 0),
-            (5 * 256 + 2, 256, torch.bfloat16, torch.float32, 0),
-            (4096, 2, torch.float16, torch.float32, 0),
-            (5 * 128, 128, torch.float32, torch.float32, 1),
-            (7, 2048, torch.float32, torch.float32, 0)]:
-        x = _input(n, block, dtype, offset)
-        monkeypatch.setenv("ZEROPP_COMPILE", "0")
-        eager = _round_trip(x, bits, block, stochastic, out_dtype)
-        monkeypatch.setenv("ZEROPP_COMPILE", "1")
-        compiled = _round_trip(x, bits, block, stochastic, out_dtype)
-        for what, a, b in zip(("wire", "dequantized", "dequantize", "generator"), eager,
-                              compiled):
-            assert torch.equal(a, b), (what, n, block, dtype, out_dtype)
+    assert codec_cases.mismatches(bits, stochastic) == []
     assert not kernels._failed
-    ran = set(kernels._KERNELS)
+    ran = codec_cases.ran(bits)
     assert {("q", bits), ("dq", bits)} <= {k[:2] for k in ran}, "no kernel ran"
+    assert {k[4] for k in ran if k[0] == "q"} == {True, False}  # with and without the copy
+    assert ("dq", 8, torch.float32) not in ran  # kernels.compiles_dequantize: eager
     if bits == 4:  # both INT4 quantize paths: pairs and strided (odd offset, fp16)
         assert {k[-1] for k in ran if k[:2] == ("q", 4)} == {True, False}
+
+
+def test_a_failed_compile_falls_back_to_the_eager_bytes_with_one_warning(monkeypatch):
+    """As on a torch that refuses one of the inductor options: the eager ops' bytes,
+    one warning, the kernels off for the process."""
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    monkeypatch.setattr(kernels, "_failed", False)
+    monkeypatch.setattr(kernels, "_OPTIONS", {**kernels._OPTIONS, "no.such_option": 1})
+    x = codec_cases.special_input(6 * 64, 64, torch.float32)
+    monkeypatch.setenv("ZEROPP_COMPILE", "0")
+    eager = quant.quantize(x, 8, 64).to_bytes().clone()
+    monkeypatch.setenv("ZEROPP_COMPILE", "1")
+    with pytest.warns(UserWarning, match="compiled codecs unavailable") as seen:
+        first = quant.quantize(x, 8, 64).to_bytes().clone()
+        second = quant.quantize(x, 8, 64).to_bytes().clone()
+    assert len([w for w in seen if "compiled codecs" in str(w.message)]) == 1
+    assert kernels._failed and torch.equal(first, eager) and torch.equal(second, eager)
 
 
 @pytest.mark.parametrize("qmax", [127, 7])

@@ -18,6 +18,10 @@ Checks, each a row (ok / FAILED, what was measured, seconds):
                into preallocated outputs, against a copy of the same bytes: GB/s, eager
                and compiled (zeropp/kernels.py; Triton on a GPU), whose wire bytes and
                dequantized values must equal the eager ones bit for bit
+  codecs       the compiled codecs against the eager ones on codec_cases.py's inputs
+               (zero, subnormal, -0.0, NaN, Inf and NaN-payload blocks; fp32 / bf16 /
+               fp16; odd offsets; several chunks; with and without the sender's copy;
+               nearest and stochastic): every byte equal, per bit width
   qwd          qWD's code deltas (INT4 nearest, INT3 stochastic): owner and holder
                copies bitwise equal on the device; whether the CPU's bytes for the
                same moves are the same; encode / apply ms and host syncs
@@ -208,6 +212,27 @@ def check_quant(device: str) -> list[dict]:
     return rows
 
 
+def check_codecs(device: str) -> list[dict]:
+    """codec_cases.mismatches on the device, nearest and stochastic, per bit width."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import codec_cases
+
+    from zeropp import kernels
+    rows = []
+    for bits in (8, 4):
+        t0 = time.perf_counter()
+        bad = codec_cases.mismatches(bits, False, device) + codec_cases.mismatches(bits, True,
+                                                                                     device)
+        rows.append({"check": f"codecs int{bits} compiled == eager",
+                     "ok": not bad and not kernels._failed,
+                     "measured": ("every byte equal over " if not bad else
+                                  f"{len(bad)} differ, first: {bad[0]}; of ")
+                     + f"{2 * len(codec_cases.CASES)} cases (nearest, stochastic)"
+                     + ("; compile FAILED" if kernels._failed else ""),
+                     "seconds": time.perf_counter() - t0})
+    return rows
+
+
 def check_qwd(device: str) -> dict:
     """qWD's code deltas on the device: 20 INT4 moves of a 1M-value shard (a tenth of
     the blocks moving far, so both formulas run), the holder's copy bitwise the
@@ -343,6 +368,7 @@ def main() -> int:
                       ("w1", lambda: [check_w1(a.device, a.timeout)]),
                       ("pipeline", lambda: [check_pipeline(a.device, a.timeout)]),
                       ("quant", lambda: check_quant(a.device)),
+                      ("codecs", lambda: check_codecs(a.device)),
                       ("qwd", lambda: [check_qwd(a.device)])):
         try:
             rows += run()

@@ -73,16 +73,26 @@ def enabled(device: torch.device, numel: int, bits: int) -> bool:
 
 
 # Triton writes `/` as an approximate division and flushes subnormals unless told:
-# eager's exact division and subnormal scales need both (no effect on the CPU).
-_OPTIONS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
+# eager's exact division and subnormal scales need both (no effect on the CPU). On
+# the CPU, inductor's unsafe-math switch (an environment variable can set it) links
+# the kernel with flush-to-zero, which then holds for every op of the thread, eager
+# ones too, and fp contraction would fuse a multiply-add: both pinned off.
+_OPTIONS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True,
+            "cpp.enable_unsafe_math_opt_flag": False,
+            "cpp.enable_floating_point_contract_flag": "off"}
 
 
 def _guarded(fn: Callable) -> Callable:
-    compiled = torch.compile(fn, dynamic=True, options=_OPTIONS)
+    try:  # a torch without one of the options refuses them here
+        compiled, refused = torch.compile(fn, dynamic=True, options=_OPTIONS), None
+    except Exception as e:
+        compiled, refused = None, e
 
     def call(*args, **kwargs):
         global _failed
         try:
+            if refused is not None:
+                raise refused
             return compiled(*args, **kwargs)
         except torch.cuda.OutOfMemoryError:
             raise  # the eager ops would need the memory too
@@ -256,17 +266,22 @@ def quantize_into(x: torch.Tensor, data: torch.Tensor, bits: int,
         return None
 
 
+def compiles_dequantize(bits: int, dtype: torch.dtype) -> bool:
+    """Whether a dequantize at `bits` into `dtype` has a kernel. INT8 into fp32 stays
+    eager: its two ops over cache-sized chunks ran faster than the kernel at the sizes
+    a unit's pieces have (1M values: 60 us against 87) and no slower on 64 MiB; into
+    bf16 / fp16 and INT4 into fp32 the kernel is faster (4M values: 300 us against
+    530 and 1000). INT4 into 16-bit outputs: not written."""
+    return (bits == 8 and dtype in (torch.bfloat16, torch.float16)
+            or bits == 4 and dtype == torch.float32)
+
+
 def dequantize_into(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
                     bits: int) -> bool:
     """quant.dequantize's work on whole blocks: codes `data` (blocks, bytes per block)
     times `scales` (blocks, 1) into `out` (blocks, block size); False where no kernel
     takes them (the caller runs the eager ops)."""
-    # INT8 into fp32 stays eager: its two ops over cache-sized chunks ran faster than
-    # the kernel at the sizes a unit's pieces have (1M values: 60 us against 87) and
-    # no slower on 64 MiB; into bf16 / fp16 and INT4 into fp32 the kernel is faster
-    # (4M values: 300 us against 530 and 1000)
-    if not (bits == 8 and out.dtype in (torch.bfloat16, torch.float16)
-            or bits == 4 and out.dtype == torch.float32 and _pairable(out)):
+    if not (compiles_dequantize(bits, out.dtype) and (bits == 8 or _pairable(out))):
         return False
     try:
         # the scales as their own tensor (4 bytes a block): an fp32 view of the uint8

@@ -1,0 +1,90 @@
+"""The inputs on which the compiled codecs (zeropp/kernels.py) must write the eager
+ops' bytes, shared by tests/test_kernels.py (CPU) and gpu_check.py (a GPU, where
+Triton compiles them): an all-zero block, a subnormal one, a NaN, an Inf, a -0.0
+block and a NaN with a payload, over fp32 / bf16 / fp16 inputs, block sizes 2 to
+2048, an odd storage offset (INT4's strided path), a padded last block, and one case
+cut into chunks of 4 blocks (the stochastic draws are made chunk by chunk)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from zeropp import kernels, quant
+
+# n, block, input dtype, dequantize's output dtype, storage offset, chunk bytes
+CASES = [(7 * 64 + 10, 64, torch.float32, torch.float32, 0, 4 * 64 * 4),
+         (6 * 2048, 2048, torch.float32, torch.bfloat16, 0, None),
+         (7 * 256 + 2, 256, torch.bfloat16, torch.float16, 0, None),
+         (4096, 2, torch.float16, torch.float32, 0, None),
+         (7 * 128, 128, torch.float32, torch.float32, 1, None),
+         (7, 2048, torch.float32, torch.float32, 0, None)]
+
+
+def special_input(n: int, block: int, dtype: torch.dtype, offset: int = 0,
+                  device: str = "cpu") -> torch.Tensor:
+    """Gaussian values with the special blocks (when there are blocks enough),
+    `offset` values into its storage."""
+    x = torch.randn(offset + n, generator=torch.Generator().manual_seed(n)) * 3
+    x = x[offset:]
+    if n >= 6 * block:
+        x[:block] = 0
+        x[block:2 * block] *= 1e-40
+        x[2 * block + 3] = float("nan")
+        x[3 * block + 1] = float("inf")
+        x[4 * block:5 * block] = -0.0
+        x[5 * block + 1:5 * block + 2].view(torch.int32).fill_(-0x5fffff)  # 0xffa00001
+    return x.to(dtype).to(device)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def round_trip(x: torch.Tensor, bits: int, block: int, stochastic: bool,
+               out_dtype: torch.dtype, plain: bool) -> list:
+    """The wire, the sender's dequantized copy, dequantize() of the wire, the
+    generator's state after; `plain`: also the wire of a quantize without the copy."""
+    g = torch.Generator(device=x.device).manual_seed(1)
+    deq = torch.empty(x.numel(), device=x.device)
+    q = quant.quantize(x, bits, block, stochastic=stochastic, generator=g, dequantized=deq)
+    out = quant.dequantize(q, out=torch.empty(x.numel(), dtype=out_dtype, device=x.device))
+    got = [q.to_bytes().clone(), _bits(deq), _bits(out), g.get_state()]
+    if plain:
+        got.append(quant.quantize(x, bits, block, stochastic=stochastic,
+                                  generator=g).to_bytes().clone())
+    return got
+
+
+def mismatches(bits: int, stochastic: bool, device: str = "cpu") -> list[str]:
+    """Every case with ZEROPP_COMPILE=0 and =1 (kernels at every size): what differs."""
+    bad: list[str] = []
+    saved = kernels.MIN_NUMEL, quant.CHUNK_BYTES, os.environ.get("ZEROPP_COMPILE")
+    kernels.MIN_NUMEL = {8: 0, 4: 0}
+    try:
+        for n, block, dtype, out_dtype, offset, chunk in CASES:
+            x = special_input(n, block, dtype, offset, device)
+            quant.CHUNK_BYTES = chunk or saved[1]
+            got = {}
+            for mode in ("0", "1"):
+                os.environ["ZEROPP_COMPILE"] = mode
+                got[mode] = round_trip(x, bits, block, stochastic, out_dtype,
+                                       dtype == torch.float32)
+            for what, a, b in zip(("wire", "dequantized", "dequantize", "generator",
+                                   "plain wire"), got["0"], got["1"]):
+                if not torch.equal(a.cpu(), b.cpu()):
+                    bad.append(f"{what} (n={n}, block={block}, {dtype} -> {out_dtype}, "
+                               f"offset {offset})")
+    finally:
+        kernels.MIN_NUMEL, quant.CHUNK_BYTES = saved[0], saved[1]
+        os.environ.pop("ZEROPP_COMPILE", None)
+        if saved[2] is not None:
+            os.environ["ZEROPP_COMPILE"] = saved[2]
+    return bad
+
+
+def ran(bits: Optional[int] = None) -> set:
+    """The kernel variants compiled so far (kernels._KERNELS' keys)."""
+    return {k for k in kernels._KERNELS if bits is None or k[1] == bits}
