@@ -136,8 +136,8 @@ def main() -> None:
                 dn = (f"{mode}: INT{bits} dequantize{',' if out[0] == 'f' else ''} {out}"
                       f"{_eager(mode, bits, 'f')}")
                 pair = [t[qn][k] + t[dn][k] for k in (0, 1)]
-                row(f"**{mode}: INT{bits} quantize + dequantize, {out}"
-                    f"{_eager(mode, bits, 'f')}**", *pair)
+                row(f"**{mode}: INT{bits} quantize + dequantize, {out}**"
+                    f"{_eager(mode, bits, 'f').replace('(', '(dequantize: ')}", *pair)
     lines += ["", "By size (quantize + dequantize into preallocated outputs, block 2048, "
               "fp32, ms, best of 7, warm: the sizes of a unit's pieces): where the compiled "
               "kernels start to pay (`zeropp.kernels.MIN_NUMEL`).", "",
