@@ -58,13 +58,15 @@ def round_trip(x: torch.Tensor, bits: int, block: int, stochastic: bool,
     return got
 
 
-def mismatches(bits: int, stochastic: bool, device: str = "cpu") -> list[str]:
-    """Every case with ZEROPP_COMPILE=0 and =1 (kernels at every size): what differs."""
+def mismatches(bits: int, stochastic: bool, device: str = "cpu",
+               cases: Optional[list] = None) -> list[str]:
+    """`cases` (default: all) with ZEROPP_COMPILE=0 and =1 (kernels at every size):
+    what differs."""
     bad: list[str] = []
     saved = kernels.MIN_NUMEL, quant.CHUNK_BYTES, os.environ.get("ZEROPP_COMPILE")
     kernels.MIN_NUMEL = {8: 0, 4: 0}
     try:
-        for n, block, dtype, out_dtype, offset, chunk in CASES:
+        for n, block, dtype, out_dtype, offset, chunk in CASES if cases is None else cases:
             x = special_input(n, block, dtype, offset, device)
             quant.CHUNK_BYTES = chunk or saved[1]
             got = {}

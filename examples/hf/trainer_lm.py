@@ -41,7 +41,9 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--ds-config", default=None, help="a ds_config.json (default: the dict above)")
     p.add_argument("--node-size", type=int, default=None, help="zeropp: ranks per node")
-    p.add_argument("--torch-compile", action="store_true", help="TrainingArguments(torch_compile=True)")
+    p.add_argument("--torch-compile", nargs="?", const="inductor", default=None,
+                   metavar="BACKEND", help="TrainingArguments(torch_compile=True), with this "
+                   "torch_compile_backend (default inductor)")
     a = p.parse_args()
     ds = json.load(open(a.ds_config)) if a.ds_config else with_node_size(DS_CONFIG, a.node_size)
     torch.manual_seed(0)
@@ -51,10 +53,11 @@ def main() -> None:
                              save_steps=a.steps // 2, save_strategy="steps", report_to=[],
                              deepspeed=ds, seed=0, use_cpu=not torch.cuda.is_available(),
                              dataloader_num_workers=0, disable_tqdm=True,
-                             torch_compile=a.torch_compile)
+                             torch_compile=a.torch_compile is not None,
+                             torch_compile_backend=a.torch_compile)
     trainer = Trainer(model=model, args=args, train_dataset=Counting(256, 16, 64))
     trainer.train(resume_from_checkpoint=True if a.resume else None)
-    if a.torch_compile:
+    if a.torch_compile is not None:
         print(f"compiled {trainer.model_wrapped.is_compiled}")
     finish(trainer, a.out, "loss")
 
