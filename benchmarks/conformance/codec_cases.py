@@ -7,6 +7,7 @@ cut into chunks of 4 blocks (the stochastic draws are made chunk by chunk)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -58,35 +59,46 @@ def round_trip(x: torch.Tensor, bits: int, block: int, stochastic: bool,
     return got
 
 
+@contextlib.contextmanager
+def compiled(on: bool):
+    """The compiled codecs on at every size (on) or off (ZEROPP_COMPILE=0); the caller's
+    setting and sizes back after."""
+    saved = kernels.MIN_NUMEL, os.environ.get("ZEROPP_COMPILE")
+    kernels.MIN_NUMEL = {8: 0, 4: 0}
+    os.environ["ZEROPP_COMPILE"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        kernels.MIN_NUMEL = saved[0]
+        os.environ.pop("ZEROPP_COMPILE", None)
+        if saved[1] is not None:
+            os.environ["ZEROPP_COMPILE"] = saved[1]
+
+
 def mismatches(bits: int, stochastic: bool, device: str = "cpu",
                cases: Optional[list] = None) -> list[str]:
-    """`cases` (default: all) with ZEROPP_COMPILE=0 and =1 (kernels at every size):
-    what differs."""
+    """`cases` (default: all) eager and compiled at every size: what differs."""
     bad: list[str] = []
-    saved = kernels.MIN_NUMEL, quant.CHUNK_BYTES, os.environ.get("ZEROPP_COMPILE")
-    kernels.MIN_NUMEL = {8: 0, 4: 0}
+    chunk_bytes = quant.CHUNK_BYTES
     try:
         for n, block, dtype, out_dtype, offset, chunk in CASES if cases is None else cases:
             x = special_input(n, block, dtype, offset, device)
-            quant.CHUNK_BYTES = chunk or saved[1]
-            got = {}
-            for mode in ("0", "1"):
-                os.environ["ZEROPP_COMPILE"] = mode
-                got[mode] = round_trip(x, bits, block, stochastic, out_dtype,
-                                       dtype == torch.float32)
+            quant.CHUNK_BYTES = chunk or chunk_bytes
+            got = []
+            for on in (False, True):
+                with compiled(on):
+                    got.append(round_trip(x, bits, block, stochastic, out_dtype,
+                                          dtype == torch.float32))
             for what, a, b in zip(("wire", "dequantized", "dequantize", "generator",
-                                   "plain wire"), got["0"], got["1"]):
+                                   "plain wire"), *got):
                 if not torch.equal(a.cpu(), b.cpu()):
                     bad.append(f"{what} (n={n}, block={block}, {dtype} -> {out_dtype}, "
                                f"offset {offset})")
     finally:
-        kernels.MIN_NUMEL, quant.CHUNK_BYTES = saved[0], saved[1]
-        os.environ.pop("ZEROPP_COMPILE", None)
-        if saved[2] is not None:
-            os.environ["ZEROPP_COMPILE"] = saved[2]
+        quant.CHUNK_BYTES = chunk_bytes
     return bad
 
 
-def ran(bits: Optional[int] = None) -> set:
-    """The kernel variants compiled so far (kernels._KERNELS' keys)."""
-    return {k for k in kernels._KERNELS if bits is None or k[1] == bits}
+def ran(bits: int) -> set:
+    """The kernel variants at `bits` compiled so far (kernels._KERNELS' keys)."""
+    return {k for k in kernels._KERNELS if k[1] == bits}

@@ -45,6 +45,9 @@ import zeropp
 from zeropp.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import codec_cases  # noqa: E402  (the compiled codecs' byte cases, shared with tests)
+
 STEPS, WORLD, NODE = 4, 4, 2  # 2 emulated nodes x 2 ranks: every route runs
 PRESETS = ["zero3", "zeropp", "zeropp-plus"]
 
@@ -166,8 +169,6 @@ def check_pipeline(device: str, timeout: float) -> dict:
 
 
 def check_quant(device: str) -> list[dict]:
-    import os
-
     from zeropp import kernels
     from zeropp.quant import dequantize, quantize
     n = (64 if device == "cuda" else 16) * 2**20 // 4
@@ -185,17 +186,17 @@ def check_quant(device: str) -> list[dict]:
             times.append(time.perf_counter() - t0)
         return min(times)
     copy = best(lambda: dst.copy_(x))
-    rows, least, flag = [], kernels.MIN_NUMEL, os.environ.get("ZEROPP_COMPILE")
+    rows = []
     for bits in (8, 4):
         wires = {}
         for mode in ("eager", "compiled"):  # compiled: zeropp/kernels.py (Triton on a GPU)
-            os.environ["ZEROPP_COMPILE"] = "0" if mode == "eager" else "1"
-            kernels.MIN_NUMEL = {8: 0, 4: 0}
-            q = quantize(x, bits, 2048)
-            wires[mode] = (q.to_bytes().clone(), dequantize(q).clone(),
-                           dequantize(q, torch.bfloat16).clone())
-            wire = torch.empty_like(wires[mode][0])
-            t = best(lambda b=bits, w=wire: dequantize(quantize(x, b, 2048, out=w), out=out))
+            with codec_cases.compiled(mode == "compiled"):
+                q = quantize(x, bits, 2048)
+                wires[mode] = (q.to_bytes().clone(), dequantize(q).clone(),
+                               dequantize(q, torch.bfloat16).clone())
+                wire = torch.empty_like(wires[mode][0])
+                t = best(lambda b=bits, w=wire: dequantize(quantize(x, b, 2048, out=w),
+                                                           out=out))
             err = ((out - x).norm() / x.norm()).item()
             same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                        for a, b in zip(wires["eager"], wires[mode]))
@@ -205,10 +206,6 @@ def check_quant(device: str) -> list[dict]:
                                      f"{x.nbytes / copy / 1e9:.1f} GB/s ({t / copy:.1f}x); rel err "
                                      f"{err:.4f}; bytes equal to eager: {same}",
                          "seconds": t})
-    os.environ.pop("ZEROPP_COMPILE", None)
-    if flag is not None:
-        os.environ["ZEROPP_COMPILE"] = flag
-    kernels.MIN_NUMEL = least
     return rows
 
 
@@ -216,9 +213,6 @@ def check_codecs(device: str) -> list[dict]:
     """codec_cases.mismatches on the device, nearest and stochastic, per bit width. On
     the CPU (make test) its first case only: tests/test_kernels.py runs them all there,
     and each case's kernel variants cost seconds to compile from a cold cache."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import codec_cases
-
     from zeropp import kernels
     rows, cases = [], codec_cases.CASES[:1] if device == "cpu" else codec_cases.CASES
     for bits in (8, 4):

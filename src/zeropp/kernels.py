@@ -215,8 +215,7 @@ def _dequantize8(_: tuple) -> Callable:
 def _dequantize4(_: tuple) -> Callable:
     def kernel(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         w = data.to(torch.int32)
-        out.copy_(_pairs(((w & 15) - 8).float() * scales,
-                                           ((w >> 4) - 8).float() * scales))
+        out.copy_(_pairs(((w & 15) - 8).float() * scales, ((w >> 4) - 8).float() * scales))
     return kernel
 
 
