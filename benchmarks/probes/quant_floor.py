@@ -1,0 +1,91 @@
+"""How close INT8 quantize + dequantize can come to copy_ on this CPU: beside copy_
+and the codecs (eager, and compiled as zeropp.kernels runs them), two kernels that
+do only the memory traffic of each half, compiled the same way, with no arithmetic
+a codec could drop: the quantize's read (each block's max |x| of a 64 MiB fp32
+tensor) and the dequantize's write (each block's scale broadcast into a 64 MiB fp32
+output). Their sum is a floor for quantize + dequantize into preallocated outputs
+with ordinary stores; copy_ / floor is then the most "vs copy_" any codec can show.
+Every op from a cold cache (96 MiB read first), the ops taking turns, min and
+median over the rounds, as benchmarks/quant.py times them.
+
+    python benchmarks/probes/quant_floor.py [--rounds N]
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from zeropp import kernels
+from zeropp.quant import dequantize, quantize
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=15)
+    a = p.parse_args()
+    rows, block = 8192, 2048
+    x = torch.randn(rows, block)
+    dst, out = torch.empty_like(x), torch.empty_like(x)
+    q = quantize(x.view(-1), 8, block)
+    wire = torch.empty_like(q.to_bytes())
+    scales = q.scales.view(rows, 1).clone()
+    flush = torch.ones(24 << 20)
+    compile_ = lambda f: torch.compile(f, dynamic=True, options=kernels._OPTIONS)  # noqa: E731
+    read = compile_(lambda t: t.abs().amax(dim=1, keepdim=True))
+    write = compile_(lambda s, o: o.copy_(s.expand(-1, block) * 1.0))
+    # the codecs' traffic, with a conversion for all their arithmetic
+    q_traffic = compile_(lambda t, c: (c.copy_(t.to(torch.int8)), t.abs().amax(dim=1))[1])
+    dq_traffic = compile_(lambda c, o: o.copy_(c.float()))
+    dq_kernel = compile_(lambda c, s, o: o.copy_(c.float() * s))
+    codes = q.data.view(rows, block)
+    codes_out = torch.empty_like(codes)
+
+    def codec(env: str, f):
+        def run():
+            os.environ["ZEROPP_COMPILE"] = env
+            return f()
+        return run
+    kernels.MIN_NUMEL = {8: 0, 4: 0}
+    ops = {"copy_ (read 64 MiB, write 64 MiB)": lambda: dst.copy_(x),
+           "floor of quantize: read 64 MiB (max |x| per block)": lambda: read(x),
+           "floor of dequantize: write 64 MiB (scale per block)": lambda: write(scales, out),
+           "quantize's traffic: read 64 MiB, write 16 MiB (x as int8)":
+           lambda: q_traffic(x, codes_out),
+           "dequantize's traffic: read 16 MiB, write 64 MiB (codes as fp32)":
+           lambda: dq_traffic(codes, out),
+           "INT8 quantize into out, eager": codec("0", lambda: quantize(x.view(-1), 8, block, out=wire)),
+           "INT8 quantize into out, compiled": codec("1", lambda: quantize(x.view(-1), 8, block, out=wire)),
+           "INT8 dequantize into out, eager": codec("0", lambda: dequantize(q, out=out.view(-1))),
+           "INT8 dequantize into out, one compiled kernel (codes * scale)":
+           lambda: dq_kernel(codes, scales, out)}
+    for f in ops.values():
+        f()
+    ts = {k: [] for k in ops}
+    for _ in range(a.rounds):
+        for k, f in ops.items():
+            flush.sum()
+            t0 = time.perf_counter()
+            f()
+            ts[k].append((time.perf_counter() - t0) * 1e3)
+    os.environ["ZEROPP_COMPILE"] = "0"
+    lo = {k: min(v) for k, v in ts.items()}
+    copy_ms = lo["copy_ (read 64 MiB, write 64 MiB)"]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.rounds} rounds, cold\n")
+    print("| operation | min ms | median ms | vs copy_ (min) |\n|---|---|---|---|")
+    for k, v in ts.items():
+        print(f"| {k} | {min(v):.2f} | {statistics.median(v):.2f} | {copy_ms / min(v):.0%} |")
+    floor = lo["floor of quantize: read 64 MiB (max |x| per block)"] + \
+        lo["floor of dequantize: write 64 MiB (scale per block)"]
+    best = lo["INT8 quantize into out, compiled"] + lo["INT8 dequantize into out, eager"]
+    print(f"| **floor: read + write** | {floor:.2f} | | {copy_ms / floor:.0%} |")
+    traffic = lo["quantize's traffic: read 64 MiB, write 16 MiB (x as int8)"] + \
+        lo["dequantize's traffic: read 16 MiB, write 64 MiB (codes as fp32)"]
+    print(f"| **the codecs' traffic** | {traffic:.2f} | | {copy_ms / traffic:.0%} |")
+    print(f"| **INT8 quantize (compiled) + dequantize (eager)** | {best:.2f} | | "
+          f"{copy_ms / best:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
