@@ -11,14 +11,16 @@ median over the rounds, as benchmarks/quant.py times them.
     python benchmarks/probes/quant_floor.py [--rounds N]
 """
 import argparse
-import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from zeropp import kernels
-from zeropp.quant import dequantize, quantize
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: quant.py
+from quant import _mode, rounds  # noqa: E402  (its timing, cold and taking turns)
+
+from zeropp import kernels  # noqa: E402
+from zeropp.quant import dequantize, quantize  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +33,6 @@ def main() -> None:
     q = quantize(x.view(-1), 8, block)
     wire = torch.empty_like(q.to_bytes())
     scales = q.scales.view(rows, 1).clone()
-    flush = torch.ones(24 << 20)
     compile_ = lambda f: torch.compile(f, dynamic=True, options=kernels._OPTIONS)  # noqa: E731
     read = compile_(lambda t: t.abs().amax(dim=1, keepdim=True))
     write = compile_(lambda s, o: o.copy_(s.expand(-1, block) * 1.0))
@@ -40,38 +41,26 @@ def main() -> None:
     dq_kernel = compile_(lambda c, s, o: o.copy_(c.float() * s))
     codes = q.data.view(rows, block)
 
-    def codec(env: str, f):
-        def run():
-            os.environ["ZEROPP_COMPILE"] = env
-            return f()
-        return run
-    kernels.MIN_NUMEL = {8: 0, 4: 0}
+    def codec(mode: str, f):
+        return lambda: (_mode(mode), f())
     ops = {"copy_ (read 64 MiB, write 64 MiB)": lambda: dst.copy_(x),
            "floor of quantize: read 64 MiB (max |x| per block)": lambda: read(x),
            "floor of dequantize: write 64 MiB (scale per block)": lambda: write(scales, out),
            "dequantize's traffic: read 16 MiB, write 64 MiB (codes as fp32)":
            lambda: dq_traffic(codes, out),
-           "INT8 quantize into out, eager": codec("0", lambda: quantize(x.view(-1), 8, block, out=wire)),
-           "INT8 quantize into out, compiled": codec("1", lambda: quantize(x.view(-1), 8, block, out=wire)),
-           "INT8 dequantize into out, eager": codec("0", lambda: dequantize(q, out=out.view(-1))),
+           "INT8 quantize into out, eager": codec("eager", lambda: quantize(x.view(-1), 8, block, out=wire)),
+           "INT8 quantize into out, compiled": codec("compiled", lambda: quantize(x.view(-1), 8, block, out=wire)),
+           "INT8 dequantize into out, eager": codec("eager", lambda: dequantize(q, out=out.view(-1))),
            "INT8 dequantize into out, one compiled kernel (codes * scale)":
            lambda: dq_kernel(codes, scales, out)}
-    for f in ops.values():
-        f()
-    ts = {k: [] for k in ops}
-    for _ in range(a.rounds):
-        for k, f in ops.items():
-            flush.sum()
-            t0 = time.perf_counter()
-            f()
-            ts[k].append((time.perf_counter() - t0) * 1e3)
-    os.environ["ZEROPP_COMPILE"] = "0"
-    lo = {k: min(v) for k, v in ts.items()}
+    ts = rounds(ops, a.rounds)
+    _mode("default")
+    lo = {k: v[0] for k, v in ts.items()}
     copy_ms = lo["copy_ (read 64 MiB, write 64 MiB)"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.rounds} rounds, cold\n")
     print("| operation | min ms | median ms | vs copy_ (min) |\n|---|---|---|---|")
-    for k, v in ts.items():
-        print(f"| {k} | {min(v):.2f} | {statistics.median(v):.2f} | {copy_ms / min(v):.0%} |")
+    for k, (least, median) in ts.items():
+        print(f"| {k} | {least:.2f} | {median:.2f} | {copy_ms / least:.0%} |")
     floor = lo["floor of quantize: read 64 MiB (max |x| per block)"] + \
         lo["floor of dequantize: write 64 MiB (scale per block)"]
     best = lo["INT8 quantize into out, compiled"] + lo["INT8 dequantize into out, eager"]

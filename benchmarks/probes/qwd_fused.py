@@ -16,23 +16,17 @@ holder's copy differ from the eager ones.
     python benchmarks/probes/qwd_fused.py
 """
 import math
-import os
 import statistics
-import time
 
 import torch
+from qwd_cost import _timed
 
-os.environ["ZEROPP_COMPILE"] = "0"  # the eager quantize inside qwd.encode
-from zeropp import kernels, qwd  # noqa: E402
-from zeropp.quant import pack_int4, quantize, scratch_buffer, unpack_int4  # noqa: E402
-from zeropp.train.model import GPT, PRESETS, GPTConfig  # noqa: E402
+from zeropp import kernels, qwd
+from zeropp.quant import pack_int4, quantize, scratch_buffer, unpack_int4
+from zeropp.qwd import _ratio, _views
+from zeropp.train.model import GPT, PRESETS, GPTConfig
 
 QC, QD, BLOCK, SHARD = 127, 7, 2048, 442368
-
-
-def _ratio(s_old, s_new):
-    r = s_old / s_new
-    return torch.where((s_new > 0) & r.isfinite(), r, 0.0)
 
 
 def _encode(x, c, s_old, moves_out):
@@ -40,10 +34,10 @@ def _encode(x, c, s_old, moves_out):
     the copy's scales: returns the new scales and steps, the moves into moves_out."""
     xf = x.float()
     absmax = xf.abs().amax(dim=1, keepdim=True)
-    s = (absmax.double() * (1.0 / QC)).float()  # = fp32(absmax / 127), kernels.py's note
-    s_new = torch.where(absmax.isnan(), math.nan,
-                        torch.where((s < 2.0 ** -126) & (absmax > 0), 2.0 ** -126, s))
-    t = torch.where(s_new.isfinite(), (xf / torch.where(s < 2.0 ** -126, 2.0 ** -126, s)).round(), 0.0)
+    div = kernels._divisor(absmax, QC)  # fp32(absmax / 127), at least 2^-126
+    # quant.block_scales(canonical_absmax(absmax)): d, but 0 for a zero block, quiet NaN
+    s_new = torch.where(absmax.isnan(), math.nan, torch.where(absmax > 0, div, 0.0))
+    t = torch.where(s_new.isfinite(), (xf / div).round(), 0.0)
     cf = c.float()
     moves = t - cf
     moved = moves.abs().amax(dim=1, keepdim=True)
@@ -72,44 +66,35 @@ _ENC = torch.compile(_encode, dynamic=True, options=kernels._OPTIONS)
 _APP = torch.compile(_apply, dynamic=True, options=kernels._OPTIONS)
 
 
-def _views(buf, numel, extra=None):
-    """(scales, steps, codes or moves) of a copy (quantize's wire format) or of a
-    delta (qwd.py's, with the steps)."""
-    nb = numel // BLOCK
-    extra = qwd.meta_bytes(numel, BLOCK) - nb * 4 if extra is None else extra
-    return (buf[:nb * 4].view(torch.float32).view(nb, 1), buf[nb * 4:nb * 5].view(nb, 1),
-            buf[nb * 4 + extra:])
+def _delta_views(delta, numel):
+    """qwd.py's delta wire format: scales, steps and the packed moves."""
+    extra = qwd.meta_bytes(numel, BLOCK) - numel // BLOCK * 4
+    return _views(delta, numel, 4, BLOCK, extra)
 
 
 def encode(master, copy, out):
     numel = master.numel()
     nb = numel // BLOCK
-    s_old, _, codes = _views(copy, numel, 0)
-    s_new, steps, data = _views(out, numel)
+    s_old, _, codes = _views(copy, numel, 8, BLOCK)
+    s_new, steps, data = _delta_views(out, numel)
     out[nb * 5:nb * 4 + qwd.meta_bytes(numel, BLOCK) - nb * 4].zero_()
     data[numel // 2:].zero_()
     moves = scratch_buffer("qwd_fused", numel // 4, master.device).view(torch.int8)
-    sn, k = _ENC(master.view(nb, BLOCK), codes.view(torch.int8).view(nb, BLOCK), s_old,
+    sn, k = _ENC(master.view(nb, BLOCK), codes.view(nb, BLOCK), s_old.view(nb, 1),
                  moves.view(nb, BLOCK))
     data[:numel // 2].copy_(pack_int4(moves))
-    s_new.copy_(sn)
-    steps.copy_(k)
-    s_old.copy_(sn)
+    s_new.copy_(sn.view(-1))
+    steps.copy_(k.view(-1))
+    s_old.copy_(s_new)
 
 
 def apply(copy, delta, numel):
     nb = numel // BLOCK
-    s_old, _, codes = _views(copy, numel, 0)
-    s_new, steps, data = _views(delta, numel)
-    _APP(codes.view(torch.int8).view(nb, BLOCK), unpack_int4(data[:numel // 2]).view(nb, BLOCK),
-         steps, s_old, s_new)
+    s_old, _, codes = _views(copy, numel, 8, BLOCK)
+    s_new, steps, data = _delta_views(delta, numel)
+    _APP(codes.view(nb, BLOCK), unpack_int4(data[:numel // 2]).view(nb, BLOCK),
+         steps.view(nb, 1), s_old.view(nb, 1), s_new.view(nb, 1))
     s_old.copy_(s_new)
-
-
-def _timed(f, *args, **kw):
-    t = time.perf_counter()
-    f(*args, **kw)
-    return (time.perf_counter() - t) * 1e3
 
 
 def compare(name, masters):
