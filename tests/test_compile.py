@@ -156,8 +156,8 @@ def test_hf_trainer_with_torch_compile_trains_through_engine_compile(tmp_path):
     torchrun's fresh interpreters; tests/test_hf_deepspeed.py runs the example under both),
     with `torch_compile_backend="aot_eager"`: dynamo and AOT autograd over zeropp's
     units as with inductor, without inductor's C++ build (33 s of a cold cache against
-    11; inductor under zeropp: the tests above, and this run with inductor gives the
-    same 4 losses, docs/notebook.md "Nineteenth session")."""
+    11; inductor under zeropp: the tests above; this run with inductor gives the same
+    4 losses, as recorded in docs/notebook.md)."""
     pytest.importorskip("transformers")
     r = subprocess.run([sys.executable, "-m", "zeropp", "launch", "--nproc", "2",
                         "--node-size", "2", "--timeout", "400", "--as-deepspeed", "--preload",

@@ -1,4 +1,4 @@
-"""The DeepSpeed front door (issue 15): `import zeropp as deepspeed` runs a
+"""The DeepSpeed front door: `import zeropp as deepspeed` runs a
 DeepSpeed script. Config semantics against DeepSpeed 0.19's documented and
 measured numbers; the engine against zeropp's native API (same losses); the
 two example scripts under torchrun and `zeropp launch`, resuming bit-exactly."""

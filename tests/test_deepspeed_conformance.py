@@ -1,4 +1,4 @@
-"""DeepSpeed's public ZeRO-3 API as its own unit tests use it (issue 42): the
+"""DeepSpeed's public ZeRO-3 API as its own unit tests use it: the
 tensor-fragment API, `zero_to_fp32` over zeropp checkpoints, the leaf-module
 flags, `init_distributed(init_method, rank, world_size)`, checkpoint tag
 validation, the user-driven backward (`engine.scale`, `needs_scaler`,

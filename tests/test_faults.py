@@ -1,4 +1,4 @@
-"""The main job under faults (issue 43): a world dies with its launcher, a run
+"""The main job under faults: a world dies with its launcher, a run
 directory belongs to one world, the same command run again continues the run,
 a damaged newest checkpoint falls back to the newest one that verifies, and a
 crash reads as one line. Each run is compared bit for bit with one that was

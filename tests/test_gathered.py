@@ -1,4 +1,4 @@
-"""zeropp.gathered(): generation with the weights gathered once (issue 14).
+"""zeropp.gathered(): generation with the weights gathered once.
 
 A tiny HF GPT-2 at W=4 as 2 nodes x 2: greedy tokens inside the context equal
 the unsharded model's (ZeRO-3) and the per-token path's (qwZ + hpZ + qgZ, and

@@ -1,10 +1,14 @@
 """The package's shape: no import cycle in src/zeropp, the core never imports or
 names the DeepSpeed front door, no file over 500 lines. Read from the sources
-(every import, inside functions too; `if TYPE_CHECKING:` blocks aside)."""
+(every import, inside functions too; `if TYPE_CHECKING:` blocks aside). And what a
+plain `import zeropp` makes reachable."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -103,3 +107,19 @@ def test_the_core_never_imports_or_names_the_deepspeed_front_door():
 def test_no_source_file_over_500_lines():
     long = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > 500}
     assert long == {}
+
+
+def test_zeropp_fsdp2_is_reachable_after_a_plain_import_zeropp():
+    """As the README writes it: `import zeropp`, then `zeropp.fsdp2.install(...)`. The
+    subpackage loads on first access (torch.distributed.fsdp is a slow import)."""
+    code = ("import sys, zeropp\n"
+            "assert 'zeropp.fsdp2' not in sys.modules\n"
+            "assert callable(zeropp.fsdp2.install)\n"
+            "from zeropp import fsdp2\n"
+            "assert fsdp2 is zeropp.fsdp2 is sys.modules['zeropp.fsdp2']\n"
+            "assert not hasattr(zeropp, 'no_such_name')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=240, env=env)
+    assert r.returncode == 0, r.stderr

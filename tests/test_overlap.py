@@ -1,5 +1,5 @@
-"""Overlap (reduce.py, prefetch depth): gradient reduction on a communication
-thread and deeper prefetch change when collectives run, never what they compute
+"""Overlap (grads/pipeline.py, prefetch depth): gradient reduction on communication
+threads and deeper prefetch change when collectives run, never what they compute
 or what they move; a rank dying mid-backward fails the others by name."""
 
 from __future__ import annotations

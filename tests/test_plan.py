@@ -1,4 +1,4 @@
-"""`zeropp plan`: its arithmetic against SPEC.md's table, and bad input."""
+"""`zeropp plan`: its arithmetic against docs/algorithms.md's table, and bad input."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ M = 7e9 * 2
 
 
 def test_zero3_moves_3m_and_zeropp_075m_across_nodes_per_step():
-    """SPEC.md: ZeRO-3 M + M + M = 3M; ZeRO++ 0.5M (qwZ) + 0 (hpZ) + 0.25M (qgZ)
+    """docs/algorithms.md: ZeRO-3 M + M + M = 3M; ZeRO++ 0.5M (qwZ) + 0 (hpZ) + 0.25M (qgZ)
     = 0.75M, as the node count grows ((W-1)/W -> 1), scales included (+0.2%)."""
     z3, zpp = predict(BIG, "zero3"), predict(BIG, "zeropp")
     assert z3["cross"] / M == pytest.approx(3.0, rel=0.01)

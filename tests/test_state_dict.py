@@ -1,4 +1,4 @@
-"""`model.state_dict()` / `load_state_dict()` of a sharded model (issue 42): the
+"""`model.state_dict()` / `load_state_dict()` of a sharded model: the
 model's own names in its own order, never flat shards; empty placeholders outside
 a gather (as DeepSpeed ZeRO-3), the full weights inside; a full state dict loaded
 on every rank, or on rank 0 alone under `GatheredParameters(modifier_rank=0)`,

@@ -5,7 +5,9 @@ DeepSpeed scripts run on it with `import zeropp as deepspeed` (`initialize`,
 `init_distributed`, `zero`, `comm`, `accelerator`; see zeropp/deepspeed/), and
 Hugging Face's Trainer, accelerate and TRL after `zeropp.install_as_deepspeed()`."""
 
+import importlib
 import sys
+from typing import Any
 
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from .checkpoint_files import CheckpointError
@@ -41,3 +43,11 @@ __version__ = "0.1.0"
 # the modules live in zeropp/deepspeed/, importable under these names too.
 for _m in (zero, comm, accelerator):
     sys.modules.setdefault(f"{__name__}.{_m.__name__.rsplit('.', 1)[1]}", _m)
+
+
+def __getattr__(name: str) -> Any:
+    """`zeropp.fsdp2` after a plain `import zeropp`, imported on first use: it imports
+    torch.distributed.fsdp, a slow import that nothing else in zeropp needs."""
+    if name == "fsdp2":
+        return importlib.import_module(f"{__name__}.fsdp2")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

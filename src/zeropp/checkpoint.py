@@ -54,6 +54,7 @@ from .checkpoint_files import (
     write_safetensors,
 )
 from .config import Config
+from .driver import comm_state, load_comm_state
 from .guards import agree, all_gather_bytes
 from .quant import quantize
 from .shard import ShardState, get_state
@@ -160,7 +161,7 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
     # are not copied first; buffers and user tensors are, as they may share storage.
     for f in st.flats:
         tensors[f"model/{f.name}"] = f.primary_shard.detach().cpu()
-        for k, v in _engine_state(f).items():
+        for k, v in comm_state(f.weights, f.grad_codec).items():
             tensors[f"engine/{f.name}/{k}"] = v
     buffers = _buffers(model)
     if rank == 0:
@@ -195,26 +196,6 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
         "extra": values, "extra_kinds": kinds, "hf": _hf_model(model),
     }
     return tensors, meta, manifest
-
-
-def _engine_state(f: Any) -> dict[str, torch.Tensor]:
-    """A flat's per-rank engine state (qWD copies, qgZ residual and generator)."""
-    out = {f"weights/{k}": v for k, v in f.weights.state().items()}
-    if f.grad_codec is not None:
-        out.update({f"grad/{k}": v for k, v in f.grad_codec.state().items()})
-    return out
-
-
-def _load_engine_state(f: Any, saved: dict[str, torch.Tensor]) -> None:
-    """After the master shard is loaded: restore `_engine_state` (or start afresh:
-    the next gather of the unit is then a full one from the loaded masters)."""
-    part: dict[str, dict] = {"weights": {}, "grad": {}}
-    for k, v in saved.items():
-        kind, name = k.split("/", 1)
-        part[kind][name] = v
-    f.weights.load_state(part["weights"])
-    if f.grad_codec is not None:
-        f.grad_codec.load_state(part["grad"], f.primary_shard.device)
 
 
 def _optimizer_state(st: ShardState, opt: torch.optim.Optimizer, tensors: dict) -> dict:
@@ -420,7 +401,8 @@ def _apply(plan: dict, st: ShardState, model: nn.Module,
         for f in st.flats:
             f.primary_shard.copy_(plan["shards"][f.name])  # bumps the version counter
             f.primary_shard.grad = None  # gradients of the replaced weights mean nothing
-            _load_engine_state(f, plan["engine"].get(f.name, {}))
+            load_comm_state(f.weights, f.grad_codec, plan["engine"].get(f.name, {}),
+                            f.primary_shard.device)
         for u in st.units:
             u.free()
             for f in u.flats:  # persistent: gathered again by the next forward (DeepSpeed's way)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import atexit
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -93,22 +93,19 @@ def _let_gloo_threads_finish() -> None:
 
 
 class Pending:
-    """An issued collective: `wait()` blocks until its output is ready, then
-    runs `then` (e.g. dequantization). Keeps the input alive meanwhile."""
+    """An issued collective: `wait()` blocks until its output is ready. Keeps the
+    input alive meanwhile."""
 
-    def __init__(self, work: Any = None, keep: Any = None,
-                 then: Optional[Callable[[], None]] = None, comm: Optional[Comm] = None,
+    def __init__(self, work: Any = None, keep: Any = None, comm: Optional[Comm] = None,
                  op: str = "") -> None:
-        self._work, self._keep, self._then = work, keep, then
+        self._work, self._keep = work, keep
         self._comm, self._op = comm, op
         self._unit = comm.unit if comm is not None else ""
 
     def wait(self) -> None:
         if self._work is not None:
             _wait(self._work, self._comm, self._op, self._unit)
-        if self._then is not None:
-            self._then()
-        self._work = self._keep = self._then = None
+        self._work = self._keep = None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -145,16 +142,15 @@ class Comm:
                           scale=frac * scale_bytes)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, op: str,
-                   group: str = "world", scale_bytes: int = 0,
-                   then: Optional[Callable[[], None]] = None) -> Pending:
+                   group: str = "world", scale_bytes: int = 0) -> Pending:
         """Gather every group rank's `shard` into the flat `out` (group-rank
         order), asynchronously. `scale_bytes`: how much of `out` is scales."""
         self._record_ring(op, group, _nbytes(out), 1, scale_bytes)
         if len(self.ranks[group]) == 1:
             out.copy_(shard)
-            return Pending(then=then)
+            return Pending()
         work = _all_gather_flat(out, shard, group=self.groups[group], async_op=True)
-        return Pending(work, keep=shard, then=then, comm=self, op=op)
+        return Pending(work, keep=shard, comm=self, op=op)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, op: str, group: str,
                    scale_bytes_per_peer: int = 0) -> None:

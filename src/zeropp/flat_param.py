@@ -69,14 +69,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .collectives import Comm, Pending
+from .collectives import Comm
 from .config import Config
 from .deferred import materialize, release
 from .grads import route_for
 from .layout import ShardLayout
 from .quant import QTensor, dequantize, dequantize_pieces, quantize
 from .topology import Topology
-from .weights import WeightPath
+from .weights import Gather, WeightPath, WeightSpec
 
 
 @dataclass
@@ -161,7 +161,7 @@ class FlatParam:
                 t.requires_grad_(True)
                 t.register_post_accumulate_grad_hook(
                     lambda t, i=i: self._param_grad_ready(i, t))
-        self.pending: Optional[Pending] = None
+        self.pending: Optional[Gather] = None
         self.gathered = False
         self._install_views()  # before any gather, so modules keep their attributes
         self.needs_reduce = False
@@ -169,15 +169,17 @@ class FlatParam:
         self._free_storage()
         # gathers, hpZ secondary, qWD (a persistent flat is never gathered for a
         # backward: no secondary to keep)
-        self.weights = WeightPath(self, topo, dataclasses.replace(
-            cfg, hpz_partition_size=1, weight_delta=False) if persistent else cfg)
+        spec = WeightSpec.of(lay, self.weight_bits if self.quantized_gather else None,
+                             self.int_storage)
+        self.weights = WeightPath(spec, topo, dataclasses.replace(
+            cfg, hpz_partition_size=1, weight_delta=False) if persistent else cfg,
+            trainable=trainable, version=lambda: self.version)
         for hook in FlatParam.on_tensor:
             hook(self.primary_shard, self, None, "master")
             for t, info in zip(self.params, self.infos):
                 hook(t, self, info, "attribute")
         # How its gradient is reduced (grads/): ZeRO-3's ring or qgZ's two hops.
-        self.reduce_route = route_for(cfg, block=self.block, topo=topo, name=name) \
-            if trainable else None
+        self.reduce_route = route_for(cfg, block=self.block) if trainable else None
 
     @property
     def stale(self) -> bool:
@@ -204,13 +206,14 @@ class FlatParam:
         # inference_mode they would become inference tensors, which training may not
         # update in place.
         with torch.inference_mode(False):
-            self.pending = self.weights.issue(comm, phase)
+            self.pending = self.weights.issue(comm, phase, self.primary_shard.detach(),
+                                              self.full)
         return True
 
     def wait_gather(self) -> None:
         if self.pending is not None:
             with torch.inference_mode(False):
-                self.pending.wait()
+                self.weights.finish(self.pending)
             self.pending = None
             self.gathered = True
             self.gathered_for = self.version
@@ -334,7 +337,7 @@ class FlatParam:
     def accumulate_grad(self, part: torch.Tensor) -> None:
         """This rank's chunk of a reduced gradient (the mean, fp32) into the
         master shard's `.grad`, accumulating micro-batches."""
-        # Padding must stay exactly zero: a rotated quantization spreads error into it.
+        # Padding must stay exactly zero (it is part of every later gather).
         part[self.shard_valid:] = 0
         p = self.primary_shard
         if p.grad is None:

@@ -16,7 +16,7 @@ does for a CPU model, at `mmap_threshold_for(parameters)`:
   over 1 MiB anyway, and what sits between is the model's activations and their
   gradients, which fragmented the heap in backward; pinned, the rank peaks lower and
   keeps no freed memory, at the same step time.
-The measurements behind both, and the 1 MiB setting they replaced, are in
+The measurements behind both, a 1 MiB threshold among the settings compared, are in
 docs/notebook.md ("Moved out of the code", memory.py).
 """
 

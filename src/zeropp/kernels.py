@@ -1,5 +1,5 @@
-"""The codecs as compiled kernels: INT8 / INT4 blockwise quantize (nearest or
-stochastic rounding, nibble packing, the dequantized copy a sender keeps) and
+"""The codecs as compiled kernels: INT8 / INT4 blockwise quantize (rounding to
+nearest, nibble packing, the dequantized copy a sender keeps) and
 dequantize, each one fused torch.compile kernel (inductor: C++ on the CPU, Triton
 on a GPU), bitwise equal to quant.py's eager ops, which stay the fallback.
 quant.py calls them on whole blocks and finishes around them: the scales from the
@@ -8,21 +8,19 @@ absmax a kernel returns, and the codes of a non-finite block.
 [Note: what makes them equal]
 The same fp32 arithmetic: max |x| is exact; the values are divided by the scale
 absmax / qmax with a true division (inductor's C++ keeps it; a multiplication by
-the reciprocal would differ in the last bit); rounding is round-half-even or floor
-after adding the same uniform draws, which are made eagerly, chunk by chunk as
-the eager path makes them, so one generator gives the same bits either way.
+the reciprocal would differ in the last bit); rounding is round-half-even.
 The scale inside a kernel is fp32(fp64(absmax) * fp64(1 / qmax)), not a division:
 it equals fp32(absmax / qmax) for every finite fp32 absmax and +inf, for qmax 127
 and 7 (fp64 carries the quotient to within 2^-52 of itself, and a quotient of two
 fp32 numbers is never within 2^-49 of a midpoint between fp32 numbers; checked
-over all 2^31 of them, docs/notebook.md "Compiled codecs, second cut"). A division
-there sat inside the loop over a block's values (the int8 stores may alias the
-absmax, so the compiler reloads it and recomputes the scale at each step) and cost
-0.3 to 0.5 ms of a 3.5 ms kernel. Checked on the CPU over shapes, block sizes, dtypes, zero,
-subnormal and non-finite blocks (tests/test_kernels.py); on a GPU, where Triton
-compiles them (told to divide exactly and keep subnormals),
-`benchmarks/conformance/gpu_check.py` checks the same; until it has run on one,
-the kernels run on a GPU only with ZEROPP_COMPILE=1.
+over all 2^31 of them, as docs/notebook.md records, and over a sample in
+tests/test_kernels.py). A division there would sit inside the loop over a block's
+values (the int8 stores may alias the absmax, so the compiler reloads it and
+recomputes the scale at each step), costing 0.3 to 0.5 ms of a 3.5 ms kernel.
+Checked on the CPU over shapes, block sizes, dtypes, zero, subnormal and non-finite
+blocks (tests/test_kernels.py); on a GPU, where Triton compiles them (told to divide
+exactly and keep subnormals), `benchmarks/conformance/gpu_check.py` checks the same;
+until it has run on one, the kernels run on a GPU only with ZEROPP_COMPILE=1.
 
 [Note: one pass, pairs]
 A quantize kernel is one loop over the blocks: each block's max |x| and then its
@@ -121,13 +119,6 @@ def _divisor(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
     return torch.where(s < 2.0 ** -126, 2.0 ** -126, s)
 
 
-def _round(q: torch.Tensor, noise: Optional[torch.Tensor], qmax: int) -> torch.Tensor:
-    """quant.round_blocks' rounding of the quotients q."""
-    if noise is None:
-        return q.round()  # |q| <= qmax (+ an ulp), so it rounds into range
-    return (q + noise).floor().clamp(-qmax, qmax)
-
-
 def _dequantized(v: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     # the -0.0 rounding leaves becomes the +0.0 a code decodes to
     return torch.where(v == 0, 0.0, v) * d
@@ -167,12 +158,12 @@ def _pairable(*ts: Optional[torch.Tensor]) -> bool:
 # Every tensor is 2-D, (blocks, values or bytes of a block): a flat view sliced to a
 # dynamic length would cost index arithmetic per element (inductor's C++ then is scalar).
 def _quantize8(_: tuple) -> Callable:
-    def kernel(x: torch.Tensor, data: torch.Tensor, noise: Optional[torch.Tensor],
-               deq: Optional[torch.Tensor], _: None) -> torch.Tensor:
+    def kernel(x: torch.Tensor, data: torch.Tensor, deq: Optional[torch.Tensor],
+               _: None) -> torch.Tensor:
         xf = x.float()
         absmax = xf.abs().amax(dim=1, keepdim=True)
         d = _divisor(absmax, 127)
-        v = _round(xf / d, noise, 127)
+        v = (xf / d).round()  # |q| <= qmax (+ an ulp), so it rounds into range
         data.copy_(v.to(torch.int8))
         if deq is not None:
             deq.copy_(_dequantized(v, d))
@@ -183,18 +174,16 @@ def _quantize8(_: tuple) -> Callable:
 def _quantize4(key: tuple) -> Callable:
     pairs = key[-1]
 
-    def kernel(x: torch.Tensor, data: torch.Tensor, noise: Optional[torch.Tensor],
-               deq: Optional[torch.Tensor], xp: Optional[torch.Tensor]) -> torch.Tensor:
+    def kernel(x: torch.Tensor, data: torch.Tensor, deq: Optional[torch.Tensor],
+               xp: Optional[torch.Tensor]) -> torch.Tensor:
         xf = x.float()
         absmax = xf.abs().amax(dim=1, keepdim=True)
         d = _divisor(absmax, 7)
-        if pairs:  # xp, noise and deq are x and the fp32 ones as pairs (the note)
+        if pairs:  # xp and deq are x and the fp32 output as pairs (the note)
             lo, hi = _halves(xp)
-            n_lo, n_hi = (None, None) if noise is None else _halves(noise)
         else:  # strided, slower
             lo, hi = xf[:, 0::2], xf[:, 1::2]
-            n_lo, n_hi = (None, None) if noise is None else (noise[:, 0::2], noise[:, 1::2])
-        v_lo, v_hi = _round(lo / d, n_lo, 7), _round(hi / d, n_hi, 7)
+        v_lo, v_hi = (lo / d).round(), (hi / d).round()
         codes = (v_lo.to(torch.int32) + 8) | ((v_hi.to(torch.int32) + 8) << 4)
         data.copy_(codes.to(torch.uint8))
         if deq is not None and pairs:
@@ -246,20 +235,19 @@ def _make(key: tuple) -> Callable:
 
 
 def quantize_into(x: torch.Tensor, data: torch.Tensor, bits: int,
-                  noise: Optional[torch.Tensor],
                   deq: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """quant.quantize's work on whole blocks: `x` (blocks, block size) in its own float
     dtype; codes into `data` (blocks, bytes per block), `dequantize()` of them into
     `deq` (fp32, as `x`) if given. Returns each block's max |x| (blocks, 1), NaN
     propagated, from which quant.py makes the scales and fixes a non-finite block's
     codes; None if the kernels are off (the caller then runs the eager ops)."""
-    key = ("q", bits, x.dtype, noise is None, deq is None)
-    args = (x, data, noise, deq, None)
+    key = ("q", bits, x.dtype, deq is None)
+    args = (x, data, deq, None)
     if bits == 4:
-        pairs = _pairable(x, noise, deq)
+        pairs = _pairable(x, deq)
         key += (pairs,)
         if pairs:
-            args = (x, data, _as_pairs(noise), _as_pairs(deq), _as_pairs(x))
+            args = (x, data, _as_pairs(deq), _as_pairs(x))
     try:
         return _kernel(key)(*args)
     except _Fallback:
@@ -285,8 +273,8 @@ def dequantize_into(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
         return False
     try:
         # the scales as their own tensor (4 bytes a block): an fp32 view of the uint8
-        # wire buffer as a compiled function's input tripped an internal assert of
-        # dynamic shapes in the first cut (quantize's scales, then an output)
+        # wire buffer as a compiled function's input or output tripped an internal
+        # assert of dynamic shapes
         _kernel(("dq", bits, out.dtype))(data, scales.clone(),
                                          out if bits == 8 else _as_pairs(out))
     except _Fallback:

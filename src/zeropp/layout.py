@@ -3,10 +3,7 @@
 Quantized shards hold whole blocks, so a block never straddles two ranks: any
 size, any W. Each shard is cut into as few blocks of at most `block_size` as it
 needs, of equal size rounded up to a multiple of 8 (keeps wire pieces 4-byte
-aligned): padding stays under 8 per block. qgZ's rotation needs power-of-two
-blocks (the largest one not above `block_size`, or the smallest that holds the
-whole shard); the block is one per buffer, so with `gradient_rotation` the
-weights' INT8 blocks (qwZ, qWD) take that size too. Unquantized, a block is one
+aligned): padding stays under 8 per block. Unquantized, a block is one
 element: a shard is ceil(numel / W) elements.
 """
 
@@ -32,9 +29,6 @@ class ShardLayout:
         per_rank = max(1, math.ceil(numel / world_size))
         nblocks = -(-per_rank // cfg.block_size)
         block = -(-per_rank // nblocks // 8) * 8 if cfg.quantized else 1
-        if cfg.quantized_gradients and cfg.gradient_rotation:
-            cap = 1 << (cfg.block_size.bit_length() - 1)
-            block = min(cap, max(8, 1 << (per_rank - 1).bit_length()))
         return cls(numel, world_size, block, -(-per_rank // block) * block)
 
     @property

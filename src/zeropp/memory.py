@@ -50,7 +50,7 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
         "master_shards": sum(_bytes(f.primary_shard) for f in flats),
         "gradient_shards": sum(_bytes(f.primary_shard.grad) for f in flats),
         "optimizer_state": _optimizer_bytes(optimizer, flats),
-        "secondary_shards": sum(_bytes(f.weights.secondary) for f in flats),
+        "secondary_shards": sum(f.weights.secondary_bytes for f in flats),
         "error_feedback": sum(_codec_bytes(f.grad_codec) for f in flats),
         "unreduced_grads": sum(_bytes(f.grad) for f in flats if f.trainable),
         "gathered_now": st.meter.bytes,

@@ -142,9 +142,8 @@ _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 def scratch_buffer(slot: str, numel: int, device: torch.device) -> torch.Tensor:
     """A reused fp32 buffer of `numel` (this thread's, one per slot), for temporaries
-    that die within one call. A fresh buffer of a unit's size is mmap'd and
-    page-faulted in on every call (glibc's mmap threshold is pinned at 1 MiB,
-    host_memory.py), which costs more than the arithmetic: error feedback's encode of a
+    that die within one call. A fresh buffer of a unit's size may be mmap'd and
+    page-faulted in on every call (glibc's mmap threshold: host_memory.py), which costs more than the arithmetic: error feedback's encode of a
     1.8M-value unit took 3.1 ms with fresh temporaries, 0.53 ms with these
     (benchmarks/probes/encode_probe.py). On CUDA one per stream too: FSDP2 runs its
     all-gather and reduce-scatter on two streams from one thread, and a buffer one
@@ -211,20 +210,15 @@ def block_scales(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
     return torch.where((s < _TINY) & (absmax > 0), _TINY, s)
 
 
-def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor, *,
-                 noise: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Each row's scale absmax / qmax (returned) and its values / scale, rounded into
-    `v` (fp32, the rows' shape): the integers `quantize` stores. Nearest (ties to
-    even), or with `noise` (uniform draws in [0, 1), the rows' shape) stochastic."""
+def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor) -> torch.Tensor:
+    """Each row's scale absmax / qmax (returned) and its values / scale, rounded to
+    nearest (ties to even) into `v` (fp32, the rows' shape): the integers `quantize`
+    stores."""
     s = block_scales(absmax_rows(xc), qmax)
     # Divide rather than multiply by 1/scale: a subnormal scale's inverse
     # overflows. An all-zero block divides by 1 and stays zero.
     torch.div(xc, torch.where(s > 0, s, 1.0).unsqueeze(1), out=v)
-    if noise is not None:
-        v.add_(noise).floor_()
-        v.clamp_(-qmax, qmax)  # |x/scale| may exceed qmax by an ulp; floor(+u) then by 1
-    else:
-        v.round_()  # |x/scale| <= qmax (+ an ulp), so it rounds into range
+    v.round_()  # |x/scale| <= qmax (+ an ulp), so it rounds into range
     # A non-finite block's codes are 0 (it decodes to NaN by its scale): its values
     # would convert to integers undefined by C, differently by kernel. On the CPU the
     # pass over the rows only when a block needs it; on a device the test would sync.
@@ -247,14 +241,10 @@ def _non_finite_blocks(s: torch.Tensor, data: torch.Tensor, zero_code: int,
 
 
 def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
-             stochastic: bool = False, generator: Optional[torch.Generator] = None,
              out: Optional[torch.Tensor] = None,
              dequantized: Optional[torch.Tensor] = None) -> QTensor:
-    """Blockwise symmetric absmax quantization (see the module note).
-
-    Round to nearest, ties to even; `stochastic=True` rounds up with
-    probability equal to the fractional part, so E[dequantize(quantize(x))] = x,
-    reproducibly from `generator`. Data and scales are written in wire format
+    """Blockwise symmetric absmax quantization (see the module note), rounding to
+    nearest, ties to even. Data and scales are written in wire format
     into one uint8 buffer (`out`, if given, of `QTensor.wire_bytes(...)` bytes,
     4-byte aligned), so `to_bytes()` costs nothing. `dequantized` (fp32,
     contiguous, x.numel() values) receives `dequantize()` of the result, bit for
@@ -285,21 +275,26 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
     deq = dequantized.view(-1) if dequantized is not None else None
     whole = n // bs  # blocks without padding: the compiled kernel's (kernels.py)
 
-    def compiled(r0: int, r1: int, noise: Optional[torch.Tensor]) -> bool:
+    def compiled(r0: int, r1: int) -> bool:
         codes = data[r0 * per_block:r1 * per_block].view(-1, per_block)
         dq = None if deq is None else deq[r0 * bs:r1 * bs].view(-1, bs)
-        absmax = kernels.quantize_into(flat[r0 * bs:r1 * bs].view(-1, bs), codes, bits,
-                                       noise, dq)
+        absmax = kernels.quantize_into(flat[r0 * bs:r1 * bs].view(-1, bs), codes, bits, dq)
         if absmax is None:
             return False
         s = scales[r0:r1] = block_scales(canonical_absmax(absmax.view(-1)), qmax)
         _non_finite_blocks(s, codes, 0 if bits == 8 else 0x88, dq)
         return True
 
-    def eager(r0: int, r1: int, noise: Optional[torch.Tensor]) -> None:
+    done = 0  # blocks [0, done) are quantized
+    if whole and kernels.enabled(dev, n, bits) and compiled(0, whole):
+        done = whole
+    for r0, r1 in _chunks(nblocks, bs, dev):
+        if r1 <= done:
+            continue
+        r0 = max(r0, done)
         xc = _rows(flat, r0, r1, bs)
         v = scratch_buffer("quantize", xc.numel(), dev).view(xc.shape)
-        s = scales[r0:r1] = round_blocks(xc, qmax, v, noise=noise)
+        s = scales[r0:r1] = round_blocks(xc, qmax, v)
         dst = data[r0 * per_block:r1 * per_block]
         dst.copy_(v.view(-1) if bits == 8 else pack_int4(v))  # exact: v holds integers
         if deq is not None:
@@ -308,22 +303,6 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
             v.add_(0.0).mul_(s.unsqueeze(1))
             end = min(r1 * bs, n)
             deq[r0 * bs:end].copy_(v.view(-1)[:end - r0 * bs])
-
-    done = 0  # blocks [0, done) are quantized
-    if not stochastic and whole and kernels.enabled(dev, n, bits) and compiled(0, whole, None):
-        done = whole
-    for r0, r1 in _chunks(nblocks, bs, dev):
-        if r1 <= done:
-            continue
-        r0, noise = max(r0, done), None
-        if stochastic:  # drawn per chunk, so the kernel and the eager ops see the same
-            noise = scratch_buffer("noise", (r1 - r0) * bs, dev).view(r1 - r0, bs)
-            torch.rand(noise.shape, generator=generator, device=dev, out=noise)
-            k = min(r1, whole)
-            if k > r0 and kernels.enabled(dev, n, bits) and compiled(r0, k, noise[:k - r0]):
-                r0, noise = k, noise[k - r0:]
-        if r0 < r1:
-            eager(r0, r1, noise)
     return QTensor(data, scales, x.shape, x.dtype, bits, block_size, out)
 
 
@@ -410,69 +389,3 @@ def _unpack_offset(packed: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_int4: uint8 -> int8 values in [-8, 7], twice as many."""
     return _unpack_offset(packed).view(torch.int8) - 8
-
-
-# ---- randomized Hadamard rotation -------------------------------------------------
-def _signs(seed: int, block_size: int, device: torch.device) -> torch.Tensor:
-    def make(d: torch.device) -> torch.Tensor:
-        g = torch.Generator().manual_seed(seed)
-        return (torch.randint(0, 2, (block_size,), generator=g).float() * 2 - 1).to(d)
-    return device_constant(("signs", seed, block_size), device, make)
-
-
-def _hadamard(b: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The b x b Sylvester Hadamard matrix (entries +-1), b a power of two."""
-    def make(d: torch.device) -> torch.Tensor:
-        h = torch.ones(1, 1, dtype=dtype)
-        while h.shape[0] < b:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        return h.to(d)
-    return device_constant(("hadamard", b, dtype), device, make)
-
-
-def _fwht(x: torch.Tensor) -> torch.Tensor:
-    """Unnormalized Walsh-Hadamard transform of each row (length a power of two).
-
-    H_b = H_a (x) H_c (Sylvester), so a row viewed as an a x c matrix X becomes
-    H_a X H_c: a matmul by a small dense H_c (c <= 128; BLAS-fast, ~10x the
-    butterfly loop here), then the same over the a axis, recursively."""
-    n, b = x.shape
-    if b <= 128:
-        return x @ _hadamard(b, x.device, x.dtype)
-    c, a = 128, b // 128
-    y = (x.reshape(n * a, c) @ _hadamard(c, x.device, x.dtype)).view(n, a, c)
-    y = _fwht(y.transpose(1, 2).reshape(n * c, a))
-    return y.view(n, c, a).transpose(1, 2).reshape(n, b)
-
-
-def _check_rotation(block_size: int) -> None:
-    if not (isinstance(block_size, int) and block_size >= 2
-            and block_size & (block_size - 1) == 0):
-        raise ValueError(f"rotate: block_size={block_size!r} is invalid; allowed: a power of "
-                         "two >= 2 (the Hadamard transform's length)")
-
-
-def rotate(x: torch.Tensor, seed: int, block_size: int = 2048) -> torch.Tensor:
-    """Randomized Hadamard rotation of each block: H · diag(signs) · x / sqrt(b).
-
-    Orthogonal, so it keeps each block's L2 norm while spreading an outlier's
-    energy over the whole block: the absmax, hence the INT4 step, shrinks.
-    Returns the flat fp32 rotated tensor, zero-padded to whole blocks. Signs
-    come from `seed`, which all ranks share. Linear: sums of rotated tensors
-    unrotate to the sum.
-    """
-    _check_rotation(block_size)
-    xb = _blocks(x, block_size)
-    return (_fwht(xb * _signs(seed, block_size, xb.device)) / math.sqrt(block_size)).view(-1)
-
-
-def unrotate(y: torch.Tensor, seed: int, block_size: int = 2048,
-             shape: Optional[torch.Size] = None) -> torch.Tensor:
-    """Exact inverse of `rotate` (H is symmetric and H·H = b·I); `shape` crops
-    the padding and restores the original shape."""
-    _check_rotation(block_size)
-    yb = _blocks(y, block_size)
-    x = (_fwht(yb) / math.sqrt(block_size) * _signs(seed, block_size, yb.device)).view(-1)
-    if shape is None:
-        return x
-    return x[:math.prod(shape)].view(shape)

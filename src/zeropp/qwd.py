@@ -13,7 +13,7 @@ the master, at half of qwZ's bytes (and one scale per block, as before).
 Per block, with the holder's codes c at scale s:
     base = clamp(round(c * s / s'))    # the old codes on the new scale's grid
     diff = t - base                    # an integer in [-2 qmax, 2 qmax]
-    k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes (dmax 7 / 3)
+    k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes (dmax = 7)
     d    = round(diff / k)             # sent: s', k and d
     c'   = clamp(base + d * k)
 A block whose codes all moved by at most dmax (k = 1) lands exactly on t; a
@@ -35,17 +35,13 @@ peak; benchmarks/probes/qwd_moves.py).
 The copies cost the holder 1 byte per value (plus a scale per block) instead
 of 4 for fp32 copies and their INT8 payload, and no re-quantization per step.
 
-INT3 moves (`weight_delta_bits=3`, dmax = 3) send a quarter fewer bytes; more
-blocks then take k > 1 (and land within a code of t), the rest still exactly.
-
 On a GPU the same bits come without host syncs: finding the rescaled blocks
 would sync, so there every block goes through both ways and `torch.where` keeps
 each block's own (`_rows`).
 
 [Note: delta wire format]
 One uint8 buffer per shard: [s' fp32 x nblocks | k uint8 x nblocks (0: moves on
-the old grid), padded to 4 bytes | d at `delta_bits` (INT4 packed as quant.py
-packs it, INT3 eight to three bytes), padded to 4 bytes]. The scales lead so
+the old grid), padded to 4 bytes | d in INT4, packed as quant.py packs it]. The scales lead so
 that pieces cut from a gathered buffer keep them 4-byte aligned.
 """
 
@@ -56,11 +52,9 @@ from typing import Optional
 import torch
 
 from .quant import (
-    _QMAX,
     _blocks,
     _chunks,
     absmax_rows,
-    device_constant,
     div_exact,
     pack_int4,
     round_blocks,
@@ -68,14 +62,15 @@ from .quant import (
     unpack_int4,
 )
 
-_DMAX = {8: 127, 4: 7, 3: 3}  # the largest move a delta carries exactly, by its bits
+QC = 127  # the copies' largest code (qwZ's INT8)
+QD = 7    # the largest move an INT4 delta carries exactly
 
 
-def wire_bytes(numel: int, copy_bits: int, delta_bits: int, block: int) -> int:
+def wire_bytes(numel: int, block: int) -> int:
     """Length of one shard's delta buffer (`numel` a multiple of `block`, itself a
-    multiple of 8), padded to 4 bytes (INT3 moves of 8-value blocks end mid-word)."""
+    multiple of 8)."""
     nb = numel // block
-    return nb * 4 + -(-nb // 4) * 4 + -(-(nb * block * delta_bits // 8) // 4) * 4
+    return meta_bytes(numel, block) + nb * block // 2
 
 
 def meta_bytes(numel: int, block: int) -> int:
@@ -84,51 +79,12 @@ def meta_bytes(numel: int, block: int) -> int:
     return nb * 4 + -(-nb // 4) * 4
 
 
-def _views(buf: torch.Tensor, numel: int, bits: int, block: int, extra: int = 0):
+def _views(buf: torch.Tensor, numel: int, block: int, extra: int = 0):
     """(scales, steps or None, data) views of a piece in wire format."""
     nb = numel // block
     scales = buf[:nb * 4].view(torch.float32)
     steps = buf[nb * 4:nb * 4 + nb] if extra else None
-    data = buf[nb * 4 + extra:]
-    return scales, steps, data.view(torch.int8) if bits == 8 else data
-
-
-# INT3 moves: eight 3-bit fields (value + 4, so [-4, 3]; a move uses [-3, 3]) in three
-# bytes, little-endian, the first value in the lowest bits.
-def pack_int3(q: torch.Tensor) -> torch.Tensor:
-    """Integer values in [-4, 3] (fp32, a count divisible by 8) -> uint8, 8 per 3 bytes.
-    The 24-bit word is sum (v_i + 4) * 8^i, one matrix-vector product in fp32: every
-    partial sum is an integer below 2^24, so exact in any order (half the time of
-    shifting and or-ing int32 fields here)."""
-    pow8 = device_constant(("pow8",), q.device,
-                           lambda d: torch.tensor([8.0 ** i for i in range(8)], device=d))
-    words = torch.mv(q.reshape(-1, 8).float(), pow8).add_(4 * (8 ** 8 - 1) / 7)
-    return words.to(torch.int32).view(torch.uint8).view(-1, 4)[:, :3].reshape(-1)
-
-
-def unpack_int3(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of pack_int3: uint8 -> int32 values in [-4, 3], 8 per 3 bytes."""
-    shifts = device_constant(("shifts3",), packed.device,
-                             lambda d: torch.arange(0, 24, 3, dtype=torch.int32, device=d))
-    b = packed.reshape(-1, 3).to(torch.int32)
-    words = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-    return (words.unsqueeze(1) >> shifts).bitwise_and_(7).sub_(4).reshape(-1)
-
-
-def _store(codes: torch.Tensor, data: torch.Tensor, bits: int, r0: int, r1: int,
-           block: int) -> None:
-    per = block * bits // 8
-    dst = data[r0 * per:r1 * per]
-    dst.copy_(codes.view(-1) if bits == 8 else pack_int4(codes) if bits == 4
-              else pack_int3(codes))
-
-
-def _int8(data: torch.Tensor, bits: int, r0: int, r1: int, block: int) -> torch.Tensor:
-    """Blocks r0..r1 of a code array as int8 (r1 - r0, block): a view of INT8 codes."""
-    per = block * bits // 8
-    raw = data[r0 * per:r1 * per]
-    ints = raw if bits == 8 else unpack_int4(raw) if bits == 4 else unpack_int3(raw).to(torch.int8)
-    return ints.view(r1 - r0, block)
+    return scales, steps, buf[nb * 4 + extra:]
 
 
 def _ratio(s_old: torch.Tensor, s_new: torch.Tensor) -> torch.Tensor:
@@ -160,16 +116,15 @@ def _rows(mask: torch.Tensor):
 
 
 def _formula(t: torch.Tensor, c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,
-             qc: int, qd: int, stochastic: bool, generator: Optional[torch.Generator],
              diff_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The note's formula on some blocks, for the owner: t (qwZ's new codes) and c
     (the old codes), fp32, both overwritten (c by base, t by c'). Returns the moves d
     and the steps k (fp32)."""
-    base = _base(c, s_old, s_new, qc)
+    base = _base(c, s_old, s_new, QC)
     diff = torch.sub(t, base, out=diff_out)
-    # |diff| <= qd * k, so |diff / k| <= qd (division rounds correctly): nearest
-    # rounding stays in range; floor(qd + u) is qd + 1 where fp32 rounds qd + u up
-    k = div_exact(absmax_rows(diff), qd).ceil_().clamp_(1, 255)
+    # |diff| <= QD * k, so |diff / k| <= QD (division rounds correctly): nearest
+    # rounding stays in range
+    k = div_exact(absmax_rows(diff), QD).ceil_().clamp_(1, 255)
     far = _rows(k > 1)
     if far is not None:  # where k = 1, d = diff exactly and c' = t
         every = isinstance(far, slice)
@@ -177,46 +132,37 @@ def _formula(t: torch.Tensor, c: torch.Tensor, s_old: torch.Tensor, s_new: torch
         d = torch.div(diff[far], kf,
                       out=scratch_buffer("qwd_q", diff.numel(), t.device).view(diff.shape)
                       if every else None)
-        if stochastic:
-            d.add_(torch.rand(d.shape, generator=generator, device=d.device)).floor_()
-            d.clamp_(-qd, qd)
-            if every:  # k = 1 keeps d = diff: floor(3 + u) is 4 where fp32 rounds 3 + u up
-                torch.where(kf > 1, d, diff, out=d)
-        else:
-            d.round_()
+        d.round_()
         diff[far] = d
         if every:
-            _far(base, diff, kf, qc, out=t)
+            _far(base, diff, kf, out=t)
         else:
-            t[far] = _far(base[far], d, kf, qc)
+            t[far] = _far(base[far], d, kf)
     return diff, k
 
 
-def _far(base: torch.Tensor, d: torch.Tensor, kf: torch.Tensor, qc: int,
+def _far(base: torch.Tensor, d: torch.Tensor, kf: torch.Tensor,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """c' = clamp(base + d * k), into `out` (default: `base`): the same ops on the
     owner and on every holder. Products and sums are integers below 2^24, exact in fp32."""
-    return torch.addcmul(base, d, kf, out=base if out is None else out).clamp_(-qc, qc)
+    return torch.addcmul(base, d, kf, out=base if out is None else out).clamp_(-QC, QC)
 
 
-def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_bits: int,
-           delta_bits: int, block: int, stochastic: bool = False,
-           generator: Optional[torch.Generator] = None) -> None:
-    """The owner's side: write the delta that moves `copy` (one shard's wire bytes
-    at `copy_bits`) to qwZ's quantization of `master` into `out`, and apply it to
-    `copy`, as every holder will."""
+def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *,
+           block: int) -> None:
+    """The owner's side: write the delta that moves `copy` (one shard's INT8 wire
+    bytes) to qwZ's quantization of `master` into `out`, and apply it to `copy`, as
+    every holder will."""
     numel = master.numel()
-    qc, qd = _QMAX[copy_bits], _DMAX[delta_bits]
-    s_old, _, c_data = _views(copy, numel, copy_bits, block)
+    s_old, _, c_data = _views(copy, numel, block)
+    c_data = c_data.view(torch.int8)
     extra = meta_bytes(numel, block) - numel // block * 4
-    s_new, steps, d_data = _views(out, numel, delta_bits, block, extra)
-    # the padding after the steps and after the moves: zeros, not whatever the
-    # buffer held (it goes to other processes, and byte comparisons see it)
-    nb, per = numel // block, block * delta_bits // 8
-    steps_pad, data_pad = out[nb * 5:nb * 4 + extra], d_data[nb * per:]
-    for pad in (steps_pad, data_pad):
-        if pad.numel():
-            pad.zero_()
+    s_new, steps, d_data = _views(out, numel, block, extra)
+    # the padding after the steps: zeros, not whatever the buffer held (it goes to
+    # other processes, and byte comparisons see it)
+    nb = numel // block
+    if extra > nb:
+        out[nb * 5:nb * 4 + extra].zero_()
     xb = _blocks(master, block)
     for r0, r1 in _chunks(nb, block, master.device):
         shape = (r1 - r0, block)
@@ -224,10 +170,10 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
         t = scratch_buffer("qwd_t", shape[0] * block, master.device).view(shape)
         # (a non-finite master's block gets codes 0 from round_blocks: in range, and
         # its scale dequantizes to NaN whatever the codes)
-        s_new[r0:r1] = sn = round_blocks(xb[r0:r1], qc, t)
+        s_new[r0:r1] = sn = round_blocks(xb[r0:r1], QC, t)
         # t and the moves on the old grid as int16: integers in [-2 qmax, 2 qmax],
         # exact, and half the bytes of fp32 (int8 would wrap)
-        c8 = _int8(c_data, copy_bits, r0, r1, block)
+        c8 = c_data[r0 * block:r1 * block].view(-1, block)
         t16 = _scratch_copy(t, torch.int16, "qwd_t16")
         moves = _scratch_copy(c8, torch.int16, "qwd_m16")
         torch.sub(t16, moves, out=moves)
@@ -235,22 +181,20 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
         # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c and t in range), an
         # integer: where the bound is under dmax + 1 the formula gives k = 1 and t, and so
         # do the moves on the old grid (k = 0); fp32's error in c r is under 1e-5. An
-        # unusable scale counts as ratio 0, as in `_base`: which rows take the formula
-        # decides how stochastic rounding draws its numbers (a zero block staying zero
-        # passes when dmax >= qmax)
-        rows = _rows(~(moved + qc * (1 - _ratio(s_old[r0:r1], sn)).abs() <= qd + 0.499))
+        # unusable scale counts as ratio 0, as in `_base`
+        rows = _rows(~(moved + QC * (1 - _ratio(s_old[r0:r1], sn)).abs() <= QD + 0.499))
         k = steps[r0:r1]
         k.zero_()
         if rows is not None:  # the formula on the others
             every = isinstance(rows, slice)
             cr = _scratch_copy(c8, torch.float32, "qwd_c") if every else c8[rows].float()
             tr = t if every else t[rows]
-            diff, kr = _formula(tr, cr, s_old[r0:r1][rows], sn[rows], qc, qd, stochastic,
-                                generator, scratch_buffer("qwd_d", t.numel(), t.device).view(shape)
+            diff, kr = _formula(tr, cr, s_old[r0:r1][rows], sn[rows],
+                                scratch_buffer("qwd_d", t.numel(), t.device).view(shape)
                                 if every else None)
             # k = 0 also where the formula lands on t (k = 1) and the moves on the old
             # grid fit: the same choice on every path, and each holder's cheap add
-            direct = (kr == 1) & (moved[rows] <= qd)
+            direct = (kr == 1) & (moved[rows] <= QD)
             if every:
                 moves.copy_(torch.where(direct.unsqueeze(1), moves, diff, out=diff))
                 t16.copy_(tr)
@@ -258,8 +202,8 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, copy_
                 moves[rows[~direct]] = diff[~direct].to(torch.int16)
                 t16[rows[kr > 1]] = tr[kr > 1].to(torch.int16)  # k = 1 rows: c' = t
             k[rows] = torch.where(direct, 0.0, kr).to(torch.uint8)
-        _store(moves, d_data, delta_bits, r0, r1, block)
-        _store(t16, c_data, copy_bits, r0, r1, block)
+        d_data[r0 * block // 2:r1 * block // 2].copy_(pack_int4(moves))
+        c8.copy_(t16)
     s_old.copy_(s_new)
 
 
@@ -270,27 +214,24 @@ def _scratch_copy(x: torch.Tensor, dtype: torch.dtype, slot: str) -> torch.Tenso
     return buf.view(x.shape).copy_(x)
 
 
-def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, copy_bits: int,
-          delta_bits: int, block: int) -> None:
-    """A holder's side: move `copy` (one shard's wire bytes) by the owner's delta."""
-    qc = _QMAX[copy_bits]
-    s_old, _, c_data = _views(copy, numel, copy_bits, block)
+def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, block: int) -> None:
+    """A holder's side: move `copy` (one shard's INT8 wire bytes) by the owner's delta."""
+    s_old, _, c_data = _views(copy, numel, block)
+    c_data = c_data.view(torch.int8)
     extra = meta_bytes(numel, block) - numel // block * 4
-    s_new, steps, d_data = _views(delta, numel, delta_bits, block, extra)
+    s_new, steps, d_data = _views(delta, numel, block, extra)
     for r0, r1 in _chunks(numel // block, block, copy.device):
         k = steps[r0:r1]
         rows = _rows(k > 0)
-        codes = _int8(c_data, copy_bits, r0, r1, block)
-        moves = _int8(d_data, delta_bits, r0, r1, block)
+        codes = c_data[r0 * block:r1 * block].view(-1, block)
+        moves = unpack_int4(d_data[r0 * block // 2:r1 * block // 2]).view(-1, block)
         if rows is not None:  # the rescaled blocks, from their old codes
-            base = _base(codes[rows].float(), s_old[r0:r1][rows], s_new[r0:r1][rows], qc)
-            far = _far(base, moves[rows].float(), k[rows].unsqueeze(1).float(), qc)
+            base = _base(codes[rows].float(), s_old[r0:r1][rows], s_new[r0:r1][rows], QC)
+            far = _far(base, moves[rows].float(), k[rows].unsqueeze(1).float())
             far = far.to(torch.int8)
         codes.add_(moves)  # k = 0: moves on the old grid, each landing on t
         if isinstance(rows, slice):
             torch.where((k == 0).unsqueeze(1), codes, far, out=codes)
         elif rows is not None:
-            codes[rows] = far
-        if copy_bits != 8:  # INT8 codes are a view of the copy, moved in place
-            _store(codes, c_data, copy_bits, r0, r1, block)
+            codes[rows] = far  # (a view of the copy: moved in place)
     s_old.copy_(s_new)

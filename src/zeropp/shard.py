@@ -18,14 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from .collectives import Comm
 from .config import Config
 from .deferred import defer_meta, paused, show_module
+from .driver import held_params, make_comm, step_hooks
 from .flat_param import FlatParam
 from .grads.pipeline import ReducePipeline
 from .guards import check_same_model, forget_parameters
@@ -46,10 +43,7 @@ class ShardState:
         self.cfg, self.topo = cfg, topo
         self.stats = CommStats()
         self.meter = GatherMeter()  # full weights alive now and at peak (memory_stats)
-        if topo.world_size % cfg.hpz_partition_size:
-            raise ValueError(f"zeropp: hpz_partition_size={cfg.hpz_partition_size} must divide "
-                             f"the world size {topo.world_size}")
-        self.comm = Comm(topo, self.stats, cfg.hpz_partition_size, cfg.collective_timeout)
+        self.comm = make_comm(cfg, topo, self.stats)
         self.reducer = ReducePipeline(
             Comm(topo, self.stats, timeout=cfg.collective_timeout, groups=reduce_groups(topo)),
             depth=cfg.reduce_buckets, asynchronous=cfg.async_reduce)
@@ -167,44 +161,32 @@ class ShardState:
             self.backward_active = False
 
 
-def _optimizer_step_hooks(state_ref: weakref.ref) -> tuple[Any, Any]:
-    """Hooks around any optimizer step that updates this model's master shards
-    (no engine object: global hooks filter by parameter). Before: a shard changed
-    since its hpZ copy was made current, not by a step, needs a full refresh.
-    After: count the step; hpZ secondaries of the updated shards are dropped,
-    qWD's are marked for a delta refresh. Version counters alone cannot tell:
-    fused optimizers update in place without bumping them."""
-    ours: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _step_hooks(state_ref: weakref.ref) -> tuple:
+    """Around any optimizer step that updates this model's master shards (driver.py):
+    before, a shard changed since its hpZ copy was made current, not by a step,
+    needs a full refresh; after, count the step, drop the hpZ secondaries of the
+    updated shards (qWD: mark a delta due) and gather the persistent ones again."""
+    def select(opt: torch.optim.Optimizer) -> list[FlatParam]:
+        st, held = state_ref(), held_params(opt)
+        return [] if st is None else [f for f in st.flats if id(f.primary_shard) in held]
 
-    def flats_of(opt: torch.optim.Optimizer) -> list[FlatParam]:
+    def before(flats: list[FlatParam]) -> None:
         st = state_ref()
-        if st is None:
-            return []
-        if opt not in ours:
-            held = {id(p) for g in opt.param_groups for p in g["params"]}
-            ours[opt] = [f for f in st.flats if id(f.primary_shard) in held]
-        return ours[opt]
-
-    def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        flats = flats_of(opt)
-        if flats and state_ref().gathered_depth:
+        if st.gathered_depth:
             raise RuntimeError("zeropp: optimizer.step() inside zeropp.gathered(): the "
                                "gathered weights would go stale; step after the context")
-        if flats:
-            state_ref().reducer.drain()  # no-op after a backward: it drained already
+        st.reducer.drain()  # no-op after a backward: it drained already
         for f in flats:
             f.weights.before_step()
 
-    def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        flats = flats_of(opt)
-        if flats:
-            st = state_ref()
-            st.stats.steps += 1
-            st.optimizer_steps += 1
-            for f in flats:
-                f.weights.after_step()
-            st.regather_persistent(flats)
-    return pre, post
+    def after(flats: list[FlatParam]) -> None:
+        st = state_ref()
+        st.stats.steps += 1
+        st.optimizer_steps += 1
+        for f in flats:
+            f.weights.after_step()
+        st.regather_persistent(flats)
+    return step_hooks(select, before, after)
 
 
 def shard(model: nn.Module, cfg: Optional[Config] = None, *,
@@ -292,9 +274,7 @@ def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
     install_state_dict_hooks(state.units, order)
     model._zeropp_state = state
     state.root_ref = weakref.ref(model)
-    pre, post = _optimizer_step_hooks(weakref.ref(state))
-    state._step_hooks = (register_optimizer_step_pre_hook(pre),
-                         register_optimizer_step_post_hook(post))
+    state._step_hooks = _step_hooks(weakref.ref(state))
     return model
 
 

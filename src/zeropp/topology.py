@@ -8,8 +8,8 @@ here once, collectively, in the same order on every rank:
 - inter_node: the N ranks sharing this rank's local index (qgZ's second hop);
 - hpz: the P consecutive ranks of this rank's hpZ partition (P = the
   `hpz_partition_size`; P = D, the usual choice, is the intra-node group).
-Reductions run on a thread of their own, on duplicates of the first three
-(`reduce_groups`; see reduce.py, "reductions on their own process groups").
+Reductions run on two threads of their own, on duplicates of the first three
+(`reduce_groups`; see grads/pipeline.py, "reductions on their own process groups").
 World size 1 needs no process group at all.
 """
 
@@ -102,7 +102,7 @@ _REDUCE_CACHE: dict[tuple, tuple] = {}
 def reduce_groups(topo: Topology) -> dict[str, Any]:
     """World, intra-node and inter-node groups of the reduce pipeline: made once
     per layout (collective on first use, like get_topology), shared by every
-    model on it, and each used by one communication thread only (reduce.py)."""
+    model on it, and each used by one communication thread only (grads/pipeline.py)."""
     if topo.world_size == 1:
         return {"world": None, "intra_node": None, "inter_node": None}
     key = (id(topo.world_group), topo.world_size, topo.node_size)

@@ -364,7 +364,7 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
             if not u.pins:
                 for f in u.flats:
                     f.free(let_go=True, force=True)  # (a persistent flat)
-                    if not f.weights.delta:
+                    if not f.weights.delta:  # (qWD's copies are kept across steps)
                         f.weights.invalidate()
 
     def destroy(self) -> None:

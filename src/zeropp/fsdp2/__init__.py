@@ -14,19 +14,15 @@ meshes, CPU offload (each refused in one line).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional, Union
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
-from ..collectives import Comm
 from ..config import Config
+from ..driver import comm_state as comm_state_of
+from ..driver import held_params, make_comm, step_hooks
+from ..driver import load_comm_state as load_comm_state_of
 from ..stats import CommStats
 from ..topology import get_topology
 from .comms import GradReduce, WeightGather
@@ -56,11 +52,7 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
         raise ValueError("zeropp.fsdp2.install: no FSDP module in this model; call "
                          "fully_shard on its blocks and on the root first")
     inst = Installed(cfg, CommStats())
-    hpz = cfg.hpz_partition_size
-    if topo.world_size % hpz:
-        raise ValueError(f"zeropp.fsdp2: hpz_partition_size={hpz} must divide the world size "
-                         f"{topo.world_size}")
-    comm = Comm(topo, inst.stats, hpz, cfg.collective_timeout)
+    comm = make_comm(cfg, topo, inst.stats)
     for name, m in modules:
         groups = m._get_fsdp_state()._fsdp_param_groups
         if not groups:
@@ -85,26 +77,22 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
         m.set_custom_all_gather(gather)
         m.set_custom_reduce_scatter(reduce)
 
-    paths = [g.path for _, g, _ in inst.comms if g.path is not None]
-    seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    gathers = [g for _, g, _ in inst.comms]
 
-    def ours(opt: Any) -> bool:  # (global hooks: every optimizer's steps come here)
-        if opt not in seen:
-            seen[opt] = any(id(p) in inst.params for g in opt.param_groups for p in g["params"])
-        return seen[opt]
+    def select(opt: Any) -> list:
+        return gathers if held_params(opt) & inst.params else []
 
-    def before_step(opt: Any, args: Any, kwargs: Any) -> None:
-        if ours(opt):  # a secondary made stale by anything but a step refreshes in full
-            for path in paths:
-                path.before_step()
+    def before(gathers: list) -> None:  # a secondary made stale by anything but a step
+        for g in gathers:
+            if g.path is not None:
+                g.path.before_step()
 
-    def after_step(opt: Any, args: Any, kwargs: Any) -> None:
-        if ours(opt):  # hpZ's secondaries go stale; qWD's are refreshed by a delta
-            inst.steps += 1
-            for path in paths:
-                path.after_step()
-    inst._hooks = (register_optimizer_step_pre_hook(before_step),
-                   register_optimizer_step_post_hook(after_step))
+    def after(gathers: list) -> None:  # hpZ's secondaries go stale; qWD's take a delta
+        inst.steps += 1
+        for g in gathers:
+            if g.path is not None:
+                g.path.after_step()
+    inst._hooks = step_hooks(select, before, after)
     model._zeropp_fsdp2 = inst
     return model
 
@@ -121,18 +109,16 @@ def _version(inst: Installed, sharded: list) -> Any:
 
 def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     """This rank's comm state an exact resume needs, per FSDP module: qWD's
-    copies (and whether a delta is due), qgZ's error-feedback residuals and
-    rounding generators. Different on every rank: save it per rank (e.g.
+    copies (and whether a delta is due), qgZ's error-feedback residuals.
+    Different on every rank: save it per rank (e.g.
     `torch.save(comm_state(model), f"{dir}/zeropp_rank{rank}.pt")`) beside the
     model and optimizer's DCP checkpoint."""
     out = {}
     for label, gather, reduce in _installed(model).comms:
-        s: dict[str, Any] = {}
-        if gather.path is not None and gather.chunk.layout is not None:
-            s.update({f"weights/{k}": v for k, v in gather.path.state().items()})
-            s["numel"] = gather.chunk.layout.numel
+        s: dict[str, Any] = comm_state_of(gather.path, reduce.route and reduce.route.codec)
+        if gather.path is not None:
+            s["numel"] = gather.numel
         if reduce.route is not None:
-            s.update({f"grad/{k}": v for k, v in reduce.route.codec.state().items()})
             s["grad_block"] = reduce.route.block
         out[label] = s
     return out
@@ -144,16 +130,11 @@ def load_comm_state(model: nn.Module, state: dict[str, dict[str, Any]]) -> None:
     device = next(model.parameters()).device
     for label, gather, reduce in _installed(model).comms:
         s = state.get(label, {})
-        if gather.path is not None and "numel" in s:
-            gather.chunk.set_numel(int(s["numel"]))
-            gather.chunk.full = torch.empty(0, device=device)  # (its device)
-            gather.path.load_state({k[len("weights/"):]: v for k, v in s.items()
-                                    if k.startswith("weights/")})
-            gather.chunk.full = None
+        if "numel" in s and not gather.plain:
+            gather.make_path(int(s["numel"]))
         if "grad_block" in s:
             reduce.make_route(int(s["grad_block"]))
-            reduce.route.codec.load_state({k[len("grad/"):]: v for k, v in s.items()
-                                           if k.startswith("grad/")}, device)
+        load_comm_state_of(gather.path, reduce.route and reduce.route.codec, s, device)
 
 
 def _installed(model: nn.Module) -> Installed:

@@ -30,7 +30,7 @@ from ..collectives import Comm
 from ..config import Config
 from ..grads.qgz import QgzReduce
 from ..layout import ShardLayout
-from ..weights import WeightPath
+from ..weights import WeightPath, WeightSpec
 
 
 class _Buffers:
@@ -49,55 +49,29 @@ def _check_group(comm: Comm, group: dist.ProcessGroup, what: str) -> None:
             "mesh")
 
 
-class _Chunk:
-    """One FSDP module's all-gather chunk, seen by zeropp's weight routes
-    (weights/) as a flat buffer: this rank's chunk padded to whole blocks is the
-    primary shard, `full` the W padded chunks. The routes read only these."""
-
-    trainable, int_storage = True, False
-
-    def __init__(self, cfg: Config, name: str, world_size: int,
-                 version: Callable[[], tuple]) -> None:
-        self.name, self.world_size, self._version = name, world_size, version
-        self.quantized_gather, self.weight_bits = cfg.quantized_weights, cfg.weight_bits
-        self.cfg = cfg
-        self.layout: Optional[ShardLayout] = None
-        self.primary_shard: Optional[torch.Tensor] = None
-        self.full: Optional[torch.Tensor] = None
-        self.compute_dtype: Optional[torch.dtype] = None
-
-    @property
-    def version(self) -> tuple:
-        return self._version()
-
-    def set_numel(self, numel: int) -> None:
-        """The module's gathered size (W chunks): its layout."""
-        if self.layout is None or self.layout.numel != numel:
-            self.layout = ShardLayout.of(numel, self.world_size, self.cfg)
-        self.block, self.shard_numel = self.layout.block, self.layout.shard_numel
-        self.padded_numel = self.layout.padded_numel
-
-    def take(self, chunk: torch.Tensor, out_dtype: torch.dtype) -> None:
-        """This call's chunk (and the buffer the routes write the full weights into)."""
-        self.set_numel(chunk.numel() * self.world_size)
-        shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=chunk.device)
-        shard[:chunk.numel()] = chunk
-        self.primary_shard, self.compute_dtype = shard, out_dtype
-        self.full = torch.empty(self.padded_numel, dtype=out_dtype, device=chunk.device)
-
-
 class WeightGather(_Buffers, AllGather):
     """zero3: FSDP2's own all-gather, counted. Otherwise the module's chunk goes
     through zeropp's weight routes (weights/: qwZ, hpZ, the hierarchical gather,
-    qWD), the same the engine runs, and the full weights into FSDP2's output."""
+    qWD), the same the engine runs, and the full weights into FSDP2's output.
+    The routes see this rank's chunk padded to whole blocks as its primary shard."""
 
     def __init__(self, comm: Comm, cfg: Config, label: str,
                  version: Callable[[], tuple]) -> None:
-        self.comm, self.cfg, self.label = comm, cfg, label
+        self.comm, self.cfg, self.label, self.version = comm, cfg, label, version
         self.plain = not (cfg.quantized_weights or cfg.hpz_partition_size > 1
                           or cfg.hierarchical_gather)
-        self.chunk = _Chunk(cfg, label, comm.topo.world_size, version)
-        self.path = None if self.plain else WeightPath(self.chunk, comm.topo, cfg)
+        self.path: Optional[WeightPath] = None  # made for the module's gathered size
+
+    def make_path(self, numel: int) -> WeightPath:
+        """The weight path of a module whose gathered size (W chunks) is `numel`."""
+        if self.path is None or self.numel != numel:
+            w = self.comm.topo.world_size
+            spec = WeightSpec.of(ShardLayout.of(numel, w, self.cfg),
+                                 self.cfg.weight_bits if self.cfg.quantized_weights else None)
+            self.path = WeightPath(spec, self.comm.topo, self.cfg, trainable=True,
+                                   version=self.version)
+            self.numel = numel
+        return self.path
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
@@ -118,10 +92,14 @@ class WeightGather(_Buffers, AllGather):
                 f"zeropp.fsdp2: module {self.label} mixes parameter dtypes (FSDP2 gathers them "
                 "as bytes); zeropp's weight routes need one dtype per module")
         w, c = self.comm.topo.world_size, input_tensor.numel()
-        self.chunk.take(input_tensor, output_tensor.dtype)
-        self.path.issue(self.comm, "fsdp2").wait()
-        output_tensor.view(w, c).copy_(self.chunk.full.view(w, -1)[:, :c])
-        self.chunk.full = self.chunk.primary_shard = None
+        path = self.make_path(c * w)
+        shard = torch.zeros(path.spec.shard_numel, dtype=torch.float32,
+                            device=input_tensor.device)
+        shard[:c] = input_tensor
+        full = torch.empty(path.spec.padded_numel, dtype=output_tensor.dtype,
+                           device=input_tensor.device)
+        path.finish(path.issue(self.comm, "fsdp2", shard, full))
+        output_tensor.view(w, c).copy_(full.view(w, -1)[:, :c])
         return None
 
 
@@ -131,8 +109,7 @@ class GradReduce(_Buffers, ReduceScatter):
         self.route: Optional[QgzReduce] = None  # made at the first call (its block)
 
     def make_route(self, block: int) -> None:
-        self.route = QgzReduce.from_config(self.cfg, block=block, topo=self.comm.topo,
-                                           name=self.label)
+        self.route = QgzReduce.from_config(self.cfg, block=block)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:

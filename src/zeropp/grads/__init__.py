@@ -3,8 +3,7 @@ mean over the world.
 
   ring.py      ZeRO-3: one reduce-scatter over the world (RingReduce)
   qgz.py       qgZ: two quantized all-to-all hops, inside the node then across
-               (QgzReduce), with the inter-node hop's codec (rotation, stochastic
-               rounding, error feedback)
+               (QgzReduce), with the inter-node hop's codec (error feedback)
   pipeline.py  the reduce pipeline: the two stages of a route on two threads,
                off backward's critical path
 
@@ -24,12 +23,10 @@ from .ring import RingReduce
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..topology import Topology
 
 
-def route_for(cfg: Config, *, block: int, topo: Topology, name: str
-              ) -> Union[QgzReduce, RingReduce]:
-    """The gradient route of flat buffer `name` (quantization blocks of `block`)."""
+def route_for(cfg: Config, *, block: int) -> Union[QgzReduce, RingReduce]:
+    """The gradient route of a flat buffer (quantization blocks of `block`)."""
     if cfg.quantized_gradients:
-        return QgzReduce.from_config(cfg, block=block, topo=topo, name=name)
+        return QgzReduce.from_config(cfg, block=block)
     return RingReduce(cfg.reduce_dtype)

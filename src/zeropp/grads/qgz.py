@@ -1,53 +1,38 @@
 """qgZ: the hierarchical quantized gradient reduce-scatter, and the quantizer of
-each of its two hops (SPEC.md, qgZ and "Gradient-quantization accuracy").
+each of its two hops.
 
 Hop 1 (inside the node) quantizes with `intra_node_grad_bits` (8 by default:
 it costs no inter-node byte). Hop 2 (across nodes) is where bytes are scarce
-and INT4 error hurts; its codec (`HopCodec`) may add, each behind one Config
-switch:
-- `gradient_rotation`: a randomized Hadamard rotation of each block before
-  quantizing (outliers spread over the block, so the INT4 step shrinks). It is
-  linear, so the receiver sums the rotated pieces and unrotates once.
-- `gradient_stochastic_rounding`: unbiased rounding, from a per-rank generator
-  (saved in checkpoints).
-- `gradient_error_feedback`: the sender keeps what quantization lost and adds it
-  to its next send (LoCo-style moving average e <- b*e + (1-b)*r, b = 0.8, reset
-  every 1024 sends). State: (N-1) chunks of fp32 (or bf16,
-  `error_feedback_dtype`) per unit per rank, i.e. (N-1)/W of the unit's padded
-  size; saved in checkpoints.
+and INT4 error hurts; its codec (`HopCodec`) may add error feedback
+(`gradient_error_feedback`): the sender keeps what quantization lost and adds it
+to its next send (LoCo-style moving average e <- b*e + (1-b)*r, b = 0.8, reset
+every 1024 sends). State: (N-1) chunks of fp32 per unit per rank, i.e. (N-1)/W
+of the unit's padded size; saved in checkpoints.
 A rank never quantizes the piece it keeps for itself (the all-to-all's own
 slot): it adds it in fp32, so only bytes that travel are rounded.
 """
 
 from __future__ import annotations
 
-import zlib
 from typing import Optional
 
 import torch
 
 from ..collectives import Comm
 from ..config import Config
-from ..quant import QTensor, dequantize, quantize, rotate, scratch_buffer, unrotate
+from ..quant import QTensor, dequantize, quantize, scratch_buffer
 from ..topology import Topology
 
-ROTATION_SEED = 0x5EED   # the Hadamard signs every rank shares
 ERROR_BETA = 0.8         # LoCo's err_beta: weight of the older residual
 ERROR_RESET = 1024       # LoCo's reset period, in sends
 
 
 class HopCodec:
-    """Quantizes the rows of one hop's all-to-all and sums what arrives.
-    Plain (round to nearest) unless the switches say otherwise."""
+    """Quantizes the rows of one hop's all-to-all (round to nearest) and sums what
+    arrives; with `error_feedback` each row's residual rides on its next send."""
 
-    def __init__(self, bits: int, block: int, *, rotation: bool = False,
-                 stochastic: bool = False, error_feedback: bool = False, seed: int = 0,
-                 residual_dtype: torch.dtype = torch.float32) -> None:
-        self.bits, self.block = bits, block
-        self.rotation, self.stochastic, self.error_feedback = rotation, stochastic, error_feedback
-        self.residual_dtype = residual_dtype
-        self.seed = seed
-        self.generator: Optional[torch.Generator] = None
+    def __init__(self, bits: int, block: int, *, error_feedback: bool = False) -> None:
+        self.bits, self.block, self.error_feedback = bits, block, error_feedback
         self.residual: Optional[torch.Tensor] = None   # rows sent to peers, in send order
         self.sends = 0
 
@@ -56,30 +41,22 @@ class HopCodec:
         k, numel = rows.shape
         if self.error_feedback:
             if self.residual is None or self.residual.shape != (k - 1, numel):
-                self.residual = torch.zeros(k - 1, numel, dtype=self.residual_dtype,
+                self.residual = torch.zeros(k - 1, numel, dtype=torch.float32,
                                             device=rows.device)
             if self.sends % ERROR_RESET == 0:
                 self.residual.zero_()
             self.sends += 1
-        if self.stochastic and self.generator is None:
-            self.generator = torch.Generator(device=rows.device).manual_seed(self.seed)
         peer = 0
         for r in range(k):
             if r == own:
                 continue
-            x = rotate(rows[r], ROTATION_SEED, self.block) if self.rotation else rows[r]
+            x = rows[r]
             if self.error_feedback:
                 x = torch.add(x, self.residual[peer], out=scratch_buffer("ef_x", numel, x.device))
             seen = scratch_buffer("ef_dq", numel, x.device) if self.error_feedback else None
-            quantize(x, self.bits, self.block, stochastic=self.stochastic,
-                     generator=self.generator, out=send[r * wb:(r + 1) * wb], dequantized=seen)
+            quantize(x, self.bits, self.block, out=send[r * wb:(r + 1) * wb], dequantized=seen)
             if self.error_feedback:  # what the peer will decode, without unpacking it here
-                lost = x.sub_(seen)
-                res = self.residual[peer]
-                if res.dtype == torch.float32:
-                    res.mul_(ERROR_BETA).add_(lost, alpha=1 - ERROR_BETA)
-                else:  # the average in fp32, rounded once into the narrow residual
-                    res.copy_(lost.mul_(1 - ERROR_BETA).add_(res, alpha=ERROR_BETA))
+                self.residual[peer].mul_(ERROR_BETA).add_(x.sub_(seen), alpha=1 - ERROR_BETA)
             peer += 1
 
     def decode_sum(self, recv: torch.Tensor, own: int, own_row: torch.Tensor,
@@ -100,37 +77,19 @@ class HopCodec:
                     total += dequantize(q, out=part)
         if total is None:
             total = torch.zeros(numel, dtype=torch.float32, device=own_row.device)
-        if self.rotation:
-            total = unrotate(total, ROTATION_SEED, self.block)
         return total.add_(own_row)
 
     # ---- checkpoints: what a bit-exact resume needs -----------------------------------
     def state(self) -> dict[str, torch.Tensor]:
-        out = {}
-        if self.residual is not None:
-            out["residual"] = self.residual.detach().cpu()
-            out["sends"] = torch.tensor([self.sends])
-        if self.generator is not None:
-            out["generator"] = self.generator.get_state()
-        return out
+        if self.residual is None:
+            return {}
+        return {"residual": self.residual.detach().cpu(), "sends": torch.tensor([self.sends])}
 
     def load_state(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
-        self.residual, self.sends, self.generator = None, 0, None
+        self.residual, self.sends = None, 0
         if "residual" in state and self.error_feedback:
-            self.residual = state["residual"].to(device, self.residual_dtype)
+            self.residual = state["residual"].to(device, torch.float32)
             self.sends = int(state["sends"][0])
-        if "generator" in state and self.stochastic:
-            self.generator = torch.Generator(device=device).manual_seed(self.seed)
-            self.generator.set_state(state["generator"])
-
-
-def inter_node_codec(cfg: Config, block: int, topo: Topology, name: str) -> HopCodec:
-    """The inter-node hop's codec of one unit's gradient, with the Config's switches."""
-    return HopCodec(cfg.grad_bits, block, rotation=cfg.gradient_rotation,
-                    stochastic=cfg.gradient_stochastic_rounding,
-                    error_feedback=cfg.gradient_error_feedback,
-                    seed=topo.rank * 1_000_003 + zlib.crc32(name.encode()),
-                    residual_dtype=cfg.error_feedback_dtype)
 
 
 class QgzReduce:
@@ -155,9 +114,10 @@ class QgzReduce:
         self.block, self.intra_bits, self.codec, self.op = block, intra_bits, codec, op
 
     @classmethod
-    def from_config(cls, cfg: Config, *, block: int, topo: Topology, name: str) -> QgzReduce:
+    def from_config(cls, cfg: Config, *, block: int) -> QgzReduce:
         return cls(block=block, intra_bits=cfg.intra_node_grad_bits or cfg.grad_bits,
-                   codec=inter_node_codec(cfg, block, topo, name))
+                   codec=HopCodec(cfg.grad_bits, block,
+                                  error_feedback=cfg.gradient_error_feedback))
 
     def first(self, comm: Comm, g: torch.Tensor) -> tuple:
         partial = qgz_intra_hop(comm, g.float(), block=self.block, intra_bits=self.intra_bits,

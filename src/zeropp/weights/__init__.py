@@ -1,44 +1,49 @@
-"""The weight path: how a unit's full weights are assembled from the shards.
+"""The weight path: how a flat buffer's full weights are assembled from the shards.
 
-`FlatParam` owns the buffers; `WeightPath` holds one flat buffer's weight-path
-state (its secondary, what version of the masters it stands for) and picks the
-route of each gather. One file per technique:
+A driver (the engine's `FlatParam`, or FSDP2's all-gather slot) makes two calls
+per gather, in order, as FSDP2 does with its all-gather and copy-out:
+`WeightPath.issue(comm, phase, shard, full)` starts the route's first collective,
+`WeightPath.finish(gather)` waits for it, runs any second stage, and leaves the
+full weights in `full`. Each route is a pair of functions over tensors, one file
+per technique:
   world.py         ZeRO-3's ring all-gather over the world; qwZ's INT8 payload on it
-  hpz.py           hpZ: the secondary shard kept after a gather, and gathers inside
-                   the group from it
-  hierarchical.py  the two-stage gather: across nodes, then inside the node
-  delta.py         qWD: secondaries kept across steps, refreshed by deltas
+  hierarchical.py  stage 1 of the two-stage gather: across nodes
+  hpz.py           hpZ: the secondary shard (`Secondary`, its one owner), and stage 2
+                   of every route that has one: the gather inside the node from it
+  delta.py         qWD: the secondary kept across steps, moved by code deltas
 
 [Note: routes]
-  world     ZeRO-3 / qwZ: one ring over the world (W-1)/W of the payload per node
+  WORLD     ZeRO-3 / qwZ: one ring over the world (W-1)/W of the payload per node
             across; with hpZ the rank then keeps its pieces of the result.
-  hier      stage 1 across nodes among same-local-index ranks -> the N pieces of
+  HIER      stage 1 across nodes among same-local-index ranks -> the N pieces of
             the secondary; stage 2 inside the node. (N-1)/N of the payload per
-            node crosses. Bitwise equal to `world` (but for a full refresh of qWD's
-            INT8 copies without qwZ's INT8: the forward then computes with the copies).
-  secondary hpZ: stage 2 only, from a current secondary (nothing crosses nodes).
-  delta     qWD: the secondary persists across steps. After an optimizer step each
+            node crosses. Bitwise equal to WORLD.
+  SECONDARY hpZ: stage 2 only, from a current secondary (nothing crosses nodes).
+  DELTA     qWD: the secondary persists across steps. After an optimizer step each
             owner all-gathers a delta of its shard in the inter-node group, every
             holder (the owner too) applies it to its copy; then stage 2. Copies
             stay bitwise identical everywhere.
+Stage 2 is issued by `finish`, after stage 1 is waited for: issued any earlier,
+ranks could reach the intra-node group in different orders, and a collective
+matched against another one hangs.
 
 [Note: when qWD refreshes in full]
-A full refresh (the `hier` or `world` route; INT8 with qwZ, else exact) runs on
-the first gather, after a checkpoint load at another layout, when the master
-shard changed by anything but an optimizer step (its version counter moved
-after the step hook ran, or its storage was replaced), after
-`zeropp.refresh(model)`, and every `weight_refresh_every` steps. An in-place
+A full refresh (the HIER or WORLD route, qwZ's INT8) runs on the first gather,
+after a checkpoint load at another layout, when the master shard changed by
+anything but an optimizer step (its version counter moved after the step hook
+ran, or its storage was replaced), and after `zeropp.refresh(model)`. An in-place
 write through `.data` is invisible to version counters: it reaches the copies
-through the next delta (INT-quantized); call `zeropp.refresh(model)` to send it
-exactly. Memory: the persistent secondary costs W/P shards per rank (1/D of the
-model) as INT8 blocks, 1 byte/param / D (exact copies: the compute dtype's
-width), where qwZ+hpZ keeps the same bytes only between a forward and the next step.
+through the next delta; call `zeropp.refresh(model)` to send it at once. Memory:
+the persistent secondary costs W/P shards per rank (1/D of the model) as INT8
+blocks, 1 byte/param / D, where qwZ+hpZ keeps the same bytes only between a
+forward and the next step.
 """
 
 from __future__ import annotations
 
-import zlib
-from typing import TYPE_CHECKING, Optional
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -48,131 +53,161 @@ from . import delta, hierarchical, hpz, world
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..flat_param import FlatParam
+    from ..layout import ShardLayout
     from ..topology import Topology
 
 
-class WeightPath:
-    def __init__(self, flat: FlatParam, topo: Topology, cfg: Config) -> None:
-        self.flat = flat
-        w, d = topo.world_size, topo.node_size
-        self.p = cfg.hpz_partition_size            # hpZ group size (1 = no secondary)
-        self.index = topo.rank % self.p            # i: this rank's index in its hpZ group
-        # Two stages need a real node boundary; P must then be the node size (or
-        # 1) so that stage 1 is the inter-node group (hpz.py, the layout note).
-        self.hierarchical = cfg.hierarchical_gather and 1 < d < w
-        self.delta = cfg.weight_delta and flat.trainable and w // d > 1
-        if (self.hierarchical or cfg.weight_delta) and self.p not in (1, d):
-            raise ValueError(f"zeropp: hierarchical_gather / weight_delta need "
-                             f"hpz_partition_size 1 or the node size {d}, got {self.p}")
-        self.outer_index = topo.rank // d          # this rank's index in its inter-node group
-        self.delta_bits, self.refresh_every = cfg.weight_delta_bits, cfg.weight_refresh_every
-        self.stochastic = cfg.weight_delta_stochastic_rounding
-        self.generator: Optional[torch.Generator] = None  # the owner's rounding (stochastic)
-        self.seed = topo.rank * 1_000_003 + 7 + zlib.crc32(flat.name.encode())
-        self.secondary: Optional[torch.Tensor] = None  # W/P pieces: wire bytes or compute dtype
-        self.current_for: Optional[tuple] = None  # master version the secondary stands for
-        self.stepped_at: Optional[tuple] = None   # master version right after the last step
-        # qWD's copies as wire bytes of this many bits (None: exact, at the compute dtype)
-        self.copy_bits = cfg.weight_copy_bits if self.delta else None
-        self.deltas = 0                           # deltas since the last full refresh
+class Route(enum.Enum):
+    WORLD = "world"
+    HIER = "hier"
+    SECONDARY = "secondary"
+    DELTA = "delta"
 
-    # ---- state -----------------------------------------------------------------------
-    def after_step(self) -> None:
-        """An optimizer step updated the master shard: qWD keeps the copy and sends a
-        delta at the next gather; plain hpZ drops it (its next gather is a full one)."""
-        if self.delta and self.secondary is not None:
-            self.stepped_at, self.current_for = self.flat.version, None
-        else:
-            self.invalidate()
 
-    def invalidate(self) -> None:
-        """Forget the secondary: the next gather is a full one."""
-        self.secondary = self.current_for = self.stepped_at = None
+@dataclass(frozen=True)
+class WeightSpec:
+    """What every route needs to know of a flat buffer: its cut into W shards and
+    how a shard travels (as `bits`-bit wire bytes, or at the compute dtype)."""
 
-    def route(self) -> str:
-        v = self.flat.version
-        if self.secondary is not None and self.current_for == v:
-            return "secondary"
-        if (self.secondary is not None and self.stepped_at == v
-                and (self.refresh_every is None or self.deltas < self.refresh_every)):
-            return "delta"
-        return "hier" if self.hierarchical else "world"
+    world_size: int
+    shard_numel: int
+    block: int
+    bits: Optional[int]          # None: the weights travel at the compute dtype
+    stored_as_wire: bool = False  # the primary shard is those wire bytes already
 
-    def before_step(self) -> None:
-        """Before an optimizer step: a master shard changed since its copy was made
-        current (not by a step) must be refreshed in full, not by delta."""
-        v = self.flat.version
-        if self.secondary is not None and v not in (self.current_for, self.stepped_at):
-            self.invalidate()
-
-    def issue(self, comm: Comm, phase: str) -> Pending:
-        """Start assembling the full weights into `flat.full`; the returned Pending
-        completes the remaining stages when waited on."""
-        route, op = self.route(), f"all_gather/{phase}"
-        if route == "secondary":
-            return hpz.issue(self, comm, op)
-        if route == "delta":
-            return delta.issue(self, comm, op)
-        if route == "hier":
-            return hierarchical.issue(self, comm, op)
-        return world.issue(self, comm, op)
+    @classmethod
+    def of(cls, layout: ShardLayout, bits: Optional[int], stored_as_wire: bool = False
+           ) -> WeightSpec:
+        return cls(layout.world_size, layout.shard_numel, layout.block, bits, stored_as_wire)
 
     @property
-    def recodes(self) -> bool:
-        """Whether qWD's copies differ from the gathered pieces as they come: exact
-        copies of qwZ's INT8, or codes of a gather that is exact or of other bits."""
-        f = self.flat
-        return self.delta and (not f.quantized_gather or self.copy_bits != f.weight_bits)
-
-    @property
-    def is_wire(self) -> bool:
-        """Whether the secondary holds wire bytes (qwZ without qWD) rather than weights."""
-        return self.flat.quantized_gather and not self.delta
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
 
     @property
     def wire_bytes(self) -> int:
-        f = self.flat
-        return QTensor.wire_bytes(f.shard_numel, f.weight_bits, f.block)
+        """Bytes of one shard as wire bytes (scales and codes)."""
+        return QTensor.wire_bytes(self.shard_numel, self.bits, self.block)
 
     @property
     def scale_bytes(self) -> int:
-        return self.flat.shard_numel // self.flat.block * 4
+        """Bytes of one shard's scales."""
+        return self.shard_numel // self.block * 4
+
+
+@dataclass
+class Gather:
+    """A gather under way: its route and first collective, and where it lands."""
+
+    route: Route
+    op: str
+    comm: Comm
+    pending: Pending
+    out: torch.Tensor             # the first collective's output
+    full: torch.Tensor            # the full weights' buffer (compute dtype)
+    version: Optional[tuple] = None  # DELTA: the master version the copies will stand for
+
+
+class WeightPath:
+    """One flat buffer's route choice and its secondary (hpZ / qWD)."""
+
+    def __init__(self, spec: WeightSpec, topo: Topology, cfg: Config, *, trainable: bool,
+                 version: Callable[[], tuple]) -> None:
+        self.spec, self.version = spec, version
+        w, d, p = topo.world_size, topo.node_size, cfg.hpz_partition_size
+        # Two stages need a real node boundary; P must then be the node size (or
+        # 1) so that stage 1 is the inter-node group (hpz.py, the layout note).
+        self.hierarchical = cfg.hierarchical_gather and 1 < d < w
+        self.delta = cfg.weight_delta and trainable and w // d > 1
+        if (self.hierarchical or cfg.weight_delta) and p not in (1, d):
+            raise ValueError(f"zeropp: hierarchical_gather / weight_delta need "
+                             f"hpz_partition_size 1 or the node size {d}, got {p}")
+        self.outer_index = topo.rank // d          # this rank's index in its inter-node group
+        self.secondary = hpz.Secondary(p, topo.rank % p, persists=self.delta) if p > 1 else None
+
+    def route(self) -> Route:
+        sec, v = self.secondary, self.version()
+        if sec is not None and sec.current_for(v):
+            return Route.SECONDARY
+        if sec is not None and sec.delta_due(v):
+            return Route.DELTA
+        return Route.HIER if self.hierarchical else Route.WORLD
+
+    def issue(self, comm: Comm, phase: str, shard: torch.Tensor, full: torch.Tensor) -> Gather:
+        """Start gathering every rank's `shard` (this rank's primary shard, detached)
+        into `full`; `finish` completes it."""
+        route, op, spec = self.route(), f"all_gather/{phase}", self.spec
+        version = None
+        if route is Route.SECONDARY:
+            pending, out = hpz.issue(spec, comm, self.secondary.pieces, f"{op}/hpz", "hpz")
+        elif route is Route.DELTA:
+            version = self.secondary.start_delta()
+            copies = self.secondary.pieces.view(spec.world_size // self.secondary.p, -1)
+            pending, out = delta.issue(spec, comm, f"{op}/delta", shard, copies[self.outer_index])
+        elif route is Route.HIER:
+            pending, out = hierarchical.issue(spec, comm, f"{op}/inter", shard, full)
+        else:
+            pending, out = world.issue(spec, comm, op, shard, full)
+        return Gather(route, op, comm, pending, out, full, version)
+
+    def finish(self, g: Gather) -> None:
+        """Wait for `g`'s first collective, run its second stage, leave the weights in
+        `g.full`."""
+        g.pending.wait()
+        spec, sec = self.spec, self.secondary
+        if g.route is Route.WORLD:
+            world.finish(spec, g.out, g.full)
+            if sec is not None:
+                sec.keep(g.out, spec.world_size, self.version())
+            return
+        if g.route is Route.SECONDARY:
+            hpz.finish(spec, g.out, g.full, sec.p)
+            return
+        if g.route is Route.HIER:
+            if sec is not None:
+                sec.set(g.out, self.version())  # stage 1's output is the secondary
+            mine, op, group = g.out, f"{g.op}/intra", "intra_node"
+        else:
+            delta.finish(spec, g.out, sec.pieces.view(spec.world_size // sec.p, -1),
+                         self.outer_index)
+            sec.applied(g.version)
+            mine, op, group = sec.pieces, f"{g.op}/hpz", "hpz"
+        pending, out = hpz.issue(spec, g.comm, mine, op, group)
+        pending.wait()
+        hpz.finish(spec, out, g.full, len(g.comm.ranks[group]))
+
+    # ---- the secondary's life across optimizer steps (the drivers' step hooks) -------
+    def before_step(self) -> None:
+        if self.secondary is not None:
+            self.secondary.before_step(self.version())
+
+    def after_step(self) -> None:
+        if self.secondary is not None:
+            self.secondary.after_step(self.version())
+
+    def invalidate(self) -> None:
+        """Forget the secondary: the next gather is a full one."""
+        if self.secondary is not None:
+            self.secondary.invalidate()
+
+    @property
+    def secondary_bytes(self) -> int:
+        sec = self.secondary
+        return 0 if sec is None or sec.pieces is None else sec.pieces.nbytes
 
     # ---- checkpoints -------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:
         """qWD state a bit-exact resume needs: the copies and whether a delta is due."""
-        if not self.delta or self.secondary is None:
+        if not self.delta:
             return {}
-        due = self.stepped_at is not None and self.stepped_at == self.flat.version
-        if not due and self.current_for != self.flat.version:
-            return {}  # stale by an outside change: the next gather refreshes in full anyway
-        out = {"secondary": self.secondary.detach().cpu(),
-               "delta_due": torch.tensor([int(due), self.deltas])}
-        if self.generator is not None:
-            out["generator"] = self.generator.get_state()
-        return out
+        return self.secondary.state(self.version())
 
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
         """Restore `state()` after the master shard was loaded (same layout)."""
         self.invalidate()
-        self.generator = None
-        if "generator" in state and self.stochastic:
-            self.generator = torch.Generator(device=self.flat.full.device).manual_seed(self.seed)
-            self.generator.set_state(state["generator"])
-        if "secondary" not in state or not self._fits(state["secondary"]):
-            return  # none saved, or saved in another form (exact copies): refresh in full
-        hpz.set_secondary(self, state["secondary"].to(self.flat.full.device))
-        due, self.deltas = (int(x) for x in state["delta_due"])
-        if due:
-            self.stepped_at, self.current_for = self.current_for, None
-
-    def _fits(self, secondary: torch.Tensor) -> bool:
-        """Whether saved copies have this configuration's form (codes or exact)."""
-        f = self.flat
-        n = f.world_size // self.p
-        if self.copy_bits is not None:
-            want = (torch.uint8, n * QTensor.wire_bytes(f.shard_numel, self.copy_bits, f.block))
-        else:
-            want = (f.compute_dtype, n * f.shard_numel)
-        return (secondary.dtype, secondary.numel()) == want
+        if not self.delta or "secondary" not in state:
+            return
+        want = self.spec.world_size // self.secondary.p * self.spec.wire_bytes
+        saved = state["secondary"]
+        if (saved.dtype, saved.numel()) == (torch.uint8, want):  # else: refresh in full
+            self.secondary.load_state(state, device, self.version())

@@ -1,7 +1,8 @@
-"""hpZ: the secondary shard. After a world gather a rank keeps the pieces of its
-column (the note), and a later gather of the unit (the backward's) runs inside
-the hpZ group from them, without crossing a node boundary. Also the second
-stage of the hierarchical gather and of qWD's refresh: `issue_inner`.
+"""hpZ: the secondary shard, and the gather inside the node from it. After a
+world gather a rank keeps the pieces of its column (the note), and a later
+gather of the unit (the backward's) runs inside the hpZ group from them, without
+crossing a node boundary. `issue` / `finish` are also the second stage of the
+hierarchical gather and of qWD's refresh.
 
 [Note: the secondary shard's layout]
 With hpZ groups of P ranks, rank r (index i = r mod P in its group) keeps the
@@ -13,6 +14,8 @@ with no copy, and the owner of a primary shard and every holder of a copy of it
 are one inter-node group, which is what qWD's deltas travel in. A gather from
 secondaries (inside the hpZ group) receives the pieces in (i, k) order and
 places piece (i, k) at slot k*P + i: the same bytes a world gather puts there.
+The secondary holds wire bytes when the weights travel quantized (qwZ: the
+bytes as received; qWD's copies are these), else weights at the compute dtype.
 """
 
 from __future__ import annotations
@@ -22,67 +25,98 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..collectives import Comm, Pending
-from ..quant import QTensor, dequantize_pieces, quantize
+from ..quant import dequantize_pieces
 
 if TYPE_CHECKING:
-    from . import WeightPath
+    from . import WeightSpec
 
 
-def issue(path: WeightPath, comm: Comm, op: str) -> Pending:
-    """The gather from a current secondary, inside the hpZ group."""
-    if path.copy_bits is not None:
-        return issue_inner(path, comm, path.secondary, f"{op}/hpz", "hpz", path.copy_bits)
-    return issue_inner(path, comm, path.secondary, f"{op}/hpz", "hpz",
-                       path.flat.weight_bits if path.is_wire else None)
+class Secondary:
+    """This rank's secondary shard and the master version it stands for: the one
+    place that state changes. `persists` (qWD): kept across optimizer steps, a
+    delta due after each; otherwise dropped by a step."""
+
+    def __init__(self, p: int, index: int, *, persists: bool) -> None:
+        self.p, self.index, self.persists = p, index, persists
+        self.pieces: Optional[torch.Tensor] = None  # W/P pieces, flat
+        self._current: Optional[tuple] = None  # master version the pieces stand for
+        self._stepped: Optional[tuple] = None  # master version right after the last step
+
+    def current_for(self, version: tuple) -> bool:
+        return self.pieces is not None and self._current == version
+
+    def delta_due(self, version: tuple) -> bool:
+        return self.pieces is not None and self._stepped == version
+
+    def set(self, pieces: torch.Tensor, version: tuple) -> None:
+        self.pieces, self._current, self._stepped = pieces, version, None
+
+    def keep(self, gathered: torch.Tensor, world_size: int, version: tuple) -> None:
+        """After a world gather: keep this rank's pieces k*P + i of the result."""
+        mine = gathered.view(-1, self.p, gathered.numel() // world_size)[:, self.index]
+        self.set(mine.clone().view(-1), version)
+
+    def invalidate(self) -> None:
+        self.pieces = self._current = self._stepped = None
+
+    def after_step(self, version: tuple) -> None:
+        """An optimizer step updated the master shard: qWD keeps the copies and sends
+        a delta at the next gather; plain hpZ drops them (its next gather is a full one)."""
+        if self.persists and self.pieces is not None:
+            self._stepped, self._current = version, None
+        else:
+            self.invalidate()
+
+    def before_step(self, version: tuple) -> None:
+        """A master shard changed since its copies were made current, not by a step,
+        must be refreshed in full, not by a delta."""
+        if self.pieces is not None and version not in (self._current, self._stepped):
+            self.invalidate()
+
+    def start_delta(self) -> tuple:
+        """A delta is being sent: until `applied`, the copies are mid-update (the
+        owner's piece moved at the encode), so a failure leaves a full refresh due
+        rather than a resend. Returns the version the copies will stand for."""
+        version, self._stepped = self._stepped, None
+        return version
+
+    def applied(self, version: tuple) -> None:
+        self._current, self._stepped = version, None
+
+    def state(self, version: tuple) -> dict[str, torch.Tensor]:
+        """The copies and whether a delta is due ({} when stale by an outside change:
+        the next gather refreshes in full anyway)."""
+        if self.pieces is None:
+            return {}
+        due = self._stepped is not None and self._stepped == version
+        if not due and self._current != version:
+            return {}
+        return {"secondary": self.pieces.detach().cpu(),
+                "delta_due": torch.tensor([int(due), 0])}
+
+    def load_state(self, state: dict[str, torch.Tensor], device: torch.device,
+                   version: tuple) -> None:
+        self.set(state["secondary"].to(device), version)
+        if int(state["delta_due"][0]):
+            self._stepped, self._current = version, None
 
 
-def keep(path: WeightPath, gathered: torch.Tensor, *, wire: bool) -> None:
-    """hpZ after a world gather: keep this rank's pieces k*P + i of the result
-    (wire bytes as received, qWD's INT8 copies, or its exact ones)."""
-    if path.p == 1:
-        return
-    f = path.flat
-    if path.recodes:
-        gathered, wire = f.full, False  # take the copies from the full weights
-    mine = gathered.view(-1, path.p, gathered.numel() // f.world_size)[:, path.index]
-    if path.copy_bits is not None and not wire:
-        set_secondary(path, as_codes(path, mine))
-    else:
-        set_secondary(path, mine.clone().view(-1))
-
-
-def set_secondary(path: WeightPath, secondary: torch.Tensor) -> None:
-    path.secondary, path.current_for, path.stepped_at = secondary, path.flat.version, None
-    path.deltas = 0
-
-
-def as_codes(path: WeightPath, pieces: torch.Tensor) -> torch.Tensor:
-    """qWD's copies of weight `pieces` (n, shard) as wire bytes, one piece per shard."""
-    f = path.flat
-    wb = QTensor.wire_bytes(f.shard_numel, path.copy_bits, f.block)
-    out = torch.empty(len(pieces) * wb, dtype=torch.uint8, device=pieces.device)
-    for k, c in enumerate(pieces):
-        quantize(c, path.copy_bits, f.block, out=out[k * wb:(k + 1) * wb])
-    return out
-
-
-def issue_inner(path: WeightPath, comm: Comm, mine: torch.Tensor, op: str, group: str,
-                bits: Optional[int]) -> Pending:
-    """Stage 2: all-gather every group member's pieces inside the group (hpZ
-    group or node, G ranks) and place member i's piece k at slot k*G + i.
-    `bits`: the pieces are wire bytes of that many bits (None: weights)."""
-    f = path.flat
+def issue(spec: WeightSpec, comm: Comm, mine: torch.Tensor, op: str, group: str
+          ) -> tuple[Pending, torch.Tensor]:
+    """All-gather every group member's pieces `mine` inside `group` (the hpZ group or
+    the node)."""
     g = len(comm.ranks[group])
-    k = f.world_size // g
     out = torch.empty(g * mine.numel(), dtype=mine.dtype, device=mine.device)
-    if bits is not None:
+    scales = spec.scale_bytes * spec.world_size if spec.bits is not None else 0
+    return comm.all_gather(out, mine, op=op, group=group, scale_bytes=scales), out
 
-        def then() -> None:  # member i's piece j arrives at i*k + j, goes to slot j*g + i
-            dequantize_pieces(out, f.full, pieces=g * k, bits=bits, block=f.block,
-                              slots=[j * g + i for i in range(g) for j in range(k)])
-        return comm.all_gather(out, mine, op=op, group=group,
-                               scale_bytes=path.scale_bytes * g * k, then=then)
 
-    def place() -> None:
-        f.full.view(k, g, -1).copy_(out.view(g, k, -1).transpose(0, 1))
-    return comm.all_gather(out, mine, op=op, group=group, then=place)
+def finish(spec: WeightSpec, out: torch.Tensor, full: torch.Tensor, g: int) -> None:
+    """Member i's piece j of the g members' (at i*k + j in `out`) into slot j*g + i
+    of `full`, dequantized when the pieces are wire bytes."""
+    k = spec.world_size // g
+    if spec.bits is not None:
+        dequantize_pieces(out, full, pieces=g * k, bits=spec.bits, block=spec.block,
+                          slots=[j * g + i for i in range(g) for j in range(k)])
+    else:
+        full.view(k, g, -1).copy_(out.view(g, k, -1).transpose(0, 1))

@@ -9,45 +9,40 @@ import torch
 
 from ..collectives import Comm, Pending
 from ..quant import dequantize_pieces, quantize
-from . import hpz
 
 if TYPE_CHECKING:
-    from . import WeightPath
+    from . import WeightSpec
 
 
-def send(path: WeightPath) -> torch.Tensor:
-    """This rank's contribution to a full gather: its primary shard in the
-    compute dtype or, with qwZ, quantized (payload and scales in one buffer)."""
-    f = path.flat
-    shard = f.primary_shard.detach()
-    if f.int_storage:
+def send(spec: WeightSpec, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's contribution to a gather: its primary shard at the compute
+    `dtype` or, with qwZ, quantized (payload and scales in one buffer)."""
+    if spec.stored_as_wire:
         return shard
-    if f.quantized_gather:
-        return quantize(shard, f.weight_bits, f.block).to_bytes()
-    return shard.to(f.compute_dtype)
+    if spec.bits is not None:
+        return quantize(shard, spec.bits, spec.block).to_bytes()
+    return shard.to(dtype)
 
 
-def gather_buffer(path: WeightPath, pieces: int) -> tuple[torch.Tensor, int]:
-    f = path.flat
-    if f.quantized_gather:
-        return (torch.empty(pieces * path.wire_bytes, dtype=torch.uint8,
-                            device=f.full.device), path.scale_bytes * pieces)
-    return torch.empty(pieces * f.shard_numel, dtype=f.compute_dtype,
-                       device=f.full.device), 0
+def out_buffer(spec: WeightSpec, pieces: int, full: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A gather's output for `pieces` shards, and how many of its bytes are scales."""
+    if spec.bits is not None:
+        return (torch.empty(pieces * spec.wire_bytes, dtype=torch.uint8, device=full.device),
+                spec.scale_bytes * pieces)
+    return torch.empty(pieces * spec.shard_numel, dtype=full.dtype, device=full.device), 0
 
 
-def issue(path: WeightPath, comm: Comm, op: str) -> Pending:
-    """Every rank's primary shard (qwZ: as INT8 wire bytes, dequantized on
-    arrival) into `full`; with hpZ the rank then keeps its pieces (hpz.keep)."""
-    f = path.flat
-    w = f.world_size
-    if f.quantized_gather:
-        out, scales = gather_buffer(path, w)
+def issue(spec: WeightSpec, comm: Comm, op: str, shard: torch.Tensor, full: torch.Tensor
+          ) -> tuple[Pending, torch.Tensor]:
+    """Every rank's primary shard: as wire bytes (qwZ), or straight into `full`."""
+    if spec.bits is None:
+        return comm.all_gather(full, send(spec, shard, full.dtype), op=op, group="world"), full
+    out, scales = out_buffer(spec, spec.world_size, full)
+    return comm.all_gather(out, send(spec, shard, full.dtype), op=op, group="world",
+                           scale_bytes=scales), out
 
-        def then() -> None:
-            dequantize_pieces(out, f.full, pieces=w, bits=f.weight_bits, block=f.block)
-            hpz.keep(path, out, wire=True)
-        return comm.all_gather(out, send(path), op=op, group="world", scale_bytes=scales,
-                               then=then)
-    return comm.all_gather(f.full, send(path), op=op, group="world",
-                           then=lambda: hpz.keep(path, f.full, wire=False))
+
+def finish(spec: WeightSpec, out: torch.Tensor, full: torch.Tensor) -> None:
+    """qwZ: every rank's piece dequantized into its slot of `full`."""
+    if spec.bits is not None:
+        dequantize_pieces(out, full, pieces=spec.world_size, bits=spec.bits, block=spec.block)
