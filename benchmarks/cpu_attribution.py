@@ -29,8 +29,6 @@ from _gpt_step import batch, sharded_gpt
 import zeropp
 import zeropp.qwd as qwd_mod
 import zeropp.weights as weights_mod
-import zeropp.weights.delta as weights_delta
-import zeropp.weights.hierarchical as weights_hier
 import zeropp.weights.hpz as weights_hpz
 import zeropp.weights.world as weights_world
 from zeropp.launch import spawn
@@ -69,12 +67,11 @@ def _timed(acc: dict, owner, name: str, key: str) -> None:
 def work(preset: str, steps: int, warmup: int = 3) -> dict[str, float]:
     torch.set_num_threads(1)
     acc: dict[str, float] = collections.defaultdict(float)
-    for mod in (weights_world, weights_hpz, weights_delta):  # each technique's own names
-        _timed(acc, mod, "quantize", "  weight path: quantize")
-    _timed(acc, weights_delta, "dequantize", "  weight path: dequantize pieces")
-    for mod in (weights_world, weights_hpz, weights_hier):
+    _timed(acc, weights_world, "quantize", "  weight path: quantize")
+    for mod in (weights_world, weights_hpz):
         _timed(acc, mod, "dequantize_pieces", "  weight path: dequantize gathered")
     _timed(acc, weights_mod.WeightPath, "issue", "  weight path: issue (incl. its quantize)")
+    _timed(acc, weights_mod.WeightPath, "finish", "  weight path: finish (incl. stage 2)")
     _timed(acc, qwd_mod, "encode", "  weight path: qWD owner's encode")
     _timed(acc, qwd_mod, "apply", "  weight path: qWD holder's apply")
     model, opt = sharded_gpt(preset)

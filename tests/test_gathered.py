@@ -270,13 +270,13 @@ def _semantics() -> dict:
 
     def fail() -> None:
         raise MemoryError("simulated: no memory for the snapshot")
-    victim.install_full_views = fail
+    victim.install_attributes = fail
     try:
         with zeropp.gathered(model, writable=True):
             pass
     except MemoryError:
         pass
-    del victim.install_full_views
+    del victim.install_attributes
     out["entry_failure"] = ([u.pins for u in st.units], st.gathered_depth, any(resident(model)))
     step(model, opt, 5)
     x, _ = task_batch(6, 4, rank)

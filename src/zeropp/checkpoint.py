@@ -53,10 +53,12 @@ from .checkpoint_files import (
     write_durably,
     write_safetensors,
 )
+from .collectives import Comm
 from .config import Config
 from .driver import comm_state, load_comm_state
+from .flat_param import FlatParam
 from .guards import agree, all_gather_bytes
-from .quant import quantize
+from .quant import dequantize_pieces, quantize
 from .shard import ShardState, get_state
 
 
@@ -70,9 +72,9 @@ def full_state_dict(model: nn.Module, *, all_ranks: bool = False) -> dict[str, t
     out: dict[str, torch.Tensor] = {}
     keep = all_ranks or st.topo.rank == 0
     for f in st.flats:
-        full = f.gather_master(st.comm)  # every rank takes part in every gather
+        full = gather_master(f, st.comm)  # every rank takes part in every gather
         if keep:  # the others hold one flat's full weights at a time, never the model
-            out.update({k: v.clone() for k, v in f.unflatten(full).items()})
+            out.update({k: v.clone() for k, v in unflatten(f, full).items()})
         del full
     if not keep:
         return {}
@@ -190,7 +192,7 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
         "node_size": st.topo.node_size, "config": st.cfg.to_dict(),
         "optimizer_steps": st.optimizer_steps, "step": values.get("step"),
         "torch": torch.__version__,
-        "flats": [f.layout() for f in st.flats],
+        "flats": [flat_layout(f) for f in st.flats],
         "buffers": {n: list(b.shape) for n, b in buffers.items()},
         "optimizer": _optimizer_state(st, opt, tensors) if opt is not None else None,
         "extra": values, "extra_kinds": kinds, "hf": _hf_model(model),
@@ -266,11 +268,11 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
                     and same_config(man.get("config"), st.cfg))
     for f in st.flats:
         sf = saved_flats.get(f.name)
-        if same_setting and sf == f.layout():
+        if same_setting and sf == flat_layout(f):
             prefix = f"engine/{f.name}/"
             engine[f.name] = {k[len(prefix):]: rd.get(rank, k)
                               for k in rd.file(rank).keys() if k.startswith(prefix)}
-        if same_world and sf == f.layout():  # same layout: this rank's own bytes
+        if same_world and sf == flat_layout(f):  # same layout: this rank's own bytes
             shards[f.name] = rd.get(rank, f"model/{f.name}")
             continue
         values = _assemble(f, rank, rd, where, lambda name: f"model/{name}")
@@ -302,14 +304,51 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
             "rng": rng, "extras": extras, "extra_kinds": kinds, "engine": engine}
 
 
+def flat_layout(f: FlatParam) -> dict:
+    """Where everything of a flat buffer sits, as a manifest records it (JSON types)."""
+    return {"name": f.name, "trainable": f.trainable, "numel": f.numel,
+            "shard_numel": f.shard_numel, "block": f.block,
+            "storage": f"int{f.weight_bits}" if f.int_storage else "float32",
+            "params": [{"names": list(i.fqns), "shape": list(i.shape), "offset": i.offset}
+                       for i in f.infos]}
+
+
+def gather_master(f: FlatParam, comm: Comm) -> torch.Tensor:
+    """A flat buffer's full fp32 master weights (every rank's shard), for export.
+    Frozen weights stored as integers come back dequantized."""
+    shard = f.primary_shard.detach()
+    full = torch.empty(f.padded_numel, dtype=torch.float32, device=shard.device)
+    if not f.int_storage:
+        comm.all_gather(full, shard, op="all_gather/state_dict").wait()
+        return full
+    out = torch.empty(f.world_size * shard.numel(), dtype=torch.uint8, device=shard.device)
+    comm.all_gather(out, shard, op="all_gather/state_dict").wait()
+    dequantize_pieces(out, full, pieces=f.world_size, bits=f.weight_bits, block=f.block)
+    return full
+
+
+def unflatten(f: FlatParam, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Original tensors (every name) from a full flat buffer."""
+    return {fqn: flat[i.offset:i.offset + i.numel].view(i.shape) for i in f.infos
+            for fqn in i.fqns}
+
+
 def same_config(saved: Optional[dict], cfg: Config) -> bool:
     """Whether a checkpoint's config is `cfg`. A field the checkpoint lacks was added to
     zeropp after it was saved, and the run that saved it behaved as that field's
     default: an upgrade alone does not drop qWD copies or error-feedback residuals."""
-    if saved is None:
+    if saved is None or any(saved.get(k, v) != v for k, v in _RETIRED.items()):
         return False
     default = Config().to_dict()
     return all(saved.get(k, default[k]) == v for k, v in cfg.to_dict().items())
+
+
+# Fields zeropp no longer has, at the value it now always behaves as: a checkpoint
+# saved with another value has engine state of another form (docs/notebook.md).
+_RETIRED = {"gradient_rotation": False, "gradient_stochastic_rounding": False,
+            "weight_delta_stochastic_rounding": False, "weight_delta_bits": 4,
+            "weight_copy_bits": 8, "error_feedback_dtype": "float32",
+            "weight_refresh_every": None}
 
 
 def _check_names(man: dict, st: ShardState, model: nn.Module, path: Path) -> None:

@@ -63,6 +63,7 @@ call `zeropp.refresh(model)`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -74,7 +75,7 @@ from .config import Config
 from .deferred import materialize, release
 from .grads import route_for
 from .layout import ShardLayout
-from .quant import QTensor, dequantize, dequantize_pieces, quantize
+from .quant import edit_wire, quantize
 from .topology import Topology
 from .weights import Gather, WeightPath, WeightSpec
 
@@ -88,6 +89,23 @@ class ParamInfo:
     shape: torch.Size
     numel: int
     offset: int
+
+
+class State(enum.Enum):
+    """Where a flat buffer's full weights are, and what its module attributes show."""
+
+    FREED = "freed"            # `full` holds no storage; the attributes show 0 elements
+    GATHERING = "gathering"    # a gather is in flight (`pending`)
+    GATHERED = "gathered"      # `full` holds the weights; the attributes are its views
+    SHAPED = "shaped"          # freed, the attributes show their shapes: a backward that
+    #                            reads none of these weights is under way (see the note)
+
+
+# The moves `FlatParam._move` makes: the only place the state changes.
+_MOVES = {State.FREED: {State.GATHERING, State.SHAPED},
+          State.SHAPED: {State.GATHERING, State.FREED},
+          State.GATHERING: {State.GATHERED},
+          State.GATHERED: {State.FREED}}
 
 
 class FlatParam:
@@ -150,7 +168,6 @@ class FlatParam:
         # its view of `full` while gathered and 0 elements otherwise.
         self._views = [self._param_on_full(info) for info in self.infos]
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
-        self.shaped = False  # the attributes show their shapes (views), not 0 elements
         self.params = [self._param_on_full(info) for info in self.infos]
         self.grad: Optional[torch.Tensor] = None  # the flat gradient being assembled
         self.arrived: set[int] = set()    # params in `grad`
@@ -162,11 +179,13 @@ class FlatParam:
                 t.register_post_accumulate_grad_hook(
                     lambda t, i=i: self._param_grad_ready(i, t))
         self.pending: Optional[Gather] = None
-        self.gathered = False
-        self._install_views()  # before any gather, so modules keep their attributes
-        self.needs_reduce = False
+        self.state = State.FREED
+        self.full.untyped_storage().resize_(0)
+        self._attach(False)
+        self._status(False)
+        self.install_attributes()  # before any gather, so modules keep their attributes
+        self.needs_reduce = False  # a forward recorded for backward read the weights
         self.on_grad_ready: Optional[Callable[[FlatParam], None]] = None
-        self._free_storage()
         # gathers, hpZ secondary, qWD (a persistent flat is never gathered for a
         # backward: no secondary to keep)
         spec = WeightSpec.of(lay, self.weight_bits if self.quantized_gather else None,
@@ -182,6 +201,10 @@ class FlatParam:
         self.reduce_route = route_for(cfg, block=self.block) if trainable else None
 
     @property
+    def gathered(self) -> bool:
+        return self.state is State.GATHERED
+
+    @property
     def stale(self) -> bool:
         """A persistent flat's full weights predate a write to the master shard."""
         return self.persistent and self.gathered and self.gathered_for != self.version
@@ -192,11 +215,22 @@ class FlatParam:
         p = self.primary_shard
         return p._version, p.data_ptr()
 
+    def _move(self, to: State) -> None:
+        """The one place the state changes, and what each state shows."""
+        if to not in _MOVES[self.state]:
+            raise RuntimeError(f"zeropp internal error: {self.name} {self.state.name} -> "
+                               f"{to.name}")
+        self.state = to
+        if to is not State.GATHERING:
+            self._attach(to is not State.FREED)
+        if to in (State.GATHERED, State.FREED):
+            self._status(to is State.GATHERED)
+
     # ---- gather / free -------------------------------------------------------
     def issue_gather(self, comm: Comm, *, phase: str) -> bool:
         """Start gathering the full weights (the route: see weights/); False if
         gathered or in flight."""
-        if self.gathered or self.pending is not None:
+        if self.state in (State.GATHERED, State.GATHERING):
             return False
         nbytes = self.padded_numel * self.full.element_size()
         self.full.untyped_storage().resize_(nbytes)
@@ -208,16 +242,16 @@ class FlatParam:
         with torch.inference_mode(False):
             self.pending = self.weights.issue(comm, phase, self.primary_shard.detach(),
                                               self.full)
+        self._move(State.GATHERING)
         return True
 
     def wait_gather(self) -> None:
-        if self.pending is not None:
+        if self.state is State.GATHERING:
             with torch.inference_mode(False):
                 self.weights.finish(self.pending)
             self.pending = None
-            self.gathered = True
             self.gathered_for = self.version
-            self._set_status(True)
+            self._move(State.GATHERED)
 
     def free(self, let_go: bool = False, *, force: bool = False) -> None:
         """Free the full weights: in place (the storage resized to 0 bytes, which
@@ -231,38 +265,32 @@ class FlatParam:
         if let_go:  # a new buffer (emptied below, never written); the old one lives on
             self.full = torch.empty_like(self.full)
             self._views = [self._param_on_full(info) for info in self.infos]
-        self._free_storage()
-        self.gathered = False
-
-    def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
         if self.meter is not None:
             self.meter.freed(self)
-        self._set_status(False)
+        self._move(State.FREED)
 
-    def _set_status(self, available: bool) -> None:
+    def _status(self, available: bool) -> None:
         for hook in FlatParam.on_status:
             hook(self, available)
-        self._attach(available)
 
     def _attach(self, to_views: bool) -> None:
         """The module attributes show their views of `full`, or 0 elements."""
         for t, view in zip(self.params, self._views):
             # `.data`, not set_(): no version bump; autograd's saved leaves stay valid.
             t.data = view if to_views else self._empty
-        self.shaped = to_views
 
     def show_shapes(self) -> None:
         """A backward that reads none of these weights (an embedding's) is coming:
         the attributes take their shapes (on the freed storage) for its duration,
         because autograd checks a leaf's shape when its gradient arrives."""
-        if not self.gathered:
-            self._attach(True)
+        if self.state is State.FREED:
+            self._move(State.SHAPED)
 
     def settle(self) -> None:
         """After the backward: not gathered, the attributes show 0 elements again."""
-        if self.shaped and not self.gathered:
-            self._attach(False)
+        if self.state is State.SHAPED:
+            self._move(State.FREED)
 
     # ---- module attributes ---------------------------------------------------
     def _param_on_full(self, info: ParamInfo) -> torch.Tensor:
@@ -275,14 +303,12 @@ class FlatParam:
         need reducing (if it is recorded)."""
         if self.trainable and torch.is_grad_enabled():
             self.needs_reduce = True
-        self._install_views()
+        self.install_attributes()
 
-    def install_full_views(self) -> None:
-        """Module attributes read the gathered weights (zeropp.gathered)."""
-        self._install_views()
-
-    def _install_views(self) -> None:
-        self._set_status(self.gathered)
+    def install_attributes(self) -> None:
+        """The modules' attributes are this flat's tensors again (code may have
+        replaced one since), showing what the state says."""
+        self._attach(self.state in (State.GATHERED, State.SHAPED))
         for t, info in zip(self.params, self.infos):
             for mod, attr in info.registrations:
                 mod.__dict__[attr] = t  # plain attribute: the Parameter was removed
@@ -375,50 +401,4 @@ class FlatParam:
         if not self.int_storage:
             p[changed] = values[changed].to(p.dtype)  # in place: bumps the version counter
             return
-        # Frozen weights stored as integer wire bytes: requantize, then keep the new
-        # bytes only in blocks with an edit (the others stay exactly as they were).
-        old = QTensor.from_bytes(p.detach(), (self.shard_numel,), torch.float32,
-                                 self.weight_bits, self.block)
-        cur = dequantize(old, torch.float32)
-        cur[changed] = values[changed].float()
-        new = quantize(cur, self.weight_bits, self.block)
-        blocks = changed.view(-1, self.block).any(dim=1)
-        nb = blocks.numel()
-        scales = torch.where(blocks, new.scales, old.scales)
-        data = torch.where(blocks[:, None], new.data.view(torch.uint8).view(nb, -1),
-                           old.data.view(torch.uint8).view(nb, -1))
-        p.copy_(torch.cat([scales.view(torch.uint8), data.reshape(-1)]))
-
-    # ---- consolidation -------------------------------------------------------
-    def layout(self) -> dict:
-        """Where everything sits, as a checkpoint manifest records it (JSON types)."""
-        return {"name": self.name, "trainable": self.trainable, "numel": self.numel,
-                "shard_numel": self.shard_numel, "block": self.block,
-                "storage": f"int{self.weight_bits}" if self.int_storage else "float32",
-                "params": [{"names": list(i.fqns), "shape": list(i.shape), "offset": i.offset}
-                           for i in self.infos]}
-
-    def gather_master(self, comm: Comm) -> torch.Tensor:
-        """The full flat fp32 master weights (every rank's shard), for export.
-        Frozen weights stored as integers come back dequantized."""
-        shard = self.primary_shard.detach()
-        if self.int_storage:
-            out = torch.empty(self.world_size * shard.numel(), dtype=torch.uint8,
-                              device=shard.device)
-            comm.all_gather(out, shard, op="all_gather/state_dict").wait()
-            full = torch.empty(self.padded_numel, dtype=torch.float32, device=shard.device)
-            dequantize_pieces(out, full, pieces=self.world_size, bits=self.weight_bits,
-                                block=self.block)
-            return full
-        full = torch.empty(self.padded_numel, dtype=torch.float32, device=shard.device)
-        comm.all_gather(full, shard, op="all_gather/state_dict").wait()
-        return full
-
-    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Original tensors (every name) from a full flat buffer."""
-        out = {}
-        for info in self.infos:
-            t = flat[info.offset:info.offset + info.numel].view(info.shape)
-            for fqn in info.fqns:
-                out[fqn] = t
-        return out
+        p.copy_(edit_wire(p.detach(), values, changed, bits=self.weight_bits, block=self.block))

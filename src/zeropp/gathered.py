@@ -104,7 +104,7 @@ def gathered(model: nn.Module, *, writable: bool = False,
                 u.pins += 1
                 pinned.append(u)
                 for f in u.flats:
-                    f.install_full_views()  # module attributes read the gathered weights
+                    f.install_attributes()  # module attributes read the gathered weights
     except BaseException:
         _release(pinned, chosen)  # e.g. out of memory for the snapshot: nothing stays pinned
         raise

@@ -369,6 +369,23 @@ def dequantize_pieces(wire: torch.Tensor, out: torch.Tensor, *, pieces: int, bit
         dequantize(q, out=out[s * numel:(s + 1) * numel])
 
 
+def edit_wire(wire: torch.Tensor, values: torch.Tensor, changed: torch.Tensor, *, bits: int,
+              block: int) -> torch.Tensor:
+    """The wire bytes of a flat tensor (`wire`) with `values[changed]` written in
+    (`changed`: a mask over its elements): the blocks with an edit requantized, the
+    others bit for bit as they were."""
+    old = QTensor.from_bytes(wire, (changed.numel(),), torch.float32, bits, block)
+    cur = dequantize(old, torch.float32)
+    cur[changed] = values[changed].float()
+    new = quantize(cur, bits, block)
+    blocks = changed.view(-1, block).any(dim=1)
+    nb = blocks.numel()
+    scales = torch.where(blocks, new.scales, old.scales)
+    data = torch.where(blocks[:, None], new.data.view(torch.uint8).view(nb, -1),
+                       old.data.view(torch.uint8).view(nb, -1))
+    return torch.cat([scales.view(torch.uint8), data.reshape(-1)])
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Integer values in [-8, 7] (any integer or float dtype, even count) ->
     uint8, two per byte (low nibble first)."""

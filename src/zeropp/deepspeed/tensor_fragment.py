@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..checkpoint import gather_master
 from ..flat_param import FlatParam
 from .attributes import owner_of
 
@@ -122,7 +123,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> Optional[torch.Tensor]:
     if not f.trainable:
         return None
     off, n, shape = _span(f, i)
-    return f.gather_master(f.unit.state.comm)[off:off + n].view(shape).clone()
+    return gather_master(f, f.unit.state.comm)[off:off + n].view(shape).clone()
 
 
 def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
