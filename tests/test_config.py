@@ -19,8 +19,6 @@ BAD = [
     ("weight_bits", 3), ("weight_bits", 16), ("grad_bits", 2), ("grad_bits", 8.0),
     ("block_size", 0), ("block_size", 7), ("block_size", 12), ("block_size", 1 << 21),
     ("block_size", 64.0), ("intra_node_grad_bits", 2),
-    ("weight_delta_bits", 2), ("weight_delta_bits", 3.0), ("weight_delta_bits", 16),
-    ("error_feedback_dtype", torch.float16), ("error_feedback_dtype", "bfloat16"),
     ("persistence_threshold", -1), ("persistence_threshold", 1.5),
     ("model_persistence_threshold", -1),
 ]
@@ -51,12 +49,30 @@ def test_valid_values_are_accepted():
     assert c.replace(node_size=2).node_size == 2
 
 
-def test_int3_deltas_need_int8_copies():
-    """INT3 carries moves of INT8 codes; exact copies' value deltas are INT4 or INT8."""
-    assert zeropp.Config(weight_delta_bits=3).weight_delta_bits == 3
-    with pytest.raises(ValueError, match="weight_delta_bits=3 .* needs weight_copy_bits=8, "
-                                         "got None"):
-        zeropp.Config(weight_delta_bits=3, weight_copy_bits=None)
+def test_weight_deltas_need_hpz_and_qwz_int8_copies():
+    """qWD moves the codes of hpZ's INT8 secondaries (qwZ at 8 bits): without hpZ,
+    without qwZ or with INT4 qwZ there are none to move."""
+    c = zeropp.Config(weight_delta=True, hpz_partition_size=2, quantized_weights=True)
+    assert c.weight_delta and c.weight_bits == 8
+    with pytest.raises(ValueError, match="needs hpZ"):
+        zeropp.Config(weight_delta=True, quantized_weights=True)
+    with pytest.raises(ValueError, match="quantized_weights"):
+        zeropp.Config(weight_delta=True, hpz_partition_size=2)
+    with pytest.raises(ValueError, match="weight_bits=8"):
+        zeropp.Config(weight_delta=True, hpz_partition_size=2, quantized_weights=True,
+                      weight_bits=4)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("gradient_rotation", True), ("gradient_stochastic_rounding", True),
+    ("weight_delta_stochastic_rounding", True), ("weight_delta_bits", 3),
+    ("weight_copy_bits", None), ("error_feedback_dtype", torch.bfloat16),
+    ("weight_refresh_every", 10)])
+def test_retired_fields_are_unexpected_keyword_arguments(field, value):
+    """Rotation, stochastic rounding, INT3 deltas, exact copies, the bf16 residual and
+    periodic refreshes are gone: naming them is an error, not silently ignored."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{field}'"):
+        zeropp.Config(**{field: value})
 
 
 def test_persistence_threshold_is_off_in_zeropp_and_deepspeeds_1e5_from_a_deepspeed_config():

@@ -86,12 +86,12 @@ def test_config_errors_name_the_key_and_unknown_keys_warn_once():
     assert ds.zero.quantized_weights and ds.gradient_clipping == 1.0  # DeepSpeed 0.19 default
     plus = ds_config.parse({**base, "zeropp": {"preset": "zeropp-plus", "node_size": 2}}, 4)
     assert plus.zero.weight_delta and plus.zero.hierarchical_gather and plus.zero.node_size == 2
-    # JSON names dtypes: {"error_feedback_dtype": "bfloat16"} is torch.bfloat16
-    ef16 = ds_config.parse({**base, "zeropp": {"preset": "zeropp-plus", "node_size": 2,
-                                               "error_feedback_dtype": "bfloat16"}}, 4)
-    assert ef16.zero.error_feedback_dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="zeropp.error_feedback_dtype=torch.int8 is invalid"):
-        ds_config.parse({**base, "zeropp": {"error_feedback_dtype": "int8"}}, 4)
+    # JSON names dtypes: {"param_dtype": "bfloat16"} is torch.bfloat16
+    bf16 = ds_config.parse({**base, "zeropp": {"preset": "zeropp-plus", "node_size": 2,
+                                               "param_dtype": "bfloat16"}}, 4)
+    assert bf16.zero.param_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="zeropp.param_dtype=torch.int8 is invalid"):
+        ds_config.parse({**base, "zeropp": {"param_dtype": "int8"}}, 4)
 
 
 # ---- schedules and the loss scaler: DeepSpeed 0.19's values ---------------------------

@@ -147,10 +147,11 @@ def test_every_gpt_block_is_prefetched_in_forward_and_backward(world):
             assert ops.get("prefetch/backward", 0) == expected, (name, unit)
 
 
-def test_inter_node_bytes_equal_analytic_zero3_within_1pct(world):
-    """Per node per step: forward gather + backward gather + gradient
-    reduce-scatter, each a ring over W ranks crossing each node boundary once:
-    3 * (W-1)/W * 4 bytes * params (fp32)."""
+def test_inter_node_bytes_are_three_fp32_rings_per_step_within_1pct(world):
+    """Per node per step exactly one forward gather, one backward gather and one
+    gradient reduce-scatter of every unit cross (no unit gathered twice, nothing
+    reduced twice): 3 * (W-1)/W * 4 bytes * params, padding within 1%. That the
+    ring rule is what the wire carries is test_cluster.py's bench smoke."""
     w, d, results, refs = world
     i = CASES.index(("gpt", "sgd", 1, None))
     numel = results[0][i]["numel"]
@@ -159,17 +160,3 @@ def test_inter_node_bytes_equal_analytic_zero3_within_1pct(world):
         ranks = range(node * d, (node + 1) * d)
         measured = sum(results[r][i]["stats"]["inter_node_bytes"] for r in ranks) / STEPS
         assert abs(measured - analytic) <= 0.01 * analytic, (node, measured, analytic)
-
-
-def test_every_byte_sent_is_either_intra_or_inter_node(world):
-    """Each rank sends (W-1)/W of every gathered / reduced buffer (ring): per
-    step 3 * (W-1)/W * 4 bytes * params, split into intra- plus inter-node."""
-    w, d, results, refs = world
-    i = CASES.index(("gpt", "sgd", 1, None))
-    analytic = 3 * (w - 1) / w * 4 * results[0][i]["numel"]
-    for r in results:
-        s = r[i]["stats"]
-        sent = sum(v["payload_bytes"] + v["scale_bytes"] for v in s["by_op"].values())
-        assert sent == s["intra_node_bytes"] + s["inter_node_bytes"]
-        assert abs(sent / STEPS - analytic) <= 0.01 * analytic
-        assert s["scale_bytes"] == 0  # nothing is quantized in ZeRO-3

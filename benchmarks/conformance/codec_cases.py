@@ -3,7 +3,7 @@ ops' bytes, shared by tests/test_kernels.py (CPU) and gpu_check.py (a GPU, where
 Triton compiles them): an all-zero block, a subnormal one, a NaN, an Inf, a -0.0
 block and a NaN with a payload, over fp32 / bf16 / fp16 inputs, block sizes 2 to
 2048, an odd storage offset (INT4's strided path), a padded last block, and one case
-cut into chunks of 4 blocks (the stochastic draws are made chunk by chunk)."""
+cut into chunks of 4 blocks."""
 
 from __future__ import annotations
 
@@ -44,18 +44,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def round_trip(x: torch.Tensor, bits: int, block: int, stochastic: bool,
-               out_dtype: torch.dtype, plain: bool) -> list:
-    """The wire, the sender's dequantized copy, dequantize() of the wire, the
-    generator's state after; `plain`: also the wire of a quantize without the copy."""
-    g = torch.Generator(device=x.device).manual_seed(1)
+def round_trip(x: torch.Tensor, bits: int, block: int, out_dtype: torch.dtype,
+               plain: bool) -> list:
+    """The wire, the sender's dequantized copy, dequantize() of the wire; `plain`:
+    also the wire of a quantize without the copy."""
     deq = torch.empty(x.numel(), device=x.device)
-    q = quant.quantize(x, bits, block, stochastic=stochastic, generator=g, dequantized=deq)
+    q = quant.quantize(x, bits, block, dequantized=deq)
     out = quant.dequantize(q, out=torch.empty(x.numel(), dtype=out_dtype, device=x.device))
-    got = [q.to_bytes().clone(), _bits(deq), _bits(out), g.get_state()]
+    got = [q.to_bytes().clone(), _bits(deq), _bits(out)]
     if plain:
-        got.append(quant.quantize(x, bits, block, stochastic=stochastic,
-                                  generator=g).to_bytes().clone())
+        got.append(quant.quantize(x, bits, block).to_bytes().clone())
     return got
 
 
@@ -75,7 +73,7 @@ def compiled(on: bool):
             os.environ["ZEROPP_COMPILE"] = saved[1]
 
 
-def mismatches(bits: int, stochastic: bool, device: str = "cpu",
+def mismatches(bits: int, *, device: str = "cpu",
                cases: Optional[list] = None) -> list[str]:
     """`cases` (default: all) eager and compiled at every size: what differs."""
     bad: list[str] = []
@@ -87,10 +85,8 @@ def mismatches(bits: int, stochastic: bool, device: str = "cpu",
             got = []
             for on in (False, True):
                 with compiled(on):
-                    got.append(round_trip(x, bits, block, stochastic, out_dtype,
-                                          dtype == torch.float32))
-            for what, a, b in zip(("wire", "dequantized", "dequantize", "generator",
-                                   "plain wire"), *got):
+                    got.append(round_trip(x, bits, block, out_dtype, dtype == torch.float32))
+            for what, a, b in zip(("wire", "dequantized", "dequantize", "plain wire"), *got):
                 if not torch.equal(a.cpu(), b.cpu()):
                     bad.append(f"{what} (n={n}, block={block}, {dtype} -> {out_dtype}, "
                                f"offset {offset})")

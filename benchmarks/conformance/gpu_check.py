@@ -20,11 +20,11 @@ Checks, each a row (ok / FAILED, what was measured, seconds):
                dequantized values must equal the eager ones bit for bit
   codecs       the compiled codecs against the eager ones on codec_cases.py's inputs
                (zero, subnormal, -0.0, NaN, Inf and NaN-payload blocks; fp32 / bf16 /
-               fp16; odd offsets; several chunks; with and without the sender's copy;
-               nearest and stochastic): every byte equal, per bit width
-  qwd          qWD's code deltas (INT4 nearest, INT3 stochastic): owner and holder
-               copies bitwise equal on the device; whether the CPU's bytes for the
-               same moves are the same; encode / apply ms and host syncs
+               fp16; odd offsets; several chunks; with and without the sender's copy):
+               every byte equal, per bit width
+  qwd          qWD's INT4 code deltas: owner and holder copies bitwise equal on the
+               device; whether the CPU's bytes for the same moves are the same;
+               encode / apply ms and host syncs
   memory       memory_stats per preset after training, and the device's peak
 Exit status 1 if any check fails. Nothing here is a pass/fail timing: throughput
 rows are measurements.
@@ -210,19 +210,19 @@ def check_quant(device: str) -> list[dict]:
 
 
 def check_codecs(device: str) -> list[dict]:
-    """codec_cases.mismatches on the device, nearest and stochastic, per bit width. On
+    """codec_cases.mismatches on the device, per bit width. On
     the CPU (make test) its first case only: tests/test_kernels.py runs them all there,
     and each case's kernel variants cost seconds to compile from a cold cache."""
     from zeropp import kernels
     rows, cases = [], codec_cases.CASES[:1] if device == "cpu" else codec_cases.CASES
     for bits in (8, 4):
         t0 = time.perf_counter()
-        bad = [m for st in (False, True) for m in codec_cases.mismatches(bits, st, device, cases)]
+        bad = codec_cases.mismatches(bits, device=device, cases=cases)
         rows.append({"check": f"codecs int{bits} compiled == eager",
                      "ok": not bad and not kernels._failed,
                      "measured": ("every byte equal over " if not bad else
                                   f"{len(bad)} differ, first: {bad[0]}; of ")
-                     + f"{2 * len(cases)} cases (nearest, stochastic)"
+                     + f"{len(cases)} cases"
                      + ("; compile FAILED" if kernels._failed else ""),
                      "seconds": time.perf_counter() - t0})
     return rows
@@ -231,8 +231,7 @@ def check_codecs(device: str) -> list[dict]:
 def check_qwd(device: str) -> dict:
     """qWD's code deltas on the device: 20 INT4 moves of a 1M-value shard (a tenth of
     the blocks moving far, so both formulas run), the holder's copy bitwise the
-    owner's, and whether both are bitwise what the same ops give on the CPU; then 5
-    INT3 moves rounded stochastically, owner = holder."""
+    owner's, and whether both are bitwise what the same ops give on the CPU."""
     from zeropp import qwd
     from zeropp.quant import quantize
     t0 = time.perf_counter()
@@ -247,25 +246,15 @@ def check_qwd(device: str) -> dict:
         m = m + torch.randn(n, generator=g) * 2e-4
         m.view(-1, block)[::10] += torch.randn(n // block // 10 + 1, block, generator=g) * 0.01
         for d, c in copies.items():
-            out = torch.empty(qwd.wire_bytes(n, 8, 4, block), dtype=torch.uint8, device=d)
-            qwd.encode(m.to(d), c, out, copy_bits=8, delta_bits=4, block=block)
+            out = torch.empty(qwd.wire_bytes(n, block), dtype=torch.uint8, device=d)
+            qwd.encode(m.to(d), c, out, block=block)
             if d == device:
-                qwd.apply(holder, out, numel=n, copy_bits=8, delta_bits=4, block=block)
+                qwd.apply(holder, out, numel=n, block=block)
                 same &= torch.equal(holder, c)
         if where is None and _differs(copies, n, block):
             where = f"from move {move + 1}"
     cpu_equal = torch.equal(copies[device].cpu(), copies["cpu"])
     vs_cpu = "True" if cpu_equal else f"False ({where}; {_differs(copies, n, block)})"
-    # INT3 moves rounded stochastically (~delta3~dsr; device generator): owner = holder
-    owner = quantize(m.to(device), 8, block).to_bytes().clone()
-    holder, gen = owner.clone(), torch.Generator(device=device).manual_seed(0)
-    for _ in range(5):
-        m = m + torch.randn(n, generator=g) * 2e-4
-        out = torch.empty(qwd.wire_bytes(n, 8, 3, block), dtype=torch.uint8, device=device)
-        qwd.encode(m.to(device), owner, out, copy_bits=8, delta_bits=3, block=block,
-                   stochastic=True, generator=gen)
-        qwd.apply(holder, out, numel=n, copy_bits=8, delta_bits=3, block=block)
-        same &= torch.equal(holder, owner)
     enc, app, syncs = _qwd_cost(device, qwd, quantize)
     # A run never mixes devices: every rank's copies come from the same device's ops, so
     # the check is owner = holder; the CPU comparison says whether the device's float
@@ -300,15 +289,15 @@ def _qwd_cost(device: str, qwd, quantize) -> tuple[float, float, str]:
     m = (torch.randn(n, generator=g) * 0.02).to(device)
     copy = quantize(m, 8, block).to_bytes().clone()
     holder = copy.clone()
-    out = torch.empty(qwd.wire_bytes(n, 8, 4, block), dtype=torch.uint8, device=device)
+    out = torch.empty(qwd.wire_bytes(n, block), dtype=torch.uint8, device=device)
     m2 = m + (torch.randn(n, generator=g) * 2e-4).to(device)
 
     def enc():
         c = copy.clone()
-        qwd.encode(m2, c, out, copy_bits=8, delta_bits=4, block=block)
+        qwd.encode(m2, c, out, block=block)
 
     def app():
-        qwd.apply(holder.clone(), out, numel=n, copy_bits=8, delta_bits=4, block=block)
+        qwd.apply(holder.clone(), out, numel=n, block=block)
     acc = zeropp.get_accelerator()
     times = {}
     for name, f in (("enc", enc), ("app", app)):

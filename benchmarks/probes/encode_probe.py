@@ -6,8 +6,9 @@ an inter-node hop (2 rows, one sent) and INT8 / INT4 quantize. Median of 40.
 Then what a sender gains from `quantize(..., dequantized=)` (the values the
 receiver decodes, from the rounded values in cache) over unpacking its own
 bytes, on one rank's share of a unit at 2 x 2 (442K values): error feedback's
-encode, and qWD's owner (delta encode, then its own piece and one received piece
-applied to the copies). The two ways alternate, 300 times each, so the
+encode, and qWD's owner in its exact-copy form, since retired from the library (an
+INT4 delta of the values, then its own piece and one received piece applied to the
+copies). The two ways alternate, 300 times each, so the
 machine's drift touches both alike; medians.
 
     python benchmarks/probes/encode_probe.py
@@ -46,8 +47,8 @@ def error_feedback(x: torch.Tensor, residual: torch.Tensor, send: torch.Tensor,
 
 
 def delta(master: torch.Tensor, copies: torch.Tensor, fused: bool) -> None:
-    """WeightPath._issue_delta's arithmetic for 2 pieces (its own and one received;
-    the deltas are multiplied by 0 so the copies stay put)."""
+    """The retired exact-copy qWD owner's arithmetic for 2 pieces (its own and one
+    received; the deltas are multiplied by 0 so the copies stay put)."""
     n = master.numel()
     diff = torch.sub(master, copies[0], out=scratch_buffer("delta", n, master.device))
     own = scratch_buffer("delta_own", n, master.device)

@@ -38,14 +38,13 @@ def steady() -> tuple[float, float, float]:
     m = torch.randn(SHARD, generator=g) * 0.02
     owner = quantize(m, 8, BLOCK).to_bytes().clone()
     holder = owner.clone()
-    out = torch.empty(qwd.wire_bytes(SHARD, 8, 4, BLOCK), dtype=torch.uint8)
+    out = torch.empty(qwd.wire_bytes(SHARD, BLOCK), dtype=torch.uint8)
     moves = [torch.randn(SHARD, generator=g) * 2e-4 for _ in range(4)]
     enc, app, qz = [], [], []
     for i in range(300):
         m.add_(moves[i % 4])
-        enc.append(_timed(qwd.encode, m, owner, out, copy_bits=8, delta_bits=4, block=BLOCK))
-        app.append(_timed(qwd.apply, holder, out, numel=SHARD, copy_bits=8, delta_bits=4,
-                          block=BLOCK))
+        enc.append(_timed(qwd.encode, m, owner, out, block=BLOCK))
+        app.append(_timed(qwd.apply, holder, out, numel=SHARD, block=BLOCK))
         qz.append(_timed(quantize, m, 8, BLOCK))
     assert torch.equal(owner, holder)
     return statistics.median(enc), statistics.median(app), statistics.median(qz)
@@ -63,7 +62,7 @@ def early(steps: int = 12) -> tuple[float, float, float]:
 
     owner = quantize(shard(), 8, BLOCK).to_bytes().clone()
     holder = owner.clone()
-    out = torch.empty(qwd.wire_bytes(n, 8, 4, BLOCK), dtype=torch.uint8)
+    out = torch.empty(qwd.wire_bytes(n, BLOCK), dtype=torch.uint8)
     g = torch.Generator().manual_seed(0)
     enc = app = qz = 0.0
     for _ in range(steps):
@@ -72,8 +71,8 @@ def early(steps: int = 12) -> tuple[float, float, float]:
         model(x, x)[1].backward()
         opt.step()
         m = shard()
-        enc += _timed(qwd.encode, m, owner, out, copy_bits=8, delta_bits=4, block=BLOCK)
-        app += _timed(qwd.apply, holder, out, numel=n, copy_bits=8, delta_bits=4, block=BLOCK)
+        enc += _timed(qwd.encode, m, owner, out, block=BLOCK)
+        app += _timed(qwd.apply, holder, out, numel=n, block=BLOCK)
         qz += _timed(quantize, m, 8, BLOCK)
     assert torch.equal(owner, holder)
     per = steps * n / SHARD

@@ -1,6 +1,6 @@
 """qWD's owner encode and holder apply as fused torch.compile kernels, against
-zeropp.qwd's eager ones: same bytes? faster? For INT8 copies with INT4 moves and
-nearest rounding (zeropp-plus's settings). Each kernel works on every block at
+zeropp.qwd's eager ones: same bytes? faster? (qWD's only form: INT8 copies moved
+by INT4 deltas, rounded to nearest.) Each kernel works on every block at
 once, as the GPU path of qwd.py does (the note's formula on all blocks, then each
 block's own result chosen with `torch.where`); the eager CPU path runs the formula
 only on the blocks that need it. The moves are packed and unpacked by quant.py's
@@ -23,10 +23,10 @@ from qwd_cost import _timed
 
 from zeropp import kernels, qwd
 from zeropp.quant import pack_int4, quantize, scratch_buffer, unpack_int4
-from zeropp.qwd import _ratio, _views
+from zeropp.qwd import QC, QD, _ratio, _views
 from zeropp.train.model import GPT, PRESETS, GPTConfig
 
-QC, QD, BLOCK, SHARD = 127, 7, 2048, 442368
+BLOCK, SHARD = 2048, 442368
 
 
 def _encode(x, c, s_old, moves_out):
@@ -69,13 +69,14 @@ _APP = torch.compile(_apply, dynamic=True, options=kernels._OPTIONS)
 def _delta_views(delta, numel):
     """qwd.py's delta wire format: scales, steps and the packed moves."""
     extra = qwd.meta_bytes(numel, BLOCK) - numel // BLOCK * 4
-    return _views(delta, numel, 4, BLOCK, extra)
+    return _views(delta, numel, BLOCK, extra)
 
 
 def encode(master, copy, out):
     numel = master.numel()
     nb = numel // BLOCK
-    s_old, _, codes = _views(copy, numel, 8, BLOCK)
+    s_old, _, codes = _views(copy, numel, BLOCK)
+    codes = codes.view(torch.int8)
     s_new, steps, data = _delta_views(out, numel)
     out[nb * 5:nb * 4 + qwd.meta_bytes(numel, BLOCK) - nb * 4].zero_()
     data[numel // 2:].zero_()
@@ -90,7 +91,8 @@ def encode(master, copy, out):
 
 def apply(copy, delta, numel):
     nb = numel // BLOCK
-    s_old, _, codes = _views(copy, numel, 8, BLOCK)
+    s_old, _, codes = _views(copy, numel, BLOCK)
+    codes = codes.view(torch.int8)
     s_new, steps, data = _delta_views(delta, numel)
     _APP(codes.view(nb, BLOCK), unpack_int4(data[:numel // 2]).view(nb, BLOCK),
          steps.view(nb, 1), s_old.view(nb, 1), s_new.view(nb, 1))
@@ -99,10 +101,10 @@ def apply(copy, delta, numel):
 
 def compare(name, masters):
     n = masters[0].numel()
-    kw = dict(copy_bits=8, delta_bits=4, block=BLOCK)
+    kw = dict(block=BLOCK)
     own_e = quantize(masters[0], 8, BLOCK).to_bytes().clone()
     own_c, hold_e, hold_c = own_e.clone(), own_e.clone(), own_e.clone()
-    out_e = torch.empty(qwd.wire_bytes(n, **kw), dtype=torch.uint8)
+    out_e = torch.empty(qwd.wire_bytes(n, BLOCK), dtype=torch.uint8)
     out_c = out_e.clone()
     t = {k: [] for k in ("enc_e", "enc_c", "app_e", "app_c")}
     bad = 0

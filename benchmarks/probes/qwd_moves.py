@@ -7,7 +7,7 @@ Single process, no sharding: the model's parameters flattened into one shard, th
 owner's `qwd.encode` after every AdamW step of `zeropp train`'s schedule (warm-up,
 cosine decay, weight decay 0.1, clipping at 1.0) on the Shakespeare text.
 
-    python benchmarks/probes/qwd_moves.py [--model small] [--lr 2e-3] [--steps 300] [--bits 4]
+    python benchmarks/probes/qwd_moves.py [--model small] [--lr 2e-3] [--steps 300]
 """
 import argparse
 
@@ -25,7 +25,6 @@ def main() -> None:
     p.add_argument("--model", default="small")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--bits", type=int, default=4, choices=[3, 4])
     p.add_argument("--block", type=int, default=2048)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -43,9 +42,9 @@ def main() -> None:
     n = shard().numel()
     nb = n // a.block
     copy = quantize(shard(), 8, a.block).to_bytes().clone()
-    delta = torch.empty(qwd.wire_bytes(n, 8, a.bits, a.block), dtype=torch.uint8)
+    delta = torch.empty(qwd.wire_bytes(n, a.block), dtype=torch.uint8)
     total = torch.zeros(3)
-    print(f"{a.model}: {n:,} values in {nb} blocks of {a.block}; INT{a.bits} moves, lr {a.lr}")
+    print(f"{a.model}: {n:,} values in {nb} blocks of {a.block}; INT4 moves, lr {a.lr}")
     print("| steps | lr | k = 0 (old grid) | k = 1 (rescaled, exact) | k > 1 (lagging) |")
     print("|---|---|---|---|---|")
     window = torch.zeros(3)
@@ -57,7 +56,7 @@ def main() -> None:
         model(x, y)[1].backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        qwd.encode(shard(), copy, delta, copy_bits=8, delta_bits=a.bits, block=a.block)
+        qwd.encode(shard(), copy, delta, block=a.block)
         k = delta[nb * 4:nb * 5]
         counts = torch.stack([(k == 0).sum(), (k == 1).sum(), (k > 1).sum()]).float()
         total += counts

@@ -33,13 +33,13 @@ def main() -> None:
     m = (torch.randn(n, generator=g) * 0.02).to(dev)
     m2 = m + (torch.randn(n, generator=g) * 2e-4).to(dev)
     copy = quantize(m, 8, block).to_bytes().clone()
-    out = torch.empty(qwd.wire_bytes(n, 8, 4, block), dtype=torch.uint8, device=dev)
+    out = torch.empty(qwd.wire_bytes(n, block), dtype=torch.uint8, device=dev)
     a = torch.randn(4096, 4096, device=dev)
 
     def step():
         c = copy.clone()
-        qwd.encode(m2, c, out, copy_bits=8, delta_bits=4, block=block)
-        qwd.apply(copy.clone(), out, numel=n, copy_bits=8, delta_bits=4, block=block)
+        qwd.encode(m2, c, out, block=block)
+        qwd.apply(copy.clone(), out, numel=n, block=block)
 
     device_rule = qwd._rows
     for name, rule in (("device path (no sync)", device_rule), ("CPU rule (syncs)", cpu_rule)):

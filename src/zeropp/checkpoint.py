@@ -261,7 +261,7 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     where = param_index(man)
     saved_flats = {f["name"]: f for f in man["flats"]}
     shards, engine = {}, {}
-    # qWD copies, error-feedback residuals and rounding generators continue only
+    # qWD copies and error-feedback residuals continue only
     # in the very same setting (world, node size, config); otherwise the next
     # gather refreshes in full and the residuals start from zero.
     same_setting = (same_world and man.get("node_size") == st.topo.node_size

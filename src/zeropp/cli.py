@@ -50,10 +50,7 @@ _SWITCH_FLAGS = [  # (flag, Config field, help): each overrides the preset
     ("qgz", "quantized_gradients", "hierarchical quantized gradient reduce-scatter"),
     ("hier", "hierarchical_gather", "two-stage weight gather: across nodes, then inside"),
     ("qwd", "weight_delta", "refresh hpZ copies by INT4 weight deltas"),
-    ("rotation", "gradient_rotation", "Hadamard rotation on the inter-node gradient hop"),
-    ("sr", "gradient_stochastic_rounding", "stochastic rounding on that hop"),
-    ("ef", "gradient_error_feedback", "error feedback on that hop"),
-    ("delta-sr", "weight_delta_stochastic_rounding", "stochastic rounding of qWD's deltas"),
+    ("ef", "gradient_error_feedback", "error feedback on the inter-node gradient hop"),
 ]
 _OVERRIDES = [f for _, f, _ in _SWITCH_FLAGS] + [
     "hpz_partition_size", "quantized_nontrainable_weights", "grad_bits",

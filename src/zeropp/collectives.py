@@ -4,10 +4,10 @@ qgZ's hierarchical reduce (grads/qgz.py) and the weight path (weights/) build on
 
 [Note: counting bytes]
 We count what this rank really puts on the wire under the algorithm that
-really runs, and the part of it that leaves the node (SPEC.md, "Counting
-bytes"). Ranks are node-major, so a ring over a group visits each node's ranks
-in a row and crosses a node boundary only where rank i's successor lives on
-another node:
+really runs, and the part of it that leaves the node (docs/algorithms.md,
+"How bytes are counted"). Ranks are node-major, so a ring over a group visits
+each node's ranks in a row and crosses a node boundary only where rank i's
+successor lives on another node:
 - ring all-gather producing S bytes over G ranks: each rank sends (G-1)/G * S,
   all of it inter-node if its ring successor is on another node, else none.
   A node therefore sends (G-1)/G * S across its boundary (one crossing).
@@ -17,8 +17,8 @@ another node:
 - all-to-all of an S-byte input over G ranks: S/G to each peer, inter-node
   exactly when the peer is on another node; nothing for the piece kept.
 Scales are counted apart from payload, in the same proportion as they sit in
-the buffer. These rules matched the emulated cluster's interface counters
-within 0.3% (ENVIRONMENT.md).
+the buffer. These rules were checked against the emulated cluster's interface
+counters (within 0.3%).
 
 [Note: reduce-scatter on gloo]
 gloo's `reduce_scatter_tensor` is an all-reduce inside: twice the bytes of a
@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .stats import CommStats
+from .stats import CommStats, ring_send
 from .topology import Topology, hpz_group
 
 # torch 2.13 renamed the flat collectives (the old names warn); torch 2.4 has only those.
@@ -135,11 +135,10 @@ class Comm:
         ranks = self.ranks[group]
         g = len(ranks)
         succ = ranks[(ranks.index(self.topo.rank) + 1) % g]
-        frac = passes * (g - 1) / g
-        sent = frac * nbytes
+        sent = ring_send(nbytes, g, passes)
         crosses = self.topo.node_of(succ) != self.topo.node
         self.stats.record(op, group=group, sent=sent, inter=sent if crosses else 0.0,
-                          scale=frac * scale_bytes)
+                          scale=ring_send(scale_bytes, g, passes))
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, *, op: str,
                    group: str = "world", scale_bytes: int = 0) -> Pending:

@@ -15,6 +15,15 @@ import threading
 from collections import defaultdict
 
 
+def ring_send(nbytes: float, group: int, passes: int = 1) -> float:
+    """The byte model of a ring: what each of `group` ranks sends for a collective over
+    an `nbytes` buffer (all-gather output, reduce-scatter input; an all-reduce is two
+    passes). A node-major ring over the world crosses each node boundary once, so this
+    is also what one node sends across its boundary. The accounting (collectives.py),
+    `zeropp plan` and the main job's ZeRO-3 line all use it."""
+    return passes * (group - 1) / group * nbytes
+
+
 def _zero_op() -> dict:
     return {"group": "", "calls": 0, "payload_bytes": 0, "scale_bytes": 0,
             "inter_node_bytes": 0, "intra_node_bytes": 0}

@@ -7,7 +7,7 @@ over bandwidth. Bytes come from the same rules the accounting uses
 so a node's link carries (W-1)/W of each world-group buffer; hpZ's gathers stay
 inside the node; qgZ's second hop sends (N-1)/N of the values at 4 bits.
 zeropp-plus: the forward and backward gathers run inside the node from qWD's
-copies, as INT8 (`weight_copy_bits`); across nodes go the INT4 weight deltas
+copies (qwZ's INT8 blocks); across nodes go the INT4 weight deltas
 ((N-1)/N of the values) and qgZ's INT4 hop; its intra-node gradient hop is 8-bit.
 Compute is 6 * params * tokens FLOPs (forward + backward) at the given
 TFLOP/s, 8 * params * tokens with activation checkpointing (`recompute`: the
@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import NAMED, is_named
+from ..stats import ring_send
 
 
 def _switches(switches: dict) -> tuple[bool, bool, bool, bool]:
@@ -77,34 +78,34 @@ class Cluster:
         return self.nodes * self.gpus_per_node
 
 
-def volumes(c: Cluster, qwz: bool, hpz: bool, qgz: bool,
-            plus: bool = False) -> dict[str, float]:
-    """Bytes per step crossing each node's link (fwd, bwd, grad) and sent inside
-    the node by each GPU (intra, of which the forward's: intra_fwd), plus the hpZ
-    secondary's bytes per GPU."""
-    w, n, d, p = c.world, c.nodes, c.gpus_per_node, c.params
-    m = p * c.param_bytes
-    ring = (w - 1) / w
-    scales8 = 4 / c.block_size           # fp32 scale per block, per value
+def volumes(p: float, w: int, n: int, param_bytes: int, reduce_bytes: int, block_size: int,
+            qwz: bool, hpz: bool, qgz: bool, plus: bool = False) -> dict[str, float]:
+    """Bytes per step of `p` parameters on `n` nodes of `w` ranks: crossing each node's
+    link (fwd, bwd, grad) and sent inside the node by each GPU (intra, of which the
+    forward's: intra_fwd), plus the hpZ secondary's bytes per GPU. Rings by
+    stats.ring_send, the accounting's own rule."""
+    d = w // n
+    m = p * param_bytes
+    scales8 = 4 / block_size             # fp32 scale per block, per value
     gather = p * (1 + scales8) if qwz else m   # INT8 payload + scales, or full width
     cross = n > 1
-    fwd = ring * gather if cross else 0.0
-    bwd = 0.0 if (hpz or not cross) else ring * gather
+    fwd = ring_send(gather, w) if cross else 0.0
+    bwd = 0.0 if (hpz or not cross) else ring_send(gather, w)
     if qgz:  # INT4 values, (N-1)/N of them leave the node
-        grad = (n - 1) / n * p * (0.5 + scales8)
+        grad = ring_send(p * (0.5 + scales8), n)
     else:
-        grad = ring * p * c.reduce_bytes if cross else 0.0
+        grad = ring_send(p * reduce_bytes, w) if cross else 0.0
     intra = 0.0
     if hpz:  # backward gather among the D GPUs of the node
-        intra += (d - 1) / d * gather
+        intra += ring_send(gather, d)
     if qgz and d > 1:  # first hop: INT4 all-to-all inside the node
-        intra += (d - 1) / d * p * (0.5 + scales8)
+        intra += ring_send(p * (0.5 + scales8), d)
     secondary = (p / d) * (1 + scales8) if (hpz and qwz) else (m / d if hpz else 0.0)
     intra_fwd = 0.0  # the part of `intra` the forward moves
     if plus:  # qWD: INT4 code deltas across (+ a scale and a step byte per block); both
         # gathers inside, from the copies, which are INT8 blocks like ZeRO++'s secondary
-        fwd = (n - 1) / n * p * (0.5 + scales8 + 1 / c.block_size) if cross else 0.0
-        intra_fwd = (d - 1) / d * p * (1 + scales8)
+        fwd = ring_send(p * (0.5 + scales8 + 1 / block_size), n) if cross else 0.0
+        intra_fwd = ring_send(p * (1 + scales8), d)
         intra = 3 * intra_fwd                       # + the backward's and the 8-bit gradient hop
         secondary = p / d * (1 + scales8)
     return {"fwd": fwd, "bwd": bwd, "grad": grad, "cross": fwd + bwd + grad,
@@ -113,7 +114,8 @@ def volumes(c: Cluster, qwz: bool, hpz: bool, qgz: bool,
 
 def predict(c: Cluster, name: str) -> dict[str, float]:
     qwz, hpz, qgz, plus = CONFIGS[name]
-    v = volumes(c, qwz, hpz, qgz, plus)
+    v = volumes(c.params, c.world, c.nodes, c.param_bytes, c.reduce_bytes, c.block_size,
+                qwz, hpz, qgz, plus)
     inter_bw, intra_bw = c.inter_gbps * 1e9 / 8, c.intra_gbps * 1e9 / 8
     # messages per step: 3 ring collectives per unit of W-1 hops (hpZ's backward
     # gather has D-1 hops; qgZ's two all-to-alls one hop each)

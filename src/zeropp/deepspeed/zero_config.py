@@ -92,8 +92,7 @@ def _zeropp_section(zp: Any, kwargs: dict) -> Optional[str]:
         if key not in fields:
             raise ValueError(f"DeepSpeed config: zeropp.{key} is not a zeropp setting; allowed: "
                              f"preset, {', '.join(sorted(fields))}")
-        if isinstance(value, str) and key in ("param_dtype", "reduce_dtype",
-                                              "error_feedback_dtype"):
+        if isinstance(value, str) and key in ("param_dtype", "reduce_dtype"):
             value = getattr(torch, value, value)  # JSON names a dtype: "bfloat16"
         try:
             Config(**{key: value})

@@ -19,6 +19,7 @@ from torch import nn
 
 import zeropp
 
+from ..bench.plan import volumes
 from ..checkpoint_files import CheckpointError, read_manifest
 from ..launch import at_step, no_restart
 from . import resume as ckpts
@@ -103,13 +104,6 @@ def build_model(a: TrainArgs, vocab: int) -> nn.Module:
     if a.hf_model:
         return HFCausalLM(a.hf_model, vocab, a)
     return GPT(GPTConfig(vocab_size=vocab, block_size=a.seq_len, **PRESETS[a.model]))
-
-
-def zero3_inter_node_bytes(n_params: int, param_bytes: int, world: int, nodes: int) -> float:
-    """ZeRO-3's analytic bytes per node per step across nodes: forward and
-    backward ring gathers at the compute width, one fp32 ring reduce-scatter
-    (nothing crosses when there is one node)."""
-    return (world - 1) / world * n_params * (2 * param_bytes + 4) if nodes > 1 else 0.0
 
 
 @torch.no_grad()
@@ -240,7 +234,10 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
                             betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # each rank its own rows
-    zero3 = zero3_inter_node_bytes(n_params, param_bytes, world, topo.num_nodes)
+    # ZeRO-3's bytes per node per step across nodes (`zeropp plan`'s model): forward
+    # and backward gathers at the compute width, one fp32 reduce-scatter
+    zero3 = volumes(n_params, world, topo.num_nodes, param_bytes, 4, 2048,
+                    False, False, False)["cross"]
     tokens_per_step = a.batch * a.seq_len * a.accum * world
     start, skipped, history = _resume(a, out, model, opt, gen, rank)
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
