@@ -156,7 +156,7 @@ def main() -> None:
     lines += ["", "eager: vectorized torch ops over cache-sized (4 MiB) chunks of blocks; "
               "compiled: quantize and dequantize each one fused torch.compile kernel "
               "(zeropp/kernels.py), "
-              "bitwise equal (tests/test_kernels.py), compiled once per process before "
+              "bitwise equal (tests/comm/test_kernels.py), compiled once per process before "
               "the timing; INT8 dequantize into fp32 runs the eager ops in both (faster at a "
               "unit's sizes, kernels.py). Run-to-run noise on this shared 2-core machine is "
               "about 20%.", ""]

@@ -45,8 +45,8 @@ import zeropp
 from zeropp.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import codec_cases  # noqa: E402  (the compiled codecs' byte cases, shared with tests)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+import codec_cases  # noqa: E402  (the compiled codecs' byte cases: a fixture of the tests)
 
 STEPS, WORLD, NODE = 4, 4, 2  # 2 emulated nodes x 2 ranks: every route runs
 PRESETS = ["zero3", "zeropp", "zeropp-plus"]
@@ -211,7 +211,7 @@ def check_quant(device: str) -> list[dict]:
 
 def check_codecs(device: str) -> list[dict]:
     """codec_cases.mismatches on the device, per bit width. On
-    the CPU (make test) its first case only: tests/test_kernels.py runs them all there,
+    the CPU (make test) its first case only: tests/comm/test_kernels.py runs them all there,
     and each case's kernel variants cost seconds to compile from a cold cache."""
     from zeropp import kernels
     rows, cases = [], codec_cases.CASES[:1] if device == "cpu" else codec_cases.CASES

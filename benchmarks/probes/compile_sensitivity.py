@@ -1,5 +1,5 @@
 """How far apart two eager runs drift when only their last bits differ, next to how far
-torch.compile's run drifts from eager: tests/test_compile.py's tiny HF GPT-2 (2 layers,
+torch.compile's run drifts from eager: tests/engine/test_compile.py's tiny HF GPT-2 (2 layers,
 n_embd 32, AdamW lr 1e-2, 12 steps, fp32) at W=4 as 2x2, under zero3 and zeropp-plus.
 Against the eager run (SDPA attention) of the same seed:
 - `ulp`: eager, one weight of the token embedding one ulp higher before `shard`;

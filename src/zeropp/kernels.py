@@ -14,11 +14,11 @@ it equals fp32(absmax / qmax) for every finite fp32 absmax and +inf, for qmax 12
 and 7 (fp64 carries the quotient to within 2^-52 of itself, and a quotient of two
 fp32 numbers is never within 2^-49 of a midpoint between fp32 numbers; checked
 over all 2^31 of them, as docs/notebook.md records, and over a sample in
-tests/test_kernels.py). A division there would sit inside the loop over a block's
+tests/comm/test_kernels.py). A division there would sit inside the loop over a block's
 values (the int8 stores may alias the absmax, so the compiler reloads it and
 recomputes the scale at each step), costing 0.3 to 0.5 ms of a 3.5 ms kernel.
 Checked on the CPU over shapes, block sizes, dtypes, zero, subnormal and non-finite
-blocks (tests/test_kernels.py); on a GPU, where Triton compiles them (told to divide
+blocks (tests/comm/test_kernels.py); on a GPU, where Triton compiles them (told to divide
 exactly and keep subnormals), `benchmarks/conformance/gpu_check.py` checks the same;
 until it has run on one, the kernels run on a GPU only with ZEROPP_COMPILE=1.
 

@@ -3,7 +3,7 @@ pointer replaced atomically after each save, the oldest pruned beyond `keep`.
 
 A resumed run restores the model, optimizer, step (hence the LR schedule),
 each rank's data-sampling generator and RNG states, so it continues exactly
-as if it had never stopped (tests/test_resume.py checks the losses bit for bit).
+as if it had never stopped (tests/apps/test_resume.py checks the losses bit for bit).
 
 [Note: which checkpoint a run resumes from]
 The newest that verifies: the one `latest` names, then complete ones of

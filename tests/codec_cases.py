@@ -1,5 +1,5 @@
 """The inputs on which the compiled codecs (zeropp/kernels.py) must write the eager
-ops' bytes, shared by tests/test_kernels.py (CPU) and gpu_check.py (a GPU, where
+ops' bytes, shared by tests/comm/test_kernels.py (CPU) and gpu_check.py (a GPU, where
 Triton compiles them): an all-zero block, a subnormal one, a NaN, an Inf, a -0.0
 block and a NaN with a payload, over fp32 / bf16 / fp16 inputs, block sizes 2 to
 2048, an odd storage offset (INT4's strided path), a padded last block, and one case

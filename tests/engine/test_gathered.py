@@ -389,7 +389,7 @@ def test_rollout_example_reward_rises_with_one_gather_per_rollout(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "examples" / "rollout.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "rollout.py"
     out = tmp_path / "log.jsonl"
     subprocess.run([sys.executable, str(script), "--iters", "15", "--out", str(out)],
                    check=True, timeout=300, capture_output=True)

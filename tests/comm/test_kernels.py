@@ -3,21 +3,16 @@ the wire buffer (scales and codes), the sender's dequantized copy, and what
 `dequantize` makes of them in fp32, bf16 and fp16, for INT8 and INT4 (rounding to
 nearest), whole and padded last blocks, fp32 / bf16 / fp16 inputs, odd offsets,
 several chunks, and all-zero, subnormal, -0.0 and non-finite blocks
-(benchmarks/conformance/codec_cases.py, which gpu_check.py runs on a GPU);
+(tests/codec_cases.py, which gpu_check.py runs on a GPU);
 ZEROPP_COMPILE=0 turns them off; a failed compile falls back to them."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import codec_cases  # (tests/codec_cases.py, shared with benchmarks/conformance/gpu_check.py)
 import pytest
 import torch
 
 from zeropp import kernels, quant
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "conformance"))
-import codec_cases  # noqa: E402  (shared with gpu_check.py)
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ from torch import nn
 import zeropp
 from zeropp.launch import spawn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 
 
@@ -153,7 +153,7 @@ def test_compiled_zeropp_plus_at_w4_as_2x2_gives_the_eager_losses_and_compiles_o
 
 def test_hf_trainer_with_torch_compile_trains_through_engine_compile(tmp_path):
     """Under `zeropp launch` (its preloading server starts the two ranks faster than
-    torchrun's fresh interpreters; tests/test_hf_deepspeed.py runs the example under both),
+    torchrun's fresh interpreters; tests/deepspeed/test_hf_deepspeed.py runs the example under both),
     with `torch_compile_backend="aot_eager"`: dynamo and AOT autograd over zeropp's
     units as with inductor, without inductor's C++ build (33 s of a cold cache against
     11; inductor under zeropp: the tests above; this run with inductor gives the same

@@ -25,7 +25,7 @@ from zeropp.deepspeed import lr_schedules
 from zeropp.deepspeed.engine import LossScaler
 from zeropp.launch import spawn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "deepspeed"
 
 
