@@ -103,6 +103,33 @@ def train(name: str, opt_name: str, model: nn.Module, *, steps: int, accum: int,
     return losses, norms
 
 
+def fit(model: nn.Module, opt: torch.optim.Optimizer, batches, *, loss_fn=None, clip_fn=None,
+        each=None) -> list[float]:
+    """The tests' one training loop besides `train`: an optimizer step per (x, y) of
+    `batches` (loss_fn(model, x, y), default model(x, y)[1]; backward; clip_fn(model,
+    1.0) if given; step; zero_grad; `each()` after it). Returns each step's loss."""
+    losses = []
+    for x, y in batches:
+        loss = loss_fn(model, x, y) if loss_fn is not None else model(x, y)[1]
+        loss.backward()
+        if clip_fn is not None:
+            clip_fn(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if each is not None:
+            each()
+    return losses
+
+
+def random_batches(steps: int, vocab: int, shape: tuple, seed: int):
+    """`steps` (x, x) pairs of random tokens, from a generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, vocab, shape, generator=g)
+        yield x, x
+
+
 def task_batch(step: int, world: int, rank: int | None):
     """A learnable task for loss-parity runs: each row counts up from a random
     start with a random stride (1-3) modulo 64; the model must infer the stride."""

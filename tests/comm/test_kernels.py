@@ -11,6 +11,7 @@ from __future__ import annotations
 import codec_cases  # (tests/codec_cases.py, shared with benchmarks/conformance/gpu_check.py)
 import pytest
 import torch
+from cases import fit, random_batches
 
 from zeropp import kernels, quant
 
@@ -88,16 +89,8 @@ def _train(preset: str) -> dict:
         m = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_embd=64, n_head=2))
         zeropp.shard(m, zeropp.Config.preset(preset, node_size=2))
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(dist.get_rank())
-        losses = []
-        for _ in range(3):
-            x = torch.randint(0, 256, (2, 32), generator=g)
-            loss = m(x, x)[1]
-            loss.backward()
-            zeropp.clip_grad_norm_(m, 1.0)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = fit(m, opt, random_batches(3, 256, (2, 32), dist.get_rank()),
+                     clip_fn=zeropp.clip_grad_norm_)
         out[mode] = (losses, [p.detach().clone() for p in m.parameters()])
     out["kernels"] = [] if kernels._failed else sorted(str(k) for k in kernels._KERNELS)
     return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from cases import task_batch
+from cases import fit, task_batch
 
 import zeropp
 from zeropp.launch import spawn
@@ -38,15 +38,7 @@ def _loss(model, x, y):
 
 def _train(model, steps: int, world: int, rank, lr: float) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for step in range(steps):
-        x, y = task_batch(step, world, rank)
-        loss = _loss(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return fit(model, opt, (task_batch(s, world, rank) for s in range(steps)), loss_fn=_loss)
 
 
 def _sharded(kind: str, kw: dict, steps: int, lr: float, ckpt: str | None):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from cases import fit, random_batches
 
 import zeropp
 from zeropp.launch import spawn
@@ -27,15 +28,8 @@ def _losses(preset: str, recompute: bool) -> tuple[list[float], int]:
     m.train()
     zeropp.shard(m, zeropp.Config.preset(preset, node_size=2))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    out = []
-    for _ in range(3):
-        x = torch.randint(0, 64, (2, 16), generator=g)
-        loss = m(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
+    out = fit(m, opt, random_batches(3, 64, (2, 16), dist.get_rank()),
+              loss_fn=lambda m, x, y: m(input_ids=x, labels=y).loss)
     st = zeropp.comm_stats(m)
     return out, st["inter_node_bytes"] + st["intra_node_bytes"]
 

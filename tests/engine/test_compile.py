@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from cases import failed_run
+from cases import failed_run, fit, random_batches
 from torch import nn
 
 import zeropp
@@ -76,16 +76,11 @@ def _losses(build, preset: str, compiled: bool, fullgraph: bool = False) -> tupl
     zeropp.shard(model, zeropp.Config.preset(preset))
     run = torch.compile(model, fullgraph=fullgraph) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    losses, frames = [], []
-    for _ in range(STEPS):
-        x = torch.randint(0, 64, (2, 16), generator=gen)
-        loss = run(x, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        frames.append((counters["frames"]["total"], counters["stats"]["unique_graphs"]))
+    frames = []
+    losses = fit(model, opt, random_batches(STEPS, 64, (2, 16), dist.get_rank()),
+                 loss_fn=lambda m, x, y: run(x, y),
+                 each=lambda: frames.append((counters["frames"]["total"],
+                                             counters["stats"]["unique_graphs"])))
     return losses, frames
 
 

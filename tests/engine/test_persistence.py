@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from cases import batch, build, loss_of
+from cases import batch, build, fit, loss_of
 from torch import nn
 
 import zeropp
@@ -22,15 +22,8 @@ THRESHOLD = 64  # the MLP's biases (24, 24, 5) persist, its weights (288, 576, 1
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, world: int, rank: int) -> list[float]:
-    losses = []
-    for s in range(STEPS):
-        x, y = batch("mlp", s, 0, world, rank)
-        loss = loss_of("mlp", model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return fit(model, opt, (batch("mlp", s, 0, world, rank) for s in range(STEPS)),
+               loss_fn=lambda m, x, y: loss_of("mlp", m, x, y))
 
 
 def _shown(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from cases import fit, random_batches
 
 from zeropp.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
@@ -34,17 +35,9 @@ def _train(preset, reshard=True, bf16=False, steps=STEPS):
     if preset is not None:
         zeropp.fsdp2.install(model, preset, node_size=2)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    losses = []
-    for _ in range(steps):
-        x = torch.randint(0, 256, (2, 32), generator=g)
-        loss = model(x, x)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
+    losses = torch.tensor(fit(model, opt, random_batches(steps, 256, (2, 32), dist.get_rank())))
+    dist.all_reduce(losses)  # the ranks' mean loss per step
+    losses = (losses.double() / dist.get_world_size()).tolist()
     with torch.no_grad():  # the same batch on every rank: the same weights give the same bits
         x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(99))
         probe = model(x, x)[1].item()
