@@ -14,8 +14,10 @@ and act only for an optimizer that holds their shards.
 
 from __future__ import annotations
 
+import os
 import weakref
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.optim.optimizer import (
@@ -63,6 +65,12 @@ def step_hooks(select: Callable[[torch.optim.Optimizer], list],
 def held_params(opt: torch.optim.Optimizer) -> set[int]:
     """Ids of the parameters `opt` updates."""
     return {id(p) for g in opt.param_groups for p in g["params"]}
+
+
+def comm_state_file(directory: Union[str, os.PathLike], rank: int) -> Path:
+    """Where a driver that keeps no files of its own (FSDP2 beside DCP) puts a rank's
+    comm state."""
+    return Path(directory) / f"zeropp_rank{rank}.pt"
 
 
 def comm_state(path: Optional[WeightPath], codec: Any) -> dict[str, torch.Tensor]:

@@ -189,14 +189,14 @@ def _resume_run(ckpt: str) -> dict:
     steps(model, opt, 0, 4)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-    torch.save(zeropp.fsdp2.comm_state(model), f"{ckpt}/zeropp_rank{dist.get_rank()}.pt")
+    zeropp.fsdp2.save_comm_state(model, ckpt)
     del model, opt
     model, opt = fresh()
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=ckpt)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    zeropp.fsdp2.load_comm_state(model, torch.load(f"{ckpt}/zeropp_rank{dist.get_rank()}.pt"))
+    zeropp.fsdp2.load_comm_state(model, ckpt)
     resumed = steps(model, opt, 4, 8)
     return {"whole": whole, "resumed": resumed}
 

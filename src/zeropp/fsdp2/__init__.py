@@ -14,14 +14,17 @@ meshes, CPU offload (each refused in one line).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Union
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from ..config import Config
 from ..driver import comm_state as comm_state_of
-from ..driver import held_params, make_comm, step_hooks
+from ..driver import comm_state_file, held_params, make_comm, step_hooks
 from ..driver import load_comm_state as load_comm_state_of
 from ..stats import CommStats
 from ..topology import get_topology
@@ -110,9 +113,8 @@ def _version(inst: Installed, sharded: list) -> Any:
 def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     """This rank's comm state an exact resume needs, per FSDP module: qWD's
     copies (and whether a delta is due), qgZ's error-feedback residuals.
-    Different on every rank: save it per rank (e.g.
-    `torch.save(comm_state(model), f"{dir}/zeropp_rank{rank}.pt")`) beside the
-    model and optimizer's DCP checkpoint."""
+    Different on every rank: save it per rank beside the model and optimizer's
+    DCP checkpoint (`save_comm_state`)."""
     out = {}
     for label, gather, reduce in _installed(model).comms:
         s: dict[str, Any] = comm_state_of(gather.path, reduce.route and reduce.route.codec)
@@ -124,9 +126,21 @@ def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     return out
 
 
-def load_comm_state(model: nn.Module, state: dict[str, dict[str, Any]]) -> None:
-    """Restore `comm_state` after the model's sharded weights were loaded (DCP):
-    the copies stand for the weights as they are at this call."""
+def save_comm_state(model: nn.Module, directory: Union[str, os.PathLike]) -> None:
+    """`comm_state(model)` into this rank's file in `directory` (e.g. the DCP
+    checkpoint's own directory); every rank."""
+    path = comm_state_file(directory, dist.get_rank())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(comm_state(model), path)
+
+
+def load_comm_state(model: nn.Module,
+                    state: Union[dict[str, dict[str, Any]], str, os.PathLike]) -> None:
+    """Restore `comm_state` (a dict, or the directory `save_comm_state` wrote) after
+    the model's sharded weights were loaded (DCP): the copies stand for the weights
+    as they are at this call."""
+    if not isinstance(state, dict):
+        state = torch.load(comm_state_file(state, dist.get_rank()), weights_only=True)
     device = next(model.parameters()).device
     for label, gather, reduce in _installed(model).comms:
         s = state.get(label, {})

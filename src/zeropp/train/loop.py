@@ -38,7 +38,7 @@ class TrainArgs:
     hf_model: Optional[str] = None   # "gpt2" | "llama": built from a config, offline
     tokenizer: str = "bytes"
     lr: float = 2e-3
-    warmup: int = 30
+    warmup: int = 50          # linear warm-up steps; with 30 the demo's loss spikes at step 8
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     clip: float = 1.0
