@@ -212,9 +212,12 @@ def named(name: str, node_size: int, **fields) -> Config:
     for flip in flips:
         field, (a, b) = SWITCHES[flip]
         switches[field] = b if switches.get(field, getattr(Config, field)) == a else a
-    if not (switches.get("hpz_partition_size", 1) > 1 and switches.get("quantized_weights")):
-        switches["weight_delta"] = False  # qWD moves hpZ's INT8 secondaries: without them, none
-    return Config(node_size=node_size, **{**switches, **fields})
+    merged = {**switches, **fields}
+    if "weight_delta" not in fields and not (merged.get("hpz_partition_size", 1) > 1
+                                             and merged.get("quantized_weights")
+                                             and merged.get("weight_bits", 8) == 8):
+        merged["weight_delta"] = False  # qWD moves hpZ's INT8 secondaries: without them, none
+    return Config(node_size=node_size, **merged)
 
 
 def _default_node_size() -> int:

@@ -44,7 +44,7 @@ def step_hooks(select: Callable[[torch.optim.Optimizer], list],
                before: Callable[[list], None], after: Callable[[list], None]) -> tuple:
     """Run `before(items)` / `after(items)` around every optimizer step for which
     `select(optimizer)` (asked once per optimizer) is not empty. Returns the hook
-    handles (keep them: the hooks live as long as they do)."""
+    handles; the hooks stay registered until a handle's `remove()`."""
     chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def items(opt: torch.optim.Optimizer) -> list:

@@ -16,8 +16,8 @@ gather and the matching free.
   secondary shard hpZ: W/P primary shards of the ranks in this rank's column,
                   kept after a forward so the backward gathers inside the node
                   (weights/hpz.py, "the secondary shard's layout")
-  qWD copy        a secondary kept across steps and moved by deltas (INT8 codes
-                  by default)
+  qWD copy        a secondary kept across steps as qwZ's INT8 blocks, moved by
+                  code deltas
   wire bytes      a quantized tensor as it travels: fp32 scales, then codes
                   (quant.py, "wire format")
   flat gradient   `grad`: a backward's full gradient of the buffer, assembled
@@ -95,7 +95,8 @@ class State(enum.Enum):
     """Where a flat buffer's full weights are, and what its module attributes show."""
 
     FREED = "freed"            # `full` holds no storage; the attributes show 0 elements
-    GATHERING = "gathering"    # a gather is in flight (`pending`)
+    GATHERING = "gathering"    # a gather is in flight (`pending`); the attributes show
+    #                            what they showed before it
     GATHERED = "gathered"      # `full` holds the weights; the attributes are its views
     SHAPED = "shaped"          # freed, the attributes show their shapes: a backward that
     #                            reads none of these weights is under way (see the note)

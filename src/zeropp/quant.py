@@ -143,8 +143,8 @@ _SCRATCH: dict[tuple, torch.Tensor] = {}
 def scratch_buffer(slot: str, numel: int, device: torch.device) -> torch.Tensor:
     """A reused fp32 buffer of `numel` (this thread's, one per slot), for temporaries
     that die within one call. A fresh buffer of a unit's size may be mmap'd and
-    page-faulted in on every call (glibc's mmap threshold: host_memory.py), which costs more than the arithmetic: error feedback's encode of a
-    1.8M-value unit took 3.1 ms with fresh temporaries, 0.53 ms with these
+    page-faulted in on every call (glibc's mmap threshold: host_memory.py), which
+    costs more than the arithmetic: error feedback's encode of a 1.8M-value unit took 3.1 ms with fresh temporaries, 0.53 ms with these
     (benchmarks/probes/encode_probe.py). On CUDA one per stream too: FSDP2 runs its
     all-gather and reduce-scatter on two streams from one thread, and a buffer one
     stream still reads must not be written by the other."""

@@ -10,7 +10,8 @@ steps per optimizer step, so the move of its code is a small integer: INT4
 carries it exactly, and the holder's copy becomes t, bit for bit qwZ's INT8 of
 the master, at half of qwZ's bytes (and one scale per block, as before).
 
-Per block, with the holder's codes c at scale s:
+Per block, with the holder's codes c at scale s (qmax = QC = 127, qwZ's largest code;
+dmax = QD = 7, the largest move INT4 carries):
     base = clamp(round(c * s / s'))    # the old codes on the new scale's grid
     diff = t - base                    # an integer in [-2 qmax, 2 qmax]
     k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes (dmax = 7)

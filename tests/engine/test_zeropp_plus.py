@@ -240,6 +240,11 @@ def test_presets_and_ablations():
     assert plus.gradient_error_feedback and plus.quantized_weights
     # qWD moves qwZ's INT8 copies: without qwZ there are none to move
     assert not zeropp.Config.preset("zeropp-plus~qwz", node_size=4).weight_delta
+    for off in ({"quantized_weights": False}, {"weight_bits": 4}, {"hpz_partition_size": 1}):
+        assert not zeropp.Config.preset("zeropp-plus", node_size=4, **off).weight_delta, off
+    with pytest.raises(ValueError, match="needs quantized_weights=True"):  # asked for by name
+        zeropp.Config.preset("zeropp-plus", node_size=4, quantized_weights=False,
+                             weight_delta=True)
     paper = zeropp.Config.preset("zeropp", node_size=4)
     assert paper.intra_node_grad_bits == 4 and not paper.weight_delta
     assert not zeropp.Config.preset("zeropp-plus~qwd", node_size=4).weight_delta

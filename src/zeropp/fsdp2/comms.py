@@ -61,6 +61,7 @@ class WeightGather(_Buffers, AllGather):
         self.plain = not (cfg.quantized_weights or cfg.hpz_partition_size > 1
                           or cfg.hierarchical_gather)
         self.path: Optional[WeightPath] = None  # made for the module's gathered size
+        self.numel: Optional[int] = None        # ... which is this
 
     def make_path(self, numel: int) -> WeightPath:
         """The weight path of a module whose gathered size (W chunks) is `numel`."""

@@ -150,31 +150,31 @@ class WeightPath:
             pending, out = world.issue(spec, comm, op, shard, full)
         return Gather(route, op, comm, pending, out, full, version)
 
-    def finish(self, g: Gather) -> None:
-        """Wait for `g`'s first collective, run its second stage, leave the weights in
-        `g.full`."""
-        g.pending.wait()
+    def finish(self, gather: Gather) -> None:
+        """Wait for `gather`'s first collective, run its second stage, leave the weights in
+        `gather.full`."""
+        gather.pending.wait()
         spec, sec = self.spec, self.secondary
-        if g.route is Route.WORLD:
-            world.finish(spec, g.out, g.full)
+        if gather.route is Route.WORLD:
+            world.finish(spec, gather.out, gather.full)
             if sec is not None:
-                sec.keep(g.out, spec.world_size, self.version())
+                sec.keep(gather.out, spec.world_size, self.version())
             return
-        if g.route is Route.SECONDARY:
-            hpz.finish(spec, g.out, g.full, sec.p)
+        if gather.route is Route.SECONDARY:
+            hpz.finish(spec, gather.out, gather.full, sec.p)
             return
-        if g.route is Route.HIER:
+        if gather.route is Route.HIER:
             if sec is not None:
-                sec.set(g.out, self.version())  # stage 1's output is the secondary
-            mine, op, group = g.out, f"{g.op}/intra", "intra_node"
+                sec.set(gather.out, self.version())  # stage 1's output is the secondary
+            mine, op, group = gather.out, f"{gather.op}/intra", "intra_node"
         else:
-            delta.finish(spec, g.out, sec.pieces.view(spec.world_size // sec.p, -1),
+            delta.finish(spec, gather.out, sec.pieces.view(spec.world_size // sec.p, -1),
                          self.outer_index)
-            sec.applied(g.version)
-            mine, op, group = sec.pieces, f"{g.op}/hpz", "hpz"
-        pending, out = hpz.issue(spec, g.comm, mine, op, group)
+            sec.applied(gather.version)
+            mine, op, group = sec.pieces, f"{gather.op}/hpz", "hpz"
+        pending, out = hpz.issue(spec, gather.comm, mine, op, group)
         pending.wait()
-        hpz.finish(spec, out, g.full, len(g.comm.ranks[group]))
+        hpz.finish(spec, out, gather.full, len(gather.comm.ranks[group]))
 
     # ---- the secondary's life across optimizer steps (the drivers' step hooks) -------
     def before_step(self) -> None:

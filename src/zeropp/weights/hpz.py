@@ -91,6 +91,8 @@ class Secondary:
         due = self._stepped is not None and self._stepped == version
         if not due and self._current != version:
             return {}
+        # (the second number, deltas since a full refresh, is no longer used: kept 0 so
+        # that checkpoints keep one format)
         return {"secondary": self.pieces.detach().cpu(),
                 "delta_due": torch.tensor([int(due), 0])}
 
@@ -111,9 +113,10 @@ def issue(spec: WeightSpec, comm: Comm, mine: torch.Tensor, op: str, group: str
     return comm.all_gather(out, mine, op=op, group=group, scale_bytes=scales), out
 
 
-def finish(spec: WeightSpec, out: torch.Tensor, full: torch.Tensor, g: int) -> None:
-    """Member i's piece j of the g members' (at i*k + j in `out`) into slot j*g + i
-    of `full`, dequantized when the pieces are wire bytes."""
+def finish(spec: WeightSpec, out: torch.Tensor, full: torch.Tensor, members: int) -> None:
+    """Member i's piece j (at i*k + j in `out`, k = W / members) into slot
+    j*members + i of `full`, dequantized when the pieces are wire bytes."""
+    g = members
     k = spec.world_size // g
     if spec.bits is not None:
         dequantize_pieces(out, full, pieces=g * k, bits=spec.bits, block=spec.block,
