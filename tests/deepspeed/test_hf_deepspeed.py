@@ -16,9 +16,6 @@ import pytest
 import torch
 from hf_examples import STEPS, _global_step, _reloads, _series, _straight, _torchrun, _zeropp_launch
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-pytest.importorskip("trl")
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_trainer_trains_saves_reloads_and_resumes_exactly(tmp_path, world):

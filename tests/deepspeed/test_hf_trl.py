@@ -11,10 +11,6 @@ import shutil
 import pytest
 from hf_examples import STEPS, _global_step, _reloads, _series, _straight, _zeropp_launch
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-pytest.importorskip("trl")
-
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_trl_sft_trains_saves_reloads_and_resumes_exactly(tmp_path, world):
