@@ -437,15 +437,15 @@ def _read_optimizer(man: dict, rd: Reader, st: ShardState, opt: torch.optim.Opti
 def _apply(plan: dict, st: ShardState, model: nn.Module,
            opt: Optional[torch.optim.Optimizer], restore: dict) -> dict[str, Any]:
     with torch.no_grad():
+        for u in st.units:  # first: a gather in flight finishes on the old weights
+            u.free()
+            for f in u.flats:  # persistent: gathered again by the next forward (DeepSpeed's way)
+                f.free(let_go=True, force=True)
         for f in st.flats:
             f.primary_shard.copy_(plan["shards"][f.name])  # bumps the version counter
             f.primary_shard.grad = None  # gradients of the replaced weights mean nothing
             load_comm_state(f.weights, f.grad_codec, plan["engine"].get(f.name, {}),
                             f.primary_shard.device)
-        for u in st.units:
-            u.free()
-            for f in u.flats:  # persistent: gathered again by the next forward (DeepSpeed's way)
-                f.free(let_go=True, force=True)
         bufs = _buffers(model)
         for n, t in plan["buffers"].items():
             bufs[n].copy_(t)

@@ -40,11 +40,11 @@ def make_comm(cfg: Config, topo: Topology, stats: CommStats) -> Comm:
     return Comm(topo, stats, cfg.hpz_partition_size, cfg.collective_timeout)
 
 
-def step_hooks(select: Callable[[torch.optim.Optimizer], list],
-               before: Callable[[list], None], after: Callable[[list], None]) -> tuple:
+def step_hooks(owner: Any, select: Callable[[torch.optim.Optimizer], list],
+               before: Callable[[list], None], after: Callable[[list], None]) -> None:
     """Run `before(items)` / `after(items)` around every optimizer step for which
-    `select(optimizer)` (asked once per optimizer) is not empty. Returns the hook
-    handles; the hooks stay registered until a handle's `remove()`."""
+    `select(optimizer)` (asked once per optimizer) is not empty, while `owner` lives
+    (the hooks are removed when it dies: the callbacks must not hold it)."""
     chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def items(opt: torch.optim.Optimizer) -> list:
@@ -59,7 +59,8 @@ def step_hooks(select: Callable[[torch.optim.Optimizer], list],
     def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if items(opt):
             after(items(opt))
-    return register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)
+    handles = (register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post))
+    weakref.finalize(owner, lambda: [h.remove() for h in handles])
 
 
 def held_params(opt: torch.optim.Optimizer) -> set[int]:

@@ -67,6 +67,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -105,7 +107,7 @@ class State(enum.Enum):
 # The moves `FlatParam._move` makes: the only place the state changes.
 _MOVES = {State.FREED: {State.GATHERING, State.SHAPED},
           State.SHAPED: {State.GATHERING, State.FREED},
-          State.GATHERING: {State.GATHERED},
+          State.GATHERING: {State.GATHERED, State.FREED},  # FREED: the gather failed
           State.GATHERED: {State.FREED}}
 
 
@@ -174,11 +176,12 @@ class FlatParam:
         self.arrived: set[int] = set()    # params in `grad`
         self.seen: set[int] = set()       # params reached by this backward
         self.expected = set(range(len(self.infos)))  # params backward reaches (learnt)
+        me = weakref.ref(self)  # a tensor's hooks are invisible to Python's gc: no cycle
         for i, t in enumerate(self.params):
             if trainable:
                 t.requires_grad_(True)
                 t.register_post_accumulate_grad_hook(
-                    lambda t, i=i: self._param_grad_ready(i, t))
+                    lambda t, i=i: me()._param_grad_ready(i, t))
         self.pending: Optional[Gather] = None
         self.state = State.FREED
         self.full.untyped_storage().resize_(0)
@@ -247,12 +250,20 @@ class FlatParam:
         return True
 
     def wait_gather(self) -> None:
-        if self.state is State.GATHERING:
+        if self.state is not State.GATHERING:
+            return
+        gather, self.pending = self.pending, None
+        try:
             with torch.inference_mode(False):
-                self.weights.finish(self.pending)
-            self.pending = None
-            self.gathered_for = self.version
-            self._move(State.GATHERED)
+                self.weights.finish(gather)
+        except BaseException:
+            # Not finished twice (a qWD delta would apply twice): the buffer is freed,
+            # and the secondary, perhaps half updated, is dropped for a full refresh.
+            self.weights.invalidate()
+            self._free_storage()
+            raise
+        self.gathered_for = self.version
+        self._move(State.GATHERED)
 
     def free(self, let_go: bool = False, *, force: bool = False) -> None:
         """Free the full weights: in place (the storage resized to 0 bytes, which
@@ -266,6 +277,9 @@ class FlatParam:
         if let_go:  # a new buffer (emptied below, never written); the old one lives on
             self.full = torch.empty_like(self.full)
             self._views = [self._param_on_full(info) for info in self.infos]
+        self._free_storage()
+
+    def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)
         if self.meter is not None:
             self.meter.freed(self)

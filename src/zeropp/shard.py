@@ -161,7 +161,7 @@ class ShardState:
             self.backward_active = False
 
 
-def _step_hooks(state_ref: weakref.ref) -> tuple:
+def _step_hooks(state: ShardState) -> None:
     """Around any optimizer step that updates this model's master shards (driver.py):
     before, a shard changed since its hpZ copy was made current, not by a step,
     needs a full refresh; after, count the step, drop the hpZ secondaries of the
@@ -186,7 +186,8 @@ def _step_hooks(state_ref: weakref.ref) -> tuple:
         for f in flats:
             f.weights.after_step()
         st.regather_persistent(flats)
-    return step_hooks(select, before, after)
+    state_ref = weakref.ref(state)
+    step_hooks(state, select, before, after)
 
 
 def shard(model: nn.Module, cfg: Optional[Config] = None, *,
@@ -274,7 +275,7 @@ def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
     install_state_dict_hooks(state.units, order)
     model._zeropp_state = state
     state.root_ref = weakref.ref(model)
-    state._step_hooks = _step_hooks(weakref.ref(state))
+    _step_hooks(state)
     return model
 
 

@@ -1,7 +1,8 @@
 """Hugging Face on zeropp through `zeropp.install_as_deepspeed()`: the Trainer and plain
-accelerate examples in examples/hf/ (TRL's two: test_hf_trl.py),
-each at W=2 (straight run under torchrun) and at W=4 as 2x2 nodes (straight run
-under `zeropp launch`), resumed under `zeropp launch`, with the ZeRO++ keys on:
+accelerate examples in examples/hf/ (TRL's two: test_hf_trl.py), each at one of W=2
+(straight run under torchrun) and W=4 as 2x2 nodes (straight run under `zeropp
+launch`), the two split across the four examples; resumed under `zeropp launch`,
+with the ZeRO++ keys on:
 the loss falls (GRPO: the reward rises), the saved model reloads with
 `from_pretrained` (weights equal to the last checkpoint's, bit for bit, and its
 logits those of the trained sharded model up to qwZ's INT8 rounding), and a run
@@ -17,7 +18,7 @@ import torch
 from hf_examples import STEPS, _global_step, _reloads, _series, _straight, _torchrun, _zeropp_launch
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])
 def test_trainer_trains_saves_reloads_and_resumes_exactly(tmp_path, world):
     out = tmp_path / "run"
     full = _series(_straight("trainer_lm.py", world, out, "--steps", str(STEPS)), "losses")
@@ -41,7 +42,7 @@ def test_trainer_plain_zero3_saves_a_model_whose_outputs_are_exactly_the_trained
     _reloads(out / "final", _global_step(out / "checkpoint-4"), tol=0.0)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])
 def test_accelerate_loop_trains_saves_reloads_and_resumes_exactly(tmp_path, world):
     out = tmp_path / "run"
     full = _series(_straight("accelerate_lm.py", world, out, "--steps", str(STEPS)), "losses")

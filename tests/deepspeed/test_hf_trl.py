@@ -1,6 +1,6 @@
 """TRL on zeropp through `zeropp.install_as_deepspeed()`: the SFT and GRPO examples in
-examples/hf/, at W=2 (torchrun) and W=4 as 2x2 (`zeropp launch`), resumed under `zeropp
-launch`, with the ZeRO++ keys on: the loss falls (GRPO: the reward rises), the saved model
+examples/hf/, SFT at W=2 (torchrun), GRPO at W=4 as 2x2 (`zeropp launch`), resumed under
+`zeropp launch`, with the ZeRO++ keys on: the loss falls (GRPO: the reward rises), the saved model
 reloads with `from_pretrained`, and a run resumed from the middle checkpoint continues
 exactly as the straight run."""
 
@@ -12,7 +12,7 @@ import pytest
 from hf_examples import STEPS, _global_step, _reloads, _series, _straight, _zeropp_launch
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])
 def test_trl_sft_trains_saves_reloads_and_resumes_exactly(tmp_path, world):
     out = tmp_path / "run"
     full = _series(_straight("trl_sft.py", world, out, "--steps", str(STEPS)), "losses")
@@ -24,7 +24,7 @@ def test_trl_sft_trains_saves_reloads_and_resumes_exactly(tmp_path, world):
     assert resumed == full
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])
 def test_trl_grpo_reward_rises_saves_reloads_and_resumes_exactly(tmp_path, world):
     out = tmp_path / "run"
     full = _series(_straight("trl_grpo.py", world, out, "--steps", str(STEPS)), "rewards")

@@ -13,6 +13,7 @@ from cases import build, loss_of
 
 import zeropp
 from zeropp.collectives import CollectiveError
+from zeropp.shard import get_state
 from zeropp.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
@@ -54,14 +55,22 @@ def _one_rank_skips_the_forward(timeout: float) -> str:
     try:
         loss_of("gpt", model, x, x)
     except CollectiveError as e:
-        return f"{time.monotonic() - t0:.1f}|{e}"
+        took = time.monotonic() - t0
+        # The failed gather is over: its buffer freed, nothing left to finish (a later
+        # free() would otherwise wait on it again and raise a second time).
+        flats = get_state(model).flats
+        for f in flats:
+            f.free()
+        states = sorted({f.state.name for f in flats})
+        return f"{took:.1f}|{','.join(states)}|{e}"
     return "no error"
 
 
 def test_a_collective_that_never_completes_fails_naming_the_op_and_unit():
     res = spawn(_one_rank_skips_the_forward, 2, 2, args=(2.0,), timeout=60)[0]
-    elapsed, msg = res.split("|", 1)
+    elapsed, states, msg = res.split("|", 2)
     assert 1.5 <= float(elapsed) < 6.0
+    assert states == "FREED"
     assert "all_gather/forward of unit <root> did not complete within the 2s " \
            "collective_timeout on rank 0" in msg
 

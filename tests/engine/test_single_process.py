@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -33,6 +34,20 @@ def test_world_size_1_without_process_group_is_bit_exact():
     sd = zeropp.full_state_dict(model)
     for k, v in ref.state_dict().items():
         assert torch.equal(sd[k], v), k
+
+
+def test_a_dead_model_leaves_no_optimizer_step_hook_behind():
+    """shard() hooks every optimizer's step (driver.py); the two hooks go when the model
+    does, with everything they would keep alive (hpZ secondaries, qWD copies)."""
+    from torch.optim import optimizer
+    hooks = (optimizer._global_optimizer_pre_hooks, optimizer._global_optimizer_post_hooks)
+    model = _train_both(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_embd=16,
+                                      n_head=2)), steps=1)
+    gc.collect()  # earlier tests' models
+    with_model = [len(h) for h in hooks]
+    del model
+    gc.collect()
+    assert [len(h) for h in hooks] == [n - 1 for n in with_model]
 
 
 def test_tied_embedding_is_stored_once_and_listed_under_both_names():

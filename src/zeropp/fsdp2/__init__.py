@@ -39,7 +39,6 @@ class Installed:
         self.cfg, self.stats, self.steps = cfg, stats, 0
         self.params: set[int] = set()
         self.comms: list[tuple[str, WeightGather, GradReduce]] = []
-        self._hooks: Any = None
 
 
 def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
@@ -95,7 +94,7 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
         for g in gathers:
             if g.path is not None:
                 g.path.after_step()
-    inst._hooks = step_hooks(select, before, after)
+    step_hooks(model, select, before, after)  # removed when the model dies
     model._zeropp_fsdp2 = inst
     return model
 

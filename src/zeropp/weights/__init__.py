@@ -105,7 +105,8 @@ class Gather:
     pending: Pending
     out: torch.Tensor             # the first collective's output
     full: torch.Tensor            # the full weights' buffer (compute dtype)
-    version: Optional[tuple] = None  # DELTA: the master version the copies will stand for
+    shard: torch.Tensor           # this rank's primary shard, as sent
+    version: tuple                # the master version the result stands for
 
 
 class WeightPath:
@@ -137,7 +138,7 @@ class WeightPath:
         """Start gathering every rank's `shard` (this rank's primary shard, detached)
         into `full`; `finish` completes it."""
         route, op, spec = self.route(), f"all_gather/{phase}", self.spec
-        version = None
+        version = self.version()  # what the result stands for, whatever happens meanwhile
         if route is Route.SECONDARY:
             pending, out = hpz.issue(spec, comm, self.secondary.pieces, f"{op}/hpz", "hpz")
         elif route is Route.DELTA:
@@ -148,7 +149,7 @@ class WeightPath:
             pending, out = hierarchical.issue(spec, comm, f"{op}/inter", shard, full)
         else:
             pending, out = world.issue(spec, comm, op, shard, full)
-        return Gather(route, op, comm, pending, out, full, version)
+        return Gather(route, op, comm, pending, out, full, shard, version)
 
     def finish(self, gather: Gather) -> None:
         """Wait for `gather`'s first collective, run its second stage, leave the weights in
@@ -158,14 +159,19 @@ class WeightPath:
         if gather.route is Route.WORLD:
             world.finish(spec, gather.out, gather.full)
             if sec is not None:
-                sec.keep(gather.out, spec.world_size, self.version())
+                sec.keep(gather.out, spec.world_size, gather.version)
             return
         if gather.route is Route.SECONDARY:
             hpz.finish(spec, gather.out, gather.full, sec.p)
             return
+        if gather.route is Route.DELTA and sec.pieces is None:
+            # The copies were dropped while the delta was in flight (zeropp.refresh, a
+            # load): every rank did the same, so every rank gathers in full instead.
+            phase = gather.op.removeprefix("all_gather/")
+            return self.finish(self.issue(gather.comm, phase, gather.shard, gather.full))
         if gather.route is Route.HIER:
             if sec is not None:
-                sec.set(gather.out, self.version())  # stage 1's output is the secondary
+                sec.set(gather.out, gather.version)  # stage 1's output is the secondary
             mine, op, group = gather.out, f"{gather.op}/intra", "intra_node"
         else:
             delta.finish(spec, gather.out, sec.pieces.view(spec.world_size // sec.p, -1),
