@@ -64,10 +64,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
-
-import weakref
 
 import torch
 from torch import nn

@@ -13,8 +13,8 @@ from cases import build, loss_of
 
 import zeropp
 from zeropp.collectives import CollectiveError
-from zeropp.shard import get_state
 from zeropp.launch import spawn
+from zeropp.shard import get_state
 from zeropp.train.model import GPT, GPTConfig
 
 
