@@ -22,8 +22,8 @@ import torch.distributed as dist
 from _report import report
 
 import zeropp
-from zeropp.checkpoint_files import export
-from zeropp.launch import spawn
+from zeropp.cli.export import export
+from zeropp.cli.launch import spawn
 from zeropp.train.model import GPT, PRESETS, GPTConfig
 
 

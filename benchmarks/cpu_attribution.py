@@ -31,7 +31,7 @@ import zeropp.qwd as qwd_mod
 import zeropp.weights as weights_mod
 import zeropp.weights.hpz as weights_hpz
 import zeropp.weights.world as weights_world
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 
 _TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
 

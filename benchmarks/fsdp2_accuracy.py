@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 import zeropp
 import zeropp.fsdp2
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 from zeropp.train.data import get_batch, load_text, split_tokens
 from zeropp.train.loop import TrainArgs, _val_loss, lr_at
 from zeropp.train.model import GPT, PRESETS, GPTConfig

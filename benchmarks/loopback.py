@@ -20,8 +20,8 @@ import torch.distributed as dist
 from _report import report
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.config import NAMED, is_named, named
-from zeropp.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from _report import report
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.config import named
-from zeropp.launch import spawn
 from zeropp.train.model import GPT, PRESETS, GPTConfig
 
 

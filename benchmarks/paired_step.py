@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from _gpt_step import batch, sharded_gpt, train_step
 
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 
 
 def _usage() -> tuple[float, int]:

@@ -115,7 +115,7 @@ def main(argv=None) -> list[dict]:
             dist.init_process_group("gloo")
         log = worker(a)
     else:
-        from zeropp.launch import spawn
+        from zeropp.cli.launch import spawn
         log = spawn(worker, a.nproc, a.node_size, args=(a,), timeout=1800)[0]
     if int(os.environ.get("RANK", "0")) == 0:
         if a.out:

@@ -149,8 +149,8 @@ def calm_and_crash(tmp_path, a, cfg, crash_fn, after: str) -> tuple[dict, dict]:
     undisturbed, once through `crash_fn` (train_worker's arguments plus `after`,
     the checkpoint after which it kills a rank) with one launcher restart.
     Returns rank 0's results of both."""
-    from zeropp.cli import CACHE
-    from zeropp.launch import spawn
+    from zeropp.cli.launch import spawn
+    from zeropp.cli.main import CACHE
     from zeropp.train.loop import prepare_tokens, train_worker
     ids, vocab = prepare_tokens(a, CACHE)
     tokens = tmp_path / "tokens.pt"
@@ -169,7 +169,7 @@ def cli_error_line(argv: list[str], capsys) -> str:
     file checks the process boundary once) and return its one error line: exit
     status 2, nothing else on stderr, no traceback and no Python warning (stderr
     would show them)."""
-    from zeropp.cli import main
+    from zeropp.cli.main import main
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rc = main(argv)

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 import zeropp
 import zeropp.fsdp2
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
 RUNS = [None, "zero3", "zeropp", "zeropp-plus"]

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 import zeropp
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))

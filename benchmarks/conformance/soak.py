@@ -23,7 +23,7 @@ stage a kill lands in is the one seen just before it, not a guarantee.
 Each trial passes when: the run exits 0 (after the relaunch, for `launcher`);
 metrics.jsonl holds every step once, in order, with the losses, grad norms,
 learning rates and validation losses of the undisturbed run; the final
-checkpoint's rank files equal the undisturbed run's (checkpoint_files.differences:
+checkpoint's rank files equal the undisturbed run's (train.resume.differences:
 every tensor, the metadata less the OS-seeded Python/NumPy RNG states); the
 newest `--keep-checkpoints` checkpoints are there and verify; no process of the
 trial's session is left. A damaged checkpoint must have been set aside as
@@ -43,8 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from zeropp.checkpoint_files import differences
-from zeropp.train.resume import verify_checkpoint
+from zeropp.train.resume import differences, verify_checkpoint
 
 KINDS = ["worker", "save:files", "save:manifest", "save:pointer", "launcher", "truncate",
          "delete"]

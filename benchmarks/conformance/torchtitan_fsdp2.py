@@ -35,7 +35,7 @@ from torchtitan.models.llama3 import model_registry
 
 import zeropp
 import zeropp.fsdp2
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 from zeropp.train.data import get_batch, load_text, split_tokens
 from zeropp.train.tokenizer import encode
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeropp
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 
 VARIANTS = ("eager", "ulp", "attn-eager", "compiled")
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _gpt_step
 from _gpt_step import batch, sharded_gpt, train_step  # noqa: E402
 
-from zeropp.launch import spawn  # noqa: E402
+from zeropp.cli.launch import spawn  # noqa: E402
 
 
 def work(preset):

@@ -16,7 +16,7 @@ sys.path.insert(0, sys.argv[2] if len(sys.argv) > 2 else "benchmarks")
 from _gpt_step import batch, sharded_gpt  # noqa: E402
 
 import zeropp  # noqa: E402
-from zeropp.launch import spawn  # noqa: E402
+from zeropp.cli.launch import spawn  # noqa: E402
 
 PRESETS = ["zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-plus"]
 

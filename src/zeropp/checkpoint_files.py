@@ -1,5 +1,6 @@
-"""A checkpoint on disk: the manifest, verified reads of shard files, and the
-consolidated export (`zeropp export CKPT OUT`), which needs no process group.
+"""A checkpoint on disk: the manifest, verified reads of shard files, and its
+consolidated tensors read from the files alone (no process group; `zeropp export`
+writes them out, cli/export.py).
 
 A checkpoint is a directory:
   manifest.json           JSON: format, world and node size, config, step, each
@@ -36,7 +37,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -182,7 +183,7 @@ def verify(file: Path, info: dict) -> None:
 _ST_TORCH = {name: dtype for dtype, name in _ST_DTYPES.items()}
 
 
-class _RankFile:
+class RankFile:
     """One verified safetensors file, read with plain reads straight into each
     tensor's memory: safetensors' `safe_open` maps the whole file, and every page
     it touches counts in the process's resident memory while the file is open
@@ -264,7 +265,7 @@ class Reader:
             name = rank_file(rank)
             fp = self.path / name
             verify(fp, self.man["files"][name])
-            self._files[rank] = _RankFile(fp)
+            self._files[rank] = RankFile(fp)
         return self._files[rank]
 
     def has(self, rank: int, key: str) -> bool:
@@ -316,7 +317,7 @@ def param_index(man: dict) -> dict[str, tuple[dict, dict]]:
     return out
 
 
-# ---- consolidation and export -------------------------------------------------------
+# ---- consolidation ----------------------------------------------------------------
 def consolidate(path: os.PathLike, *, optimizer_state: bool = False,
                 trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The full tensors of a checkpoint, by original name, read from its files
@@ -325,12 +326,8 @@ def consolidate(path: os.PathLike, *, optimizer_state: bool = False,
     names share one tensor, as in the model's own state dict. `trainable_only`:
     frozen parameters left out."""
     path = resolve(path)
-    return _consolidate(Reader(path, read_manifest(path)), optimizer_state, trainable_only)
-
-
-def _consolidate(rd: Reader, optimizer_state: bool,
-                 trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    man = rd.man
+    man = read_manifest(path)
+    rd = Reader(path, man)
     out: dict[str, torch.Tensor] = {}
     for f in man["flats"]:
         if trainable_only and not f["trainable"]:
@@ -349,81 +346,4 @@ def _consolidate(rd: Reader, optimizer_state: bool,
     if not optimizer_state:
         for name in man.get("buffers", {}):
             out[name] = rd.get(0, f"buffer/{name}")
-    return out
-
-
-def export(ckpt: os.PathLike, out: os.PathLike, *, dtype: Optional[torch.dtype] = None
-           ) -> list[Path]:
-    """Write `out/model.safetensors` (original names, loadable by the unsharded
-    model's `load_state_dict`) and, for a transformers model, `out/config.json`
-    so that `from_pretrained(out)` works. Returns the files written."""
-    ckpt = resolve(ckpt)
-    rd = Reader(ckpt, read_manifest(ckpt))
-    sd = _consolidate(rd, optimizer_state=False)
-    hf = rd.man.get("hf")
-    if hf:
-        prefix = hf["prefix"]
-        outside = [n for n in sd if not n.startswith(prefix)]
-        if outside:
-            raise CheckpointError(
-                f"export: {len(outside)} tensor(s) live outside the transformers model at "
-                f"{prefix[:-1]!r} (first: {outside[0]!r}); from_pretrained could not load them")
-        sd = {n[len(prefix):]: t for n, t in sd.items()}
-    if dtype is not None:
-        sd = {n: (t.to(dtype) if t.is_floating_point() else t) for n, t in sd.items()}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / "model.safetensors"]
-    tmp = out / ".model.safetensors.partial"
-    write_safetensors(tmp, sd, {"format": "pt"})
-    os.replace(tmp, written[0])
-    if hf:
-        cfg = dict(hf["config"])
-        cfg.setdefault("architectures", [hf["class"]])
-        if dtype is not None:
-            cfg["dtype"] = str(dtype).replace("torch.", "")
-        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        written.append(out / "config.json")
-    fsync_dir(out)
-    return written
-
-
-# ---- comparison ---------------------------------------------------------------------
-# Global RNG states that fork servers and forked workers seed from the OS, which a
-# training loop that draws only from torch generators never uses, and the path a
-# run was resumed from: equal runs may differ in them.
-INCIDENTAL = ("python_rng", "numpy_rng")
-
-
-def differences(a: os.PathLike, b: os.PathLike) -> list[str]:
-    """What differs between two checkpoints of the same world size, rank file by
-    rank file (each verified first): every tensor byte for byte (master shards,
-    optimizer state, torch RNG states, per-rank extras such as a data sampler)
-    and the JSON metadata beside them, less INCIDENTAL and a `resume` entry of
-    the `train_args` extra. [] means the two are bit for bit the same run."""
-    a, b = resolve(a), resolve(b)
-    ma, mb = read_manifest(a), read_manifest(b)
-    if sorted(ma["files"]) != sorted(mb["files"]):
-        return ["rank files"]
-    out = []
-    for name in sorted(ma["files"]):
-        verify(a / name, ma["files"][name])
-        verify(b / name, mb["files"][name])
-        x, y = _RankFile(a / name), _RankFile(b / name)
-        if sorted(x.keys()) != sorted(y.keys()):
-            out.append(f"{name}: tensor names")
-        for k in sorted(set(x.keys()) & set(y.keys())):
-            s, t = x.get_tensor(k), y.get_tensor(k)
-            if s.dtype != t.dtype or s.shape != t.shape or not torch.equal(
-                    s.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)):
-                out.append(f"{name}: {k}")
-        meta = []
-        for f in (x, y):
-            m = json.loads(f.metadata().get("zeropp", "{}"))
-            for key in INCIDENTAL:
-                m.pop(key, None)
-            m.get("extra", {}).get("train_args", {}).pop("resume", None)
-            meta.append(m)
-        if meta[0] != meta[1]:
-            out.append(f"{name}: metadata")
     return out

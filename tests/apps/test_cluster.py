@@ -153,7 +153,7 @@ def test_each_rank_gets_torchruns_environment():
 
 def test_bench_without_namespaces_says_so_and_runs_on_loopback(tmp_path, monkeypatch, capsys):
     import zeropp.bench.run as run
-    from zeropp.cli import main
+    from zeropp.cli.main import main
     monkeypatch.setattr(run, "available", lambda: (False, "network namespaces need root"))
     rc = main(["bench", "--nodes", "2", "--node-size", "1", "--steps", "1", "--model", "tiny",
                "--configs", "zeropp", "--out", str(tmp_path)])
@@ -168,7 +168,7 @@ def test_bench_without_deepspeed_leaves_its_rows_out_in_one_line(tmp_path, monke
     import importlib.util
 
     import zeropp.bench.run as run
-    from zeropp.cli import main
+    from zeropp.cli.main import main
     real = importlib.util.find_spec
     monkeypatch.setattr(run.importlib.util, "find_spec",
                         lambda name, *a: None if name == "deepspeed" else real(name, *a))
@@ -190,7 +190,7 @@ def test_bench_rounds_alternate_the_configurations_and_merge_every_step(tmp_path
     with the ratios of the runner-up to it per round (the runs themselves stand in:
     this checks the bookkeeping; the smoke test above runs the worlds)."""
     import zeropp.bench.run as run
-    from zeropp.cli import main
+    from zeropp.cli.main import main
     step = {"zero3": [0.50, 0.60, 0.40], "zeropp": [0.45, 0.62, 0.38]}  # per round
     calls = []
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from cases import cli_error_line, group_alive, kill_session
 
-from zeropp.checkpoint_files import differences
-from zeropp.cli import main
+from zeropp.cli.main import main
+from zeropp.train.resume import differences
 
 # 40 steps at W=4 as 2 x 2 (a world orphaned at step 16 would finish the run: the last
 # checkpoint shows it), a checkpoint every 8, none pruned
@@ -164,7 +164,7 @@ def test_a_lock_left_by_a_dead_launcher_is_taken_over(tmp_path):
 def _rank_1_dies_at_step_3(a, cfg, run_dir: str, tokens: str, vocab: int) -> dict:
     import torch.distributed as dist
 
-    from zeropp.launch import at_step
+    from zeropp.cli.launch import at_step
     at_step(3)
     if dist.get_rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -177,8 +177,8 @@ def test_a_crash_after_the_restarts_is_one_line_and_the_path_of_its_tracebacks(
     """A world whose rank 1 always dies: one short restart line, then one line
     naming rank, signal and step and RUN/failures.log, which holds both
     attempts' tracebacks (gloo's text among them); status 1."""
-    import zeropp.cli
-    monkeypatch.setattr(zeropp.cli, "train_worker", _rank_1_dies_at_step_3)
+    import zeropp.cli.main
+    monkeypatch.setattr(zeropp.cli.main, "train_worker", _rank_1_dies_at_step_3)
     run = tmp_path / "run"
     rc = main(["train", "--model", "tiny", "--seq-len", "32", "--nproc", "2", "--node-size",
                "1", "--max-restarts", "1", "--out", str(run)])

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zeropp.launch import WorkerError, spawn
+from zeropp.cli.launch import WorkerError, spawn
 
 
 def _rank_info():
@@ -176,7 +176,7 @@ def test_a_rank_exiting_right_after_a_gloo_collective_does_not_abort(tmp_path):
 
 
 def _dies_at_step_3():
-    from zeropp.launch import at_step
+    from zeropp.cli.launch import at_step
     at_step(3)
     if dist.get_rank() == 1:
         os.kill(os.getpid(), 9)
@@ -196,7 +196,7 @@ def test_a_restart_is_announced_in_one_short_line_and_every_failure_is_logged(tm
 
 
 def _refuses_to_restart():
-    from zeropp.launch import no_restart
+    from zeropp.cli.launch import no_restart
     if dist.get_rank() == 0:
         raise no_restart(ValueError("a checkpoint no restart can read"))
     dist.barrier()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zeropp.bench.plan import Cluster, plan, predict, winner
-from zeropp.cli import main
+from zeropp.cli.main import main
 
 BIG = Cluster(params=7e9, nodes=256, gpus_per_node=8, inter_gbps=100, intra_gbps=2400,
               tokens_per_gpu=2048, tflops=300)

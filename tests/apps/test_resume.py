@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from cases import calm_and_crash
 
-from zeropp.cli import main
+from zeropp.cli.main import main
 from zeropp.config import named
 from zeropp.train.loop import TrainArgs, train_worker
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from cases import cli_error_line, group_alive
 
-from zeropp.cli import main
+from zeropp.cli.main import main
 
 SMALL = ["--model", "tiny", "--seq-len", "32", "--batch", "4"]
 
@@ -48,11 +48,11 @@ def test_bad_input_is_one_line_and_exit_2_without_traceback(files, args, message
                                                            monkeypatch):
     # Input that got past the checks would reach the workers: that fails here at
     # once instead of training.
-    import zeropp.cli
+    import zeropp.cli.main
 
     def no_workers(*a, **k):
         raise AssertionError("bad input was accepted: the workers were started")
-    monkeypatch.setattr(zeropp.cli, "spawn", no_workers)
+    monkeypatch.setattr(zeropp.cli.main, "spawn", no_workers)
     line = cli_error_line(["train", *[a.format(d=files) for a in args]], capsys)
     assert line.startswith("zeropp train: ") and message in line, line
 

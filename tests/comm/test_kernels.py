@@ -98,7 +98,7 @@ def _train(preset: str) -> dict:
 
 def test_training_with_the_compiled_codecs_is_bitwise_the_eager_training():
     """zeropp-plus at W=4 as 2x2: the same losses and master shards on every rank."""
-    from zeropp.launch import spawn
+    from zeropp.cli.launch import spawn
     for r in spawn(_train, 4, 2, args=("zeropp-plus",), timeout=400):
         assert r["eager"][0] == r["compiled"][0]
         assert all(torch.equal(a, b) for a, b in zip(r["eager"][1], r["compiled"][1]))

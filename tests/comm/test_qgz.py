@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.collectives import Comm
 from zeropp.grads.qgz import HopCodec, reduce_scatter_qgz
-from zeropp.launch import spawn
 from zeropp.stats import CommStats
 
 BLOCK, CHUNK = 64, 3 * 64  # each rank's chunk: 3 blocks

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import zeropp
-from zeropp.launch import WorkerError, spawn
+from zeropp.cli.launch import WorkerError, spawn
 from zeropp.topology import Topology
 
 

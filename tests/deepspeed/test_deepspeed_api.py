@@ -20,10 +20,10 @@ import torch.distributed as dist
 from cases import batch, build, failed_run, loss_of
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.deepspeed import config as ds_config
 from zeropp.deepspeed import lr_schedules
 from zeropp.deepspeed.engine import LossScaler
-from zeropp.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "deepspeed"

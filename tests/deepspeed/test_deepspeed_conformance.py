@@ -20,10 +20,10 @@ from cases import batch, build, loss_of
 from torch import nn
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.deepspeed import utils as ds_utils
 from zeropp.deepspeed import zero_to_fp32
 from zeropp.deepspeed.parameters import master_shards
-from zeropp.launch import spawn
 from zeropp.units import unit_modules
 
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from cases import batch, build, loss_of
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.deepspeed import config as ds_config
-from zeropp.launch import spawn
 from zeropp.shard import get_state
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,

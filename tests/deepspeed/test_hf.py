@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from cases import fit, task_batch
 
 import zeropp
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,7 +70,7 @@ def test_hf_model_matches_single_process_and_exports_for_from_pretrained(tmp_pat
     mean = [sum(r[0][s] for r in res) / 2 for s in range(10)]
     for a, b in zip(mean, ref):
         assert abs(a - b) <= 1e-5 * abs(b), (mean, ref)
-    from zeropp.cli import main
+    from zeropp.cli.main import main
     assert main(["export", str(tmp_path / "ck"), str(tmp_path / "hf")]) == 0
     loaded = type(build(kind)).from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from cases import fit, random_batches
 
 import zeropp
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 
 pytest.importorskip("transformers")
 

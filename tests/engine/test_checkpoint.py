@@ -16,7 +16,7 @@ from cases import build, loss_of
 import zeropp
 from zeropp import CheckpointError
 from zeropp.checkpoint_files import consolidate
-from zeropp.launch import WorkerError, spawn
+from zeropp.cli.launch import WorkerError, spawn
 
 GPT_ZEROPP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True)
 # zeropp-plus: qWD copies and error-feedback residuals are engine state that a resume
@@ -325,7 +325,7 @@ def test_extras_round_trip_json_tensors_generators_and_schedulers(tmp_path):
 def test_export_writes_one_safetensors_the_unsharded_model_loads(tmp_path):
     from safetensors.torch import load_file
 
-    from zeropp.cli import main
+    from zeropp.cli.main import main
     model, _ = _single(tmp_path, GPT_ZEROPP | {"hpz_partition_size": 1})
     assert main(["export", str(tmp_path / "ck"), str(tmp_path / "out")]) == 0
     plain = build("gpt")

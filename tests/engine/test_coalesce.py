@@ -17,8 +17,8 @@ import torch.distributed as dist
 from cases import batch, build, loss_of
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.deepspeed import utils as ds_utils
-from zeropp.launch import spawn
 from zeropp.shard import get_state
 
 N = 3  # micro-batches per block

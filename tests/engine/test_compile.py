@@ -20,7 +20,7 @@ from cases import failed_run, fit, random_batches
 from torch import nn
 
 import zeropp
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.deepspeed.accelerator import _proc_status_kb
 from zeropp.deferred import deferred_init, is_deferred, materialize, materialize_module
-from zeropp.launch import spawn
 
 MB = 1 << 20
 

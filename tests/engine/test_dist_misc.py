@@ -11,7 +11,7 @@ import torch.distributed as dist
 from cases import batch, build, loss_of, train
 
 import zeropp
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 
 STEPS = 8
 

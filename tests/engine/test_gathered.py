@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from cases import task_batch
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.config import named
-from zeropp.launch import spawn
 
 transformers = pytest.importorskip("transformers")
 

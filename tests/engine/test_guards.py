@@ -12,8 +12,8 @@ import torch.distributed as dist
 from cases import build, loss_of
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.collectives import CollectiveError
-from zeropp.launch import spawn
 from zeropp.shard import get_state
 from zeropp.train.model import GPT, GPTConfig
 

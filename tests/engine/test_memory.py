@@ -18,8 +18,8 @@ import torch.distributed as dist
 from cases import batch, build, loss_of
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.host_memory import mmap_threshold_for
-from zeropp.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
 

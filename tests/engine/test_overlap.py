@@ -17,10 +17,10 @@ import torch.distributed as dist
 from cases import build, calm_and_crash, loss_of, train
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.collectives import CollectiveError
 from zeropp.config import named
 from zeropp.flat_param import FlatParam
-from zeropp.launch import spawn
 from zeropp.train.loop import TrainArgs, train_worker
 
 

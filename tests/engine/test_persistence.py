@@ -15,7 +15,7 @@ from cases import batch, build, fit, loss_of
 from torch import nn
 
 import zeropp
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 
 STEPS = 5
 THRESHOLD = 64  # the MLP's biases (24, 24, 5) persist, its weights (288, 576, 120) do not

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zeropp
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 
 
 class Blocks(nn.Module):

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from cases import batch, build, loss_of
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.config import named
-from zeropp.launch import spawn
 
 
 def _plus_one(sd: dict) -> dict:

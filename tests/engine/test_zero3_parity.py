@@ -15,7 +15,7 @@ import torch.distributed as dist
 from cases import build, train
 
 import zeropp
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 
 STEPS = 20
 CASES = [  # (model, optimizer, micro-batches per step, clip)

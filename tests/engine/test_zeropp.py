@@ -9,8 +9,8 @@ import torch.distributed as dist
 from cases import build, fit, task_batch, train
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.flat_param import FlatParam
-from zeropp.launch import spawn
 from zeropp.quant import QTensor
 
 CONFIGS = {
@@ -337,6 +337,6 @@ def _hpz_not_dividing():
 
 
 def test_hpz_size_must_divide_world():
-    from zeropp.launch import WorkerError
+    from zeropp.cli.launch import WorkerError
     with pytest.raises(WorkerError, match="hpz_partition_size=4 must divide the world size 6"):
         spawn(_hpz_not_dividing, 6, 2, timeout=60)

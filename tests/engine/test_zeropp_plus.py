@@ -10,8 +10,8 @@ import torch.distributed as dist
 from cases import build, loss_of, train
 
 import zeropp
+from zeropp.cli.launch import spawn
 from zeropp.grads.qgz import HopCodec
-from zeropp.launch import spawn
 from zeropp.quant import QTensor, quantize
 from zeropp.train.model import GPT, GPTConfig
 from zeropp.weights import Route
@@ -228,7 +228,7 @@ def _bad_hpz():
 
 
 def test_hierarchical_gather_with_hpz_across_nodes_is_refused_by_name():
-    from zeropp.launch import WorkerError
+    from zeropp.cli.launch import WorkerError
     with pytest.raises(WorkerError, match="hpz_partition_size 1 or the node size 2"):
         spawn(_bad_hpz, 4, 2, timeout=120)
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from cases import fit, random_batches
 
-from zeropp.launch import spawn
+from zeropp.cli.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
 STEPS = 40

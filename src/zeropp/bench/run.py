@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..cli.launch import host_store
 from ..config import is_named
-from ..launch import host_store
 from .cluster import Cluster, available, parse_rate, rate_bytes_per_s
 
 FSDP = ["fsdp2", "fsdp2-hsdp"]

@@ -18,7 +18,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..cli import CACHE, UsageError, _config_json, add_train_args, configs_from, train_args_from
+from ..cli.main import (
+    CACHE,
+    UsageError,
+    _config_json,
+    add_train_args,
+    configs_from,
+    train_args_from,
+)
 from .data import DataError
 from .loop import prepare_tokens, train_worker
 from .report import plot, summarize, table

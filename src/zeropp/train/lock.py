@@ -5,7 +5,7 @@ long as it runs and writes its host and pid into the file; a second launcher
 on the same directory is refused in one line naming them. The kernel drops the
 lock when its holder dies, however it dies, so a lock left by a killed
 launcher is stale by construction and the next one takes it over (its workers
-die with it: launch.py). Where the filesystem has no flock, the pid inside is
+die with it: cli/launch.py). Where the filesystem has no flock, the pid inside is
 checked instead (alive on this host: refused). The file itself stays: deleting
 it while another launcher opens it would let two of them lock two files.
 """
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..launch import pid_alive
+from ..cli.launch import pid_alive
 
 LOCK = ".lock"
 

@@ -21,7 +21,7 @@ import zeropp
 
 from ..bench.plan import volumes
 from ..checkpoint_files import CheckpointError, read_manifest
-from ..launch import at_step, no_restart
+from ..cli.launch import at_step, no_restart
 from . import resume as ckpts
 from .data import get_batch, load_text, split_tokens
 from .model import GPT, PRESETS, GPTConfig

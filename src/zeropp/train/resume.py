@@ -16,15 +16,24 @@ next save of step N would otherwise replace it without a trace.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
-from ..checkpoint_files import MANIFEST, CheckpointError, read_manifest, resolve, verify
+from ..checkpoint_files import (
+    MANIFEST,
+    CheckpointError,
+    RankFile,
+    read_manifest,
+    resolve,
+    verify,
+)
 from ..guards import agree
 
 # What must match for a resumed run to be the same run (the step count, the
@@ -180,3 +189,44 @@ def resume_point(path: str, say: Callable[[str], None], keep: bool = False) -> P
             assert ck is not None
             return ck
     return find(path)  # raises the error that names what PATH is not
+
+
+# ---- comparison ---------------------------------------------------------------------
+# Global RNG states that fork servers and forked workers seed from the OS, which a
+# training loop that draws only from torch generators never uses, and the path a
+# run was resumed from: equal runs may differ in them.
+INCIDENTAL = ("python_rng", "numpy_rng")
+
+
+def differences(a: os.PathLike, b: os.PathLike) -> list[str]:
+    """What differs between two checkpoints of the same world size, rank file by
+    rank file (each verified first): every tensor byte for byte (master shards,
+    optimizer state, torch RNG states, per-rank extras such as a data sampler)
+    and the JSON metadata beside them, less INCIDENTAL and a `resume` entry of
+    the `train_args` extra. [] means the two are bit for bit the same run."""
+    a, b = resolve(a), resolve(b)
+    ma, mb = read_manifest(a), read_manifest(b)
+    if sorted(ma["files"]) != sorted(mb["files"]):
+        return ["rank files"]
+    out = []
+    for name in sorted(ma["files"]):
+        verify(a / name, ma["files"][name])
+        verify(b / name, mb["files"][name])
+        x, y = RankFile(a / name), RankFile(b / name)
+        if sorted(x.keys()) != sorted(y.keys()):
+            out.append(f"{name}: tensor names")
+        for k in sorted(set(x.keys()) & set(y.keys())):
+            s, t = x.get_tensor(k), y.get_tensor(k)
+            if s.dtype != t.dtype or s.shape != t.shape or not torch.equal(
+                    s.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)):
+                out.append(f"{name}: {k}")
+        meta = []
+        for f in (x, y):
+            m = json.loads(f.metadata().get("zeropp", "{}"))
+            for key in INCIDENTAL:
+                m.pop(key, None)
+            m.get("extra", {}).get("train_args", {}).pop("resume", None)
+            meta.append(m)
+        if meta[0] != meta[1]:
+            out.append(f"{name}: metadata")
+    return out

@@ -216,7 +216,7 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
     # small test world's start-up), and zeropp itself. Last, _frozen_heap: the
     # workers' garbage collector never walks (so never copies) that imported heap.
     modules = ["torch", "torch.distributed", "torch._dynamo", "zeropp", *preload,
-               "zeropp._frozen_heap"]
+               "zeropp.cli._frozen_heap"]
     if start == "fork":
         import importlib
         sigint = signal.getsignal(signal.SIGINT)

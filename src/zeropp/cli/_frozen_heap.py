@@ -1,4 +1,4 @@
-"""Imported last by the fork server `zeropp.launch` starts: moves every object the
+"""Imported last by the fork server `zeropp.cli.launch` starts: moves every object the
 server has made (torch, transformers, ... once imported) out of the garbage
 collector's reach before any worker forks from it.
 

@@ -26,18 +26,18 @@ import torch
 
 import zeropp
 
-from .checkpoint_files import CheckpointError, read_manifest
+from ..checkpoint_files import CheckpointError, read_manifest
+from ..config import NAMED, SWITCHES, is_named, named
+from ..train.data import DataError
+from ..train.lock import RunLock, RunLocked
+from ..train.loop import TrainArgs, prepare_tokens, train_worker
+from ..train.model import PRESETS
+from ..train.report import plot, summarize, table
+from ..train.resume import candidates, check_same_run, resume_point, run_dir_of
+from ..train.resume import find as find_checkpoint
+from ..train.tokenizer import TokenizerError
 from .commands import DTYPES, UsageError, run_bench_cmd, run_export, run_launch, run_plan
-from .config import NAMED, SWITCHES, is_named, named
 from .launch import WorkerError, spawn
-from .train.data import DataError
-from .train.lock import RunLock, RunLocked
-from .train.loop import TrainArgs, prepare_tokens, train_worker
-from .train.model import PRESETS
-from .train.report import plot, summarize, table
-from .train.resume import candidates, check_same_run, resume_point, run_dir_of
-from .train.resume import find as find_checkpoint
-from .train.tokenizer import TokenizerError
 
 CACHE = Path.home() / ".cache" / "zeropp"
 

@@ -1,4 +1,4 @@
-"""The subcommands beside `zeropp train` (cli.py): `zeropp bench` (measured steps on
+"""The subcommands beside `zeropp train` (main.py): `zeropp bench` (measured steps on
 an emulated cluster), `zeropp plan` (the cost model), `zeropp export` (a checkpoint
 to one file) and `zeropp launch` (a script on N ranks)."""
 
@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from .checkpoint_files import CheckpointError
-from .train.model import PRESETS
+from ..checkpoint_files import CheckpointError
+from ..train.model import PRESETS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -33,8 +33,8 @@ def _version(pkg: str) -> str:
 
 
 def run_bench_cmd(ns: argparse.Namespace, argv: Optional[list[str]]) -> int:
-    from .bench.plan import winner
-    from .bench.run import chart, rounds_line, run_bench, table
+    from ..bench.plan import winner
+    from ..bench.run import chart, rounds_line, run_bench, table
     if ns.model not in PRESETS:
         raise UsageError(f"unknown model preset {ns.model!r}; choose one of {', '.join(PRESETS)}")
     try:
@@ -79,7 +79,7 @@ def run_bench_cmd(ns: argparse.Namespace, argv: Optional[list[str]]) -> int:
 
 
 def run_plan(ns: argparse.Namespace) -> int:
-    from .bench.plan import Cluster, format_table, plan, recommend
+    from ..bench.plan import Cluster, format_table, plan, recommend
     try:
         c = Cluster(params=ns.params, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
                     inter_gbps=ns.inter_gbps, intra_gbps=ns.intra_gbps,
@@ -100,7 +100,7 @@ def run_plan(ns: argparse.Namespace) -> int:
 
 
 def run_export(ns: argparse.Namespace) -> int:
-    from .checkpoint_files import export
+    from .export import export
     try:
         files = export(ns.checkpoint, ns.out, dtype=DTYPES[ns.dtype] if ns.dtype else None)
     except CheckpointError as e:
@@ -122,7 +122,7 @@ def run_launch(ns: argparse.Namespace) -> int:
         # installed) is one line from the launcher, not a fork server that fails to
         # start. The server then imports deepspeed/installed.py before its preloads, so
         # they and every rank forked from it see zeropp as DeepSpeed.
-        from .deepspeed.alias import install_as_deepspeed
+        from ..deepspeed.alias import install_as_deepspeed
         try:
             install_as_deepspeed()
         except RuntimeError as e:
