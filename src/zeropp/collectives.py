@@ -182,7 +182,8 @@ class Comm:
         if self.topo.world_size == 1:
             return out.copy_(chunks[0])
         parts = list(chunks.contiguous().unbind(0)) if me == src else None
-        _wait(dist.scatter(out, parts, src=src, group=self.groups["world"], async_op=True),
+        _wait(dist.scatter(out, parts, src=self.topo.global_rank(src), group=self.groups["world"],
+                           async_op=True),
               self, op, self.unit)
         return out
 
@@ -212,7 +213,7 @@ class Comm:
         device = full.device
         if full.is_cuda:
             chunks = full.cpu().view(g, -1)
-        right, left = (i + 1) % g, (i - 1) % g
+        right, left = self.topo.global_rank((i + 1) % g), self.topo.global_rank((i - 1) % g)
         send, recv = chunks[(i - 1) % g], torch.empty_like(chunks[0])
         for s in range(g - 1):
             works = dist.batch_isend_irecv([

@@ -11,10 +11,22 @@ here once, collectively, in the same order on every rank:
 Reductions run on two threads of their own, on duplicates of the first three
 (`reduce_groups`; see grads/pipeline.py, "reductions on their own process groups").
 World size 1 needs no process group at all.
+
+[Note: a topology over a sub-group]
+Under N-D parallelism (tensor parallel x FSDP, HSDP, an expert mesh) FSDP's group
+is a sub-group of the world. `group_topology` gives it a Topology of its own: W
+and the ranks are the group's (its group ranks), `members` maps them to global
+ranks, and D is the group's ranks per node, found from the global ranks and the
+launcher's node size. The group must be node-major in that sense (its ranks on
+each node consecutive in group order, the same number on every node), as every
+DeviceMesh dimension over torchrun's numbering is; its intra- and inter-node
+groups are made for every group of its kind at once (new_group is collective
+over the world).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -30,6 +42,10 @@ class Topology:
     world_group: Any = None
     intra_node_group: Any = None
     inter_node_group: Any = None
+    members: Optional[tuple[int, ...]] = None  # global ranks of a sub-group's ranks (the note)
+
+    def global_rank(self, rank: int) -> int:
+        return rank if self.members is None else self.members[rank]
 
     @property
     def num_nodes(self) -> int:
@@ -85,6 +101,9 @@ def hpz_group(topo: Topology, size: int) -> Any:
         return topo.intra_node_group
     if topo.world_size == 1 or size == 1:
         return None
+    if topo.members is not None:
+        raise ValueError(f"zeropp: on a sub-group, hpz_partition_size must be 1 or the "
+                         f"group's ranks per node ({topo.node_size}), got {size}")
     key = (id(topo.world_group), size)
     if key not in _HPZ_CACHE:
         mine = None
@@ -117,19 +136,62 @@ def _new_groups(topo: Topology) -> dict[str, Any]:
     return {"world": world, "intra_node": intra, "inter_node": inter}
 
 
-def _node_groups(topo: Topology) -> tuple[Any, Any]:
-    """This rank's new intra-node and inter-node groups. new_group is
-    collective: every rank creates every group, in this order."""
+def _node_groups(topo: Topology, mine: bool = True) -> tuple[Any, Any]:
+    """This rank's new intra-node and inter-node groups (None, None where `mine` is
+    False: another sub-group's). new_group is collective: every rank creates every
+    group, in this order."""
     intra = inter = None
     for n in range(topo.num_nodes):
-        g = dist.new_group(topo.intra_node_ranks(n))
-        if n == topo.node:
+        g = dist.new_group([topo.global_rank(r) for r in topo.intra_node_ranks(n)])
+        if mine and n == topo.node:
             intra = g
     for j in range(topo.node_size):
-        g = dist.new_group(topo.inter_node_ranks(j))
-        if j == topo.local_rank:
+        g = dist.new_group([topo.global_rank(r) for r in topo.inter_node_ranks(j)])
+        if mine and j == topo.local_rank:
             inter = g
     return intra, inter
+
+
+def group_topology(group: Any, node_size: int) -> Topology:
+    """The Topology of the process group `group` (see the note), built once per group
+    layout. Collective over the world: every rank calls it, for its own group of the
+    same kind (e.g. its dp group), in the same order. `node_size`: global ranks per
+    node. A group that is not node-major is a ValueError naming it, on every rank."""
+    world = dist.get_world_size()
+    ranks = dist.get_process_group_ranks(group)
+    every: list = [None] * world
+    dist.all_gather_object(every, ranks)
+    siblings = sorted({tuple(g) for g in every})
+    key = ("group", tuple(siblings), node_size)
+    if key in _CACHE:
+        return _replace_group(_CACHE[key], group)
+    tops = [_sub(list(g), node_size) for g in siblings]  # every rank checks every group
+    made = None
+    for g, t in zip(siblings, tops):
+        me = dist.get_rank() in g
+        intra, inter = _node_groups(t, mine=me)
+        if me:
+            made = Topology(t.world_size, g.index(dist.get_rank()), t.node_size, group,
+                            intra, inter, g)
+    _CACHE[key] = made
+    return made
+
+
+def _replace_group(topo: Topology, group: Any) -> Topology:
+    return topo if topo.world_group is group else dataclasses.replace(topo, world_group=group)
+
+
+def _sub(ranks: list[int], node_size: int) -> Topology:
+    """A sub-group's shape (rank 0 of it, no process groups), checked node-major."""
+    nodes = [r // node_size for r in ranks]
+    counts = {n: nodes.count(n) for n in nodes}
+    d = counts[nodes[0]]
+    if len(set(counts.values())) > 1 or nodes != sorted(nodes):
+        raise ValueError(
+            f"zeropp: the process group of ranks {ranks} spreads unevenly over nodes of "
+            f"{node_size} ranks (ranks per node {sorted(counts.items())}): zeropp's "
+            "routes need the same number of the group's ranks on every node, in node order")
+    return Topology(len(ranks), 0, d, members=tuple(ranks))
 
 
 def get_topology(node_size: Optional[int] = None) -> Topology:

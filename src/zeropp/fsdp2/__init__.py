@@ -14,7 +14,9 @@ meshes, CPU offload (each refused in one line).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -22,12 +24,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
+from ..collectives import Comm
 from ..config import Config
 from ..driver import comm_state as comm_state_of
 from ..driver import comm_state_file, held_params, make_comm, step_hooks
 from ..driver import load_comm_state as load_comm_state_of
 from ..stats import CommStats
-from ..topology import get_topology
+from ..topology import Topology, get_topology, group_topology
 from .comms import GradReduce, WeightGather
 
 
@@ -38,6 +41,7 @@ class Installed:
     def __init__(self, cfg: Config, stats: CommStats) -> None:
         self.cfg, self.stats, self.steps = cfg, stats, 0
         self.params: set[int] = set()
+        self.layout: list[str] = []  # each sub-group's shape, as install found it
         self.comms: list[tuple[str, WeightGather, GradReduce]] = []
 
 
@@ -54,7 +58,7 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
         raise ValueError("zeropp.fsdp2.install: no FSDP module in this model; call "
                          "fully_shard on its blocks and on the root first")
     inst = Installed(cfg, CommStats())
-    comm = make_comm(cfg, topo, inst.stats)
+    comms: dict[tuple, tuple[Comm, Config]] = {}  # per FSDP group (its ranks)
     for name, m in modules:
         groups = m._get_fsdp_state()._fsdp_param_groups
         if not groups:
@@ -70,11 +74,16 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
                 "(docs/fsdp2.md, HSDP users)")
         if isinstance(group.offload_policy, CPUOffloadPolicy):
             raise NotImplementedError("zeropp.fsdp2: CPUOffloadPolicy is not supported")
+        pg = group.mesh_info.shard_process_group
+        key = tuple(dist.get_process_group_ranks(pg))
+        if key not in comms:
+            comms[key] = _group_comm(pg, cfg, topo, inst)
+        comm, gcfg = comms[key]
         sharded = [fp.sharded_param for fp in group.fsdp_params]
         inst.params |= {id(p) for p in sharded}
         label = name or "<root>"
-        gather = WeightGather(comm, cfg, label, _version(inst, sharded))
-        reduce = GradReduce(comm, cfg, label)
+        gather = WeightGather(comm, gcfg, label, _version(inst, sharded))
+        reduce = GradReduce(comm, gcfg, label)
         inst.comms.append((label, gather, reduce))
         m.set_custom_all_gather(gather)
         m.set_custom_reduce_scatter(reduce)
@@ -97,6 +106,28 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
     step_hooks(model, select, before, after)  # removed when the model dies
     model._zeropp_fsdp2 = inst
     return model
+
+
+def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Installed
+                ) -> tuple[Comm, Config]:
+    """The comm over an FSDP shard group, and the Config its routes run with. The
+    world in rank order is the engine's own topology; any other group (the dp mesh
+    of TP x FSDP, an expert mesh) gets its own (topology.py, the sub-group note),
+    where hpZ is the group's ranks per node: none when it has one rank per node."""
+    if dist.get_process_group_ranks(pg) == list(range(topo.world_size)):
+        return make_comm(cfg, topo, inst.stats), cfg
+    sub = group_topology(pg, topo.node_size)
+    hpz = sub.node_size if cfg.hpz_partition_size > 1 else 1
+    if cfg.hpz_partition_size > 1 and hpz == 1 and dist.get_rank() == 0:
+        warnings.warn(f"zeropp.fsdp2: the FSDP group of ranks {list(sub.members)} has one "
+                      "rank per node (e.g. tensor parallel inside the node): its gathers "
+                      "and reductions all cross nodes, qwZ and qgZ run, hpZ cannot (no "
+                      "rank of the group shares a node to gather from)", stacklevel=3)
+    gcfg = dataclasses.replace(cfg, hpz_partition_size=hpz,
+                               weight_delta=cfg.weight_delta and hpz > 1)
+    inst.layout.append(f"{list(sub.members)}: {sub.num_nodes} node(s) x {sub.node_size}, "
+                       f"hpZ {hpz}")
+    return make_comm(gcfg, sub, inst.stats), gcfg
 
 
 def _version(inst: Installed, sharded: list) -> Any:

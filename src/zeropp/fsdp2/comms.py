@@ -43,10 +43,13 @@ class _Buffers:
 def _check_group(comm: Comm, group: dist.ProcessGroup, what: str) -> None:
     if group.size() != comm.topo.world_size:
         raise NotImplementedError(
-            f"zeropp.fsdp2: {what} over a group of {group.size()} ranks, not the world of "
-            f"{comm.topo.world_size}: reshard_after_forward=int other than the node size, and "
-            "HSDP meshes, are not supported yet; use True, False or the node size on a 1-D "
-            "mesh")
+            f"zeropp.fsdp2: {what} over a group of {group.size()} ranks, not the module's "
+            f"FSDP group of {comm.topo.world_size}: reshard_after_forward=int other than the "
+            "group's ranks per node is not supported; use True, False or that number")
+
+
+def _global(comm: Comm, group: str) -> list[int]:
+    return [comm.topo.global_rank(r) for r in comm.ranks[group]]
 
 
 class WeightGather(_Buffers, AllGather):
@@ -78,7 +81,7 @@ class WeightGather(_Buffers, AllGather):
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
         self.comm.unit = self.label
         if (group.size() == self.comm.topo.node_size < self.comm.topo.world_size
-                and dist.get_process_group_ranks(group) == self.comm.ranks["intra_node"]):
+                and dist.get_process_group_ranks(group) == _global(self.comm, "intra_node")):
             # reshard_after_forward=node size: the backward's gather of FSDP2's own
             # post-forward shard (of the weights this comm gathered), inside the node
             self.comm.all_gather(output_tensor, input_tensor, op="all_gather/fsdp2/post_forward",
