@@ -177,6 +177,15 @@ def group_topology(group: Any, node_size: int) -> Topology:
     return made
 
 
+def solo_group() -> Any:
+    """A process group of this rank alone (collective on first use: every rank makes
+    every rank's, in rank order)."""
+    if "solo" not in _HPZ_CACHE:
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        _HPZ_CACHE["solo"] = groups[dist.get_rank()]
+    return _HPZ_CACHE["solo"]
+
+
 def _replace_group(topo: Topology, group: Any) -> Topology:
     return topo if topo.world_group is group else dataclasses.replace(topo, world_group=group)
 
@@ -188,9 +197,9 @@ def _sub(ranks: list[int], node_size: int) -> Topology:
     d = counts[nodes[0]]
     if len(set(counts.values())) > 1 or nodes != sorted(nodes):
         raise ValueError(
-            f"zeropp: the process group of ranks {ranks} spreads unevenly over nodes of "
-            f"{node_size} ranks (ranks per node {sorted(counts.items())}): zeropp's "
-            "routes need the same number of the group's ranks on every node, in node order")
+            f"zeropp: the process group of ranks {ranks} is not laid out node by node over "
+            f"nodes of {node_size} ranks (its ranks' nodes: {nodes}): zeropp's routes need "
+            "the same number of the group's ranks on every node, in node order")
     return Topology(len(ranks), 0, d, members=tuple(ranks))
 
 

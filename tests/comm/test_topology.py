@@ -50,3 +50,15 @@ def _bad_node_size():
 def test_node_size_not_dividing_world_is_a_clear_error():
     with pytest.raises(WorkerError, match="node_size=3 must divide the world size 4"):
         spawn(_bad_node_size, 4, 2, timeout=60)
+
+
+def test_a_group_with_different_numbers_of_ranks_per_node_is_refused_by_name():
+    """topology.group_topology's check on every group of a mesh dimension (torch's
+    groups list their ranks in ascending order): ranks 0, 1 on node 0 and 2 alone on
+    node 1 cannot run node-by-node routes."""
+    from zeropp.topology import _sub
+    with pytest.raises(ValueError, match=r"the process group of ranks \[0, 1, 2\] is not "
+                                         r"laid out node by node over nodes of 2 ranks"):
+        _sub([0, 1, 2], 2)
+    t = _sub([1, 3, 5, 7], 4)  # e.g. a dp group of TP=2 on 2 nodes x 4
+    assert (t.world_size, t.node_size, t.num_nodes, t.global_rank(2)) == (4, 2, 2, 5)

@@ -1,11 +1,13 @@
-"""zeropp.fsdp2.install under N-D parallelism: tensor parallel x FSDP as torchtitan
-orders it (TP inside the node first: the MLPs' up projection ColwiseParallel, the
-down one RowwiseParallel; then `fully_shard` per block and on the root over the
-mesh's "dp" dimension), W=4 as 2 nodes x 2 with TP=2, so each FSDP group has one
-rank per node and all of FSDP's traffic crosses nodes. AdamW, fp32, gloo.
+"""zeropp.fsdp2.install under N-D parallelism, W=4 as 2 nodes x 2, AdamW, fp32, gloo:
+- tensor parallel x FSDP as torchtitan orders it (TP inside the node first: the MLPs'
+  up projection ColwiseParallel, the down one RowwiseParallel; then `fully_shard` per
+  block and on the root over the mesh's "dp" dimension), TP=2, so each FSDP group has
+  one rank per node and all of FSDP's traffic crosses nodes;
+- HSDP: `fully_shard` on a (replicate 2, shard 2) mesh, shard inside the node, where
+  stock FSDP2 all-reduces every gradient across nodes at full width.
 
-One spawned world runs stock TP x FSDP and the installed presets on the same
-model and data; the tests check its results."""
+One spawned world runs stock FSDP2 and the installed presets on the same model and
+data for each; the tests check its results."""
 
 from __future__ import annotations
 
@@ -62,9 +64,46 @@ def _train(preset):
             "warnings": [str(w.message) for w in caught]}
 
 
+def _hsdp_gpt():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=3, n_embd=64, n_head=2))
+    for block in model.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train_hsdp(preset):
+    import zeropp.fsdp2
+    from zeropp.stats import ring_send
+    model = _hsdp_gpt()
+    if preset is not None:
+        zeropp.fsdp2.install(model, preset, node_size=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = torch.tensor(fit(model, opt, random_batches(STEPS, 256, (2, 32), dist.get_rank())))
+    dist.all_reduce(losses)
+    losses = (losses.double() / dist.get_world_size()).tolist()
+    local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    # stock HSDP's all-reduce: a ring over the 2 replicas of each module's fp32
+    # reduce-scatter output (this rank's shard), every step, all of it across nodes
+    shard_bytes = 4 * sum(fp.padded_sharded_param_size.numel()
+                          for m in model.modules() if hasattr(m, "_get_fsdp_state")
+                          for g in m._get_fsdp_state()._fsdp_param_groups
+                          for fp in g.fsdp_params)
+    return {"losses": losses, "local": local.numpy().tobytes(),
+            "stock_allreduce_bytes": ring_send(shard_bytes, 2, 2) * STEPS,
+            "stats": zeropp.comm_stats(model) if preset is not None else None}
+
+
 def _work() -> dict:
     torch.set_num_threads(1)
-    return {p or "stock": _train(p) for p in (None, "zero3", "zeropp", "zeropp-plus")}
+    out = {p or "stock": _train(p) for p in (None, "zero3", "zeropp", "zeropp-plus")}
+    out.update({f"hsdp-{p or 'stock'}": _train_hsdp(p)
+                for p in (None, "zero3", "zeropp", "zeropp-plus")})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +141,41 @@ def test_one_rank_per_node_says_hpz_is_off_in_one_warning_on_rank_0(runs):
     said = runs[0]["zeropp"]["warnings"]
     assert len(said) == 1 and "one rank per node" in said[0] and "hpZ cannot" in said[0], said
     assert runs[1]["zeropp"]["warnings"] == [] and runs[0]["zero3"]["warnings"] == []
+
+
+def test_hsdp_zero3_preset_gives_stock_hsdp_losses_to_1e5_relative(runs):
+    stock, ours = runs[0]["hsdp-stock"]["losses"], runs[0]["hsdp-zero3"]["losses"]
+    for s, (a, b) in enumerate(zip(ours, stock)):
+        assert abs(a - b) <= 1e-5 * abs(b), (s, a, b)
+
+
+@pytest.mark.parametrize("preset", ["zeropp", "zeropp-plus"])
+def test_hsdp_sends_at_most_0_20x_of_stock_hsdps_all_reduce_across_nodes(runs, preset):
+    ours = sum(r[f"hsdp-{preset}"]["stats"]["inter_node_bytes"] for r in runs)
+    stock = sum(r["hsdp-stock"]["stock_allreduce_bytes"] for r in runs)
+    assert 0 < ours <= 0.20 * stock, (ours, stock, ours / stock)
+
+
+@pytest.mark.parametrize("preset", ["stock", "zero3", "zeropp", "zeropp-plus"])
+def test_hsdp_replicas_stay_bitwise_identical(runs, preset):
+    for a, b in ((0, 2), (1, 3)):  # (replicate, shard) mesh: rank = 2 * replica + shard
+        assert runs[a][f"hsdp-{preset}"]["local"] == runs[b][f"hsdp-{preset}"]["local"]
+
+
+@pytest.mark.parametrize("preset", ["zeropp", "zeropp-plus"])
+def test_hsdp_reaches_98pct_of_stock_hsdps_loss_drop(runs, preset):
+    stock, ours = runs[0]["hsdp-stock"]["losses"], runs[0][f"hsdp-{preset}"]["losses"]
+    assert ours[0] - ours[-1] >= 0.98 * (stock[0] - stock[-1]), (stock[-1], ours[-1])
+
+
+def test_fsdp2s_hsdp_internals_are_the_ones_zeropp_takes_over():
+    """replicate.py's note: FSDP2 all-reduces over mesh_info.replicate_process_group. A
+    torch whose FSDP2 no longer does fails here, and install refuses HSDP there."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from zeropp.fsdp2.replicate import check_internals
+    group = FSDPParamGroup.__new__(FSDPParamGroup)  # the class FSDP2 runs, no state
+    group.mesh_info = SimpleNamespace(replicate_process_group=None)
+    check_internals(group)

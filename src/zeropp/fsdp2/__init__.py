@@ -30,8 +30,9 @@ from ..driver import comm_state as comm_state_of
 from ..driver import comm_state_file, held_params, make_comm, step_hooks
 from ..driver import load_comm_state as load_comm_state_of
 from ..stats import CommStats
-from ..topology import Topology, get_topology, group_topology
+from ..topology import Topology, get_topology, group_topology, solo_group
 from .comms import GradReduce, WeightGather
+from .replicate import ReplicaMean, check_internals, take_over
 
 
 class Installed:
@@ -67,11 +68,9 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
             raise ValueError(f"zeropp.fsdp2: module {name or '<root>'} has several FSDP "
                              "parameter groups (shard_placement_fn meshes); one is supported")
         group = groups[0]
-        if getattr(group.mesh_info, "replicate_mesh_dim", None) is not None:
-            raise NotImplementedError(
-                f"zeropp.fsdp2: module {name or '<root>'} is on a 2-D (HSDP) mesh; FSDP2's "
-                "replicate all-reduce is its own. Use a 1-D mesh with preset 'zeropp-plus' "
-                "(docs/fsdp2.md, HSDP users)")
+        hsdp = getattr(group.mesh_info, "replicate_mesh_dim", None) is not None
+        if hsdp and cfg.quantized_gradients:
+            check_internals(group)  # before anything changes (replicate.py's note)
         if isinstance(group.offload_policy, CPUOffloadPolicy):
             raise NotImplementedError("zeropp.fsdp2: CPUOffloadPolicy is not supported")
         pg = group.mesh_info.shard_process_group
@@ -84,6 +83,13 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
         label = name or "<root>"
         gather = WeightGather(comm, gcfg, label, _version(inst, sharded))
         reduce = GradReduce(comm, gcfg, label)
+        if hsdp and cfg.quantized_gradients:
+            rpg = group.mesh_info.replicate_process_group
+            rkey = ("replicate", *dist.get_process_group_ranks(rpg))
+            if rkey not in comms:
+                comms[rkey] = _group_comm(rpg, cfg, topo, inst, replicas=True)
+            reduce.replica = ReplicaMean(comms[rkey][0], cfg, label, group)
+            take_over(m, group, reduce.replica, solo_group())
         inst.comms.append((label, gather, reduce))
         m.set_custom_all_gather(gather)
         m.set_custom_reduce_scatter(reduce)
@@ -108,8 +114,8 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
     return model
 
 
-def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Installed
-                ) -> tuple[Comm, Config]:
+def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Installed,
+                replicas: bool = False) -> tuple[Comm, Config]:
     """The comm over an FSDP shard group, and the Config its routes run with. The
     world in rank order is the engine's own topology; any other group (the dp mesh
     of TP x FSDP, an expert mesh) gets its own (topology.py, the sub-group note),
@@ -117,8 +123,13 @@ def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Instal
     if dist.get_process_group_ranks(pg) == list(range(topo.world_size)):
         return make_comm(cfg, topo, inst.stats), cfg
     sub = group_topology(pg, topo.node_size)
+    if sub.num_nodes == 1:  # nothing crosses nodes: ZeRO-3's exact collectives
+        gcfg = Config(node_size=sub.node_size, param_dtype=cfg.param_dtype,
+                      reduce_dtype=cfg.reduce_dtype, collective_timeout=cfg.collective_timeout)
+        inst.layout.append(f"{list(sub.members)}: inside one node, exact collectives")
+        return make_comm(gcfg, sub, inst.stats), gcfg
     hpz = sub.node_size if cfg.hpz_partition_size > 1 else 1
-    if cfg.hpz_partition_size > 1 and hpz == 1 and dist.get_rank() == 0:
+    if cfg.hpz_partition_size > 1 and hpz == 1 and not replicas and dist.get_rank() == 0:
         warnings.warn(f"zeropp.fsdp2: the FSDP group of ranks {list(sub.members)} has one "
                       "rank per node (e.g. tensor parallel inside the node): its gathers "
                       "and reductions all cross nodes, qwZ and qgZ run, hpZ cannot (no "
@@ -126,7 +137,7 @@ def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Instal
     gcfg = dataclasses.replace(cfg, hpz_partition_size=hpz,
                                weight_delta=cfg.weight_delta and hpz > 1)
     inst.layout.append(f"{list(sub.members)}: {sub.num_nodes} node(s) x {sub.node_size}, "
-                       f"hpZ {hpz}")
+                       + ("replicas" if replicas else f"hpZ {hpz}"))
     return make_comm(gcfg, sub, inst.stats), gcfg
 
 
@@ -142,7 +153,8 @@ def _version(inst: Installed, sharded: list) -> Any:
 
 def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     """This rank's comm state an exact resume needs, per FSDP module: qWD's
-    copies (and whether a delta is due), qgZ's error-feedback residuals.
+    copies (and whether a delta is due), qgZ's error-feedback residuals (HSDP: those
+    of the hop across replicas too).
     Different on every rank: save it per rank beside the model and optimizer's
     DCP checkpoint (`save_comm_state`)."""
     out = {}
@@ -152,6 +164,10 @@ def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:
             s["numel"] = gather.numel
         if reduce.route is not None:
             s["grad_block"] = reduce.route.block
+        rep = reduce.replica
+        if rep is not None and rep.route is not None:  # HSDP: the replicas' hop residuals
+            s.update({f"replica/{k}": v for k, v in rep.route.codec.state().items()})
+            s["replica_block"] = rep.route.block
         out[label] = s
     return out
 
@@ -179,6 +195,12 @@ def load_comm_state(model: nn.Module,
         if "grad_block" in s:
             reduce.make_route(int(s["grad_block"]))
         load_comm_state_of(gather.path, reduce.route and reduce.route.codec, s, device)
+        if reduce.replica is not None:
+            if "replica_block" in s:
+                reduce.replica.make_route(int(s["replica_block"]))
+            if reduce.replica.route is not None:
+                reduce.replica.route.codec.load_state(
+                    {k[8:]: v for k, v in s.items() if k.startswith("replica/")}, device)
 
 
 def _installed(model: nn.Module) -> Installed:

@@ -111,6 +111,7 @@ class GradReduce(_Buffers, ReduceScatter):
     def __init__(self, comm: Comm, cfg: Config, label: str) -> None:
         self.comm, self.cfg, self.label = comm, cfg, label
         self.route: Optional[QgzReduce] = None  # made at the first call (its block)
+        self.replica: Any = None  # HSDP: the mean across replicas (replicate.py)
 
     def make_route(self, block: int) -> None:
         self.route = QgzReduce.from_config(self.cfg, block=block)
