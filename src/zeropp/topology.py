@@ -166,13 +166,14 @@ def group_topology(group: Any, node_size: int) -> Topology:
     if key in _CACHE:
         return _replace_group(_CACHE[key], group)
     tops = [_sub(list(g), node_size) for g in siblings]  # every rank checks every group
-    made = None
+    made, me = None, dist.get_rank()
     for g, t in zip(siblings, tops):
-        me = dist.get_rank() in g
-        intra, inter = _node_groups(t, mine=me)
-        if me:
-            made = Topology(t.world_size, g.index(dist.get_rank()), t.node_size, group,
-                            intra, inter, g)
+        if me in g:
+            t = dataclasses.replace(t, rank=g.index(me))
+        intra, inter = _node_groups(t, mine=me in g)
+        if me in g:
+            made = dataclasses.replace(t, world_group=group, intra_node_group=intra,
+                                       inter_node_group=inter)
     _CACHE[key] = made
     return made
 

@@ -62,3 +62,27 @@ def test_a_group_with_different_numbers_of_ranks_per_node_is_refused_by_name():
         _sub([0, 1, 2], 2)
     t = _sub([1, 3, 5, 7], 4)  # e.g. a dp group of TP=2 on 2 nodes x 4
     assert (t.world_size, t.node_size, t.num_nodes, t.global_rank(2)) == (4, 2, 2, 5)
+
+
+def _dp_group_topology() -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zeropp.topology import group_topology
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    t = group_topology(mesh["dp"].get_group(), 4)
+    return (t.rank, t.world_size, t.node_size, t.members,
+            dist.get_process_group_ranks(t.intra_node_group),
+            dist.get_process_group_ranks(t.inter_node_group))
+
+
+def test_a_dp_group_of_tp_2_on_2_nodes_of_4_gets_its_own_node_groups():
+    """W=8 as 2 x 4, TP=2: rank r's dp group is r%2, r%2+2, r%2+4, r%2+6, two ranks
+    per node; its intra-node group is its node's two, its inter-node group the ranks
+    at its position on the other node."""
+    for r, (rank, w, d, members, intra, inter) in enumerate(
+            spawn(_dp_group_topology, 8, 4, timeout=120)):
+        dp = [r % 2 + 2 * k for k in range(4)]
+        assert (rank, w, d, list(members)) == (dp.index(r), 4, 2, dp)
+        node = r // 4
+        assert intra == [m for m in dp if m // 4 == node]
+        assert inter == [m for m in dp if dp.index(m) % 2 == dp.index(r) % 2]

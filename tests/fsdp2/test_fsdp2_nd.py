@@ -98,17 +98,50 @@ def _train_hsdp(preset):
             "stats": zeropp.comm_stats(model) if preset is not None else None}
 
 
-def _work() -> dict:
+def _resume(build, data_rank: int, ckpt: str) -> dict:
+    """zeropp-plus for 8 steps straight, and for 4, saved (DCP + comm_state), loaded
+    into a fresh model and optimizer, 4 more: the losses of the last 4."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import zeropp.fsdp2
+    batches = list(random_batches(8, 256, (2, 32), data_rank))
+
+    def fresh():
+        model = zeropp.fsdp2.install(build(), "zeropp-plus", node_size=2)
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = fresh()
+    whole = fit(model, opt, batches)
+    model, opt = fresh()
+    fit(model, opt, batches[:4])
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    zeropp.fsdp2.save_comm_state(model, ckpt)
+    model, opt = fresh()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    zeropp.fsdp2.load_comm_state(model, ckpt)
+    return {"whole": whole[4:], "resumed": fit(model, opt, batches[4:])}
+
+
+def _work(ckpt: str) -> dict:
     torch.set_num_threads(1)
     out = {p or "stock": _train(p) for p in (None, "zero3", "zeropp", "zeropp-plus")}
     out.update({f"hsdp-{p or 'stock'}": _train_hsdp(p)
                 for p in (None, "zero3", "zeropp", "zeropp-plus")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # hpZ off on the TP mesh: tested above
+        out["resume-tp"] = _resume(lambda: _tp_fsdp_gpt()[0], dist.get_rank() // 2,
+                                   f"{ckpt}/tp")
+    out["resume-hsdp"] = _resume(_hsdp_gpt, dist.get_rank(), f"{ckpt}/hsdp")
     return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return spawn(_work, 4, 2, timeout=300)
+def runs(tmp_path_factory):
+    return spawn(_work, 4, 2, args=(str(tmp_path_factory.mktemp("nd")),), timeout=300)
 
 
 def test_tp_x_fsdp_zero3_preset_gives_stock_losses_to_1e5_relative(runs):
@@ -166,6 +199,13 @@ def test_hsdp_replicas_stay_bitwise_identical(runs, preset):
 def test_hsdp_reaches_98pct_of_stock_hsdps_loss_drop(runs, preset):
     stock, ours = runs[0]["hsdp-stock"]["losses"], runs[0][f"hsdp-{preset}"]["losses"]
     assert ours[0] - ours[-1] >= 0.98 * (stock[0] - stock[-1]), (stock[-1], ours[-1])
+
+
+@pytest.mark.parametrize("mesh", ["tp", "hsdp"])
+def test_resume_through_dcp_and_comm_state_gives_the_uninterrupted_losses_bit_for_bit(
+        runs, mesh):
+    for r in runs:
+        assert r[f"resume-{mesh}"]["resumed"] == r[f"resume-{mesh}"]["whole"], r[f"resume-{mesh}"]
 
 
 def test_fsdp2s_hsdp_internals_are_the_ones_zeropp_takes_over():

@@ -8,8 +8,11 @@ module: the same codecs and routes as zeropp's own engine (quant.py,
 layout.py, grads/qgz.py, hpZ's column layout), with the bytes counted in
 `zeropp.comm_stats(model)`. Any preset or Config: "zero3" (FSDP2's own
 traffic, counted), "qwz", "hpz", "qgz", "zeropp", "zeropp-plus".
-reshard_after_forward True, False or the node size. Not yet: other ints, HSDP
-meshes, CPU offload (each refused in one line).
+Any FSDP mesh: 1-D over the world, the dp dimension of tensor parallel x FSDP
+(each FSDP group gets a topology of its own: topology.group_topology), HSDP
+(the mean across replicas: replicate.py). reshard_after_forward True, False or
+the group's ranks per node. Not yet: other ints, CPU offload (each refused in
+one line).
 """
 
 from __future__ import annotations
