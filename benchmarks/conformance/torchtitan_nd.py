@@ -1,0 +1,157 @@
+"""torchtitan's own N-D parallelism with zeropp's comms under it, W=4 as 2 nodes x 2
+(gloo), fp32, torchtitan's `ParallelDims`, its parallelize function, `CrossEntropyLoss`
+and `clip_grad_norm_`, AdamW; zeropp adds one line,
+`zeropp.fsdp2.install(model, preset, node_size=2)`:
+- tp: the Llama 3 `debugmodel` (6 blocks, width 256, vocab 2048) under
+  `parallelize_llama` with tensor parallel 2 (inside the node) x FSDP 2 (one rank per
+  node);
+- moe: the Qwen3 `debugmodel_moe` (64 experts, top 8, width 256; its first 2 of 8
+  blocks, for the CPU's sake) under `parallelize_qwen3` with expert parallel 2 (inside
+  the node): the dense part under FSDP over all 4 ranks, the experts under FSDP over
+  the 2 ranks of the "efsdp" mesh (one per node). On this CPU it fails inside
+  torchtitan before zeropp is involved (the stock run: torch._grouped_mm "matrix batch
+  sizes have to match", models/common/moe.py);
+- moe-noep: the same model without expert parallelism (experts under FSDP over all 4
+  ranks, with the rest of their block).
+Built on the meta device; Shakespeare's bytes, batch 2 x 64 per data-parallel rank (the
+TP ranks of one read the same), the loss summed over tokens and divided by the global
+token count.
+
+The CPU forces the changes torchtitan_fsdp2.py describes (SDPA for FlexAttention;
+stock FSDP2 reduces with AVG and the loss x dp, as gloo has no PREMUL_SUM), and one
+more: ParallelDims builds its mesh on "cpu" (torchtitan takes "cuda" when it finds no
+accelerator).
+
+    pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring_parser triton
+    python benchmarks/conformance/torchtitan_nd.py tp [steps]    # Llama 3, TP 2 x FSDP 2
+    python benchmarks/conformance/torchtitan_nd.py moe [steps]   # Qwen3 MoE, EP 2, FSDP 4
+    python benchmarks/conformance/torchtitan_nd.py moe-noep [steps]
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import model_registry
+from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.models.qwen3 import model_registry as qwen3_registry
+from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+import zeropp
+import zeropp.fsdp2
+from zeropp.cli.launch import spawn
+from zeropp.train.data import get_batch, load_text, split_tokens
+from zeropp.train.tokenizer import encode
+
+RUNS = ["stock", "zero3", "zeropp", "zeropp-plus"]
+BATCH, SEQ, TP, EP, MOE_LAYERS = 2, 64, 2, 2, 2
+
+
+def build(mode):
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import utils as dist_utils
+    parallel_dims.device_type = "cpu"  # torchtitan takes "cuda" when it finds no accelerator
+    dist_utils.set_spmd_backend("partial_dtensor")  # as torchtitan's Trainer sets it
+    world = dist.get_world_size()
+    tp, ep = (TP, 1) if mode == "tp" else (1, EP if mode == "moe" else 1)
+    dims = ParallelDims(dp_replicate=1, dp_shard=world // tp, cp=1, tp=tp, pp=1, ep=ep,
+                        world_size=world, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    if mode == "tp":
+        spec = model_registry("debugmodel")
+        for layer in spec.model.layers:  # FlexAttention: no backward on the CPU
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        parallelize = parallelize_llama
+    else:
+        spec = qwen3_registry("debugmodel_moe")
+        spec.model.layers = spec.model.layers[:MOE_LAYERS]
+        for layer in spec.model.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        parallelize = parallelize_qwen3
+    with torch.device("meta"):
+        model = spec.model.build()
+    parallelize(model, parallel_dims=dims,
+                training=TrainingConfig(mixed_precision_param="float32",
+                                        mixed_precision_reduce="float32"),
+                parallelism=ParallelismConfig(data_parallel_shard_degree=world // tp,
+                                              tensor_parallel_degree=tp,
+                                              expert_parallel_degree=ep,
+                                              spmd_backend="partial_dtensor"),
+                compile_config=CompileConfig(enable=False), ac_config=None,
+                dump_folder="/tmp")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model, dims
+
+
+def run(mode, preset, steps, train):
+    model, dims = build(mode)
+    dp = dims.get_mesh("fsdp")
+    if preset == "stock":
+        for m in model.modules():  # AVG instead of PREMUL_SUM (gloo has none), loss x dp
+            if isinstance(m, torch.distributed.fsdp.FSDPModule):
+                m.set_gradient_divide_factor(float(dp.size()))
+    else:
+        zeropp.fsdp2.install(model, preset, node_size=2)
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(dp.get_local_rank())
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    losses = []
+    for _ in range(steps):
+        x, y = get_batch(train, BATCH, SEQ, gen)
+        tokens = torch.tensor(float(y.numel()))
+        dist.all_reduce(tokens, group=dp.get_group())  # torchtitan's global_valid_tokens
+        loss, _ = loss_fn(model(x, positions=pos), y, tokens)
+        (loss * dp.size() if preset == "stock" else loss).backward()
+        clip_grad_norm_(list(model.parameters()), 1.0)
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t, group=dp.get_group())  # each dp rank's share of the global mean
+        losses.append(t.item())
+    with torch.no_grad():
+        x, y = get_batch(train, BATCH, SEQ, torch.Generator().manual_seed(99))
+        probe = loss_fn(model(x, positions=pos), y)[0].item()
+    inter = zeropp.comm_stats(model)["inter_node_bytes"] if preset != "stock" else None
+    return losses, probe, inter
+
+
+def work(mode, steps, tokens):
+    torch.set_num_threads(1)
+    train, _ = split_tokens(torch.load(tokens, weights_only=True), SEQ)
+    return {p: run(mode, p, steps, train) for p in RUNS}
+
+
+if __name__ == "__main__":
+    import tempfile
+    from pathlib import Path
+    mode = sys.argv[1] if len(sys.argv) > 1 else "tp"
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 50
+    ids, _ = encode(load_text(None), "bytes", Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(ids, f"{tmp}/tokens.pt")
+        res = spawn(work, 4, 2, args=(mode, steps, f"{tmp}/tokens.pt"), timeout=3000)
+    stock = res[0]["stock"][0]
+    zero3 = sum(r["zero3"][2] for r in res)
+    drop = stock[0] - sum(stock[-5:]) / 5
+    for p in RUNS:
+        losses = res[0][p][0]
+        # the probe per TP rank (each computes its vocabulary shard's part of the loss):
+        # the same on every data-parallel rank at each TP index
+        tp = TP if mode == "tp" else 1
+        same = all(res[r][p][1] == res[r % tp][p][1] for r in range(len(res)))
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, stock))
+        mine = (losses[0] - sum(losses[-5:]) / 5) / drop
+        inter = sum(r[p][2] for r in res) if p != "stock" else None
+        ratio = f", {inter / zero3:.4f}x zero3" if inter is not None else ""
+        print(f"{p:12s} loss {losses[0]:.5f} -> {losses[-1]:.5f} (last 5: "
+              f"{sum(losses[-5:]) / 5:.5f}); max rel. gap to stock {rel:.2e}; loss drop "
+              f"{100 * mine:.1f}% of stock's; same probe on every dp rank: {same}; "
+              f"inter-node bytes {inter}{ratio}")
