@@ -12,21 +12,10 @@ Reductions run on two threads of their own, on duplicates of the first three
 (`reduce_groups`; see grads/pipeline.py, "reductions on their own process groups").
 World size 1 needs no process group at all.
 
-[Note: a topology over a sub-group]
-Under N-D parallelism (tensor parallel x FSDP, HSDP, an expert mesh) FSDP's group
-is a sub-group of the world. `group_topology` gives it a Topology of its own: W
-and the ranks are the group's (its group ranks), `members` maps them to global
-ranks, and D is the group's ranks per node, found from the global ranks and the
-launcher's node size. The group must be node-major in that sense (its ranks on
-each node consecutive in group order, the same number on every node), as every
-DeviceMesh dimension over torchrun's numbering is; its intra- and inter-node
-groups are made for every group of its kind at once (new_group is collective
-over the world).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -42,7 +31,7 @@ class Topology:
     world_group: Any = None
     intra_node_group: Any = None
     inter_node_group: Any = None
-    members: Optional[tuple[int, ...]] = None  # global ranks of a sub-group's ranks (the note)
+    members: Optional[tuple[int, ...]] = None  # a sub-group's ranks' global ranks (fsdp2/groups.py)
 
     def global_rank(self, rank: int) -> int:
         return rank if self.members is None else self.members[rank]
@@ -101,7 +90,7 @@ def hpz_group(topo: Topology, size: int) -> Any:
         return topo.intra_node_group
     if topo.world_size == 1 or size == 1:
         return None
-    if topo.members is not None:
+    if topo.members is not None:  # a sub-group's (fsdp2/groups.py)
         raise ValueError(f"zeropp: on a sub-group, hpz_partition_size must be 1 or the "
                          f"group's ranks per node ({topo.node_size}), got {size}")
     key = (id(topo.world_group), size)
@@ -150,58 +139,6 @@ def _node_groups(topo: Topology, mine: bool = True) -> tuple[Any, Any]:
         if mine and j == topo.local_rank:
             inter = g
     return intra, inter
-
-
-def group_topology(group: Any, node_size: int) -> Topology:
-    """The Topology of the process group `group` (see the note), built once per group
-    layout. Collective over the world: every rank calls it, for its own group of the
-    same kind (e.g. its dp group), in the same order. `node_size`: global ranks per
-    node. A group that is not node-major is a ValueError naming it, on every rank."""
-    world = dist.get_world_size()
-    ranks = dist.get_process_group_ranks(group)
-    every: list = [None] * world
-    dist.all_gather_object(every, ranks)
-    siblings = sorted({tuple(g) for g in every})
-    key = ("group", tuple(siblings), node_size)
-    if key in _CACHE:
-        return _replace_group(_CACHE[key], group)
-    tops = [_sub(list(g), node_size) for g in siblings]  # every rank checks every group
-    made, me = None, dist.get_rank()
-    for g, t in zip(siblings, tops):
-        if me in g:
-            t = dataclasses.replace(t, rank=g.index(me))
-        intra, inter = _node_groups(t, mine=me in g)
-        if me in g:
-            made = dataclasses.replace(t, world_group=group, intra_node_group=intra,
-                                       inter_node_group=inter)
-    _CACHE[key] = made
-    return made
-
-
-def solo_group() -> Any:
-    """A process group of this rank alone (collective on first use: every rank makes
-    every rank's, in rank order)."""
-    if "solo" not in _HPZ_CACHE:
-        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-        _HPZ_CACHE["solo"] = groups[dist.get_rank()]
-    return _HPZ_CACHE["solo"]
-
-
-def _replace_group(topo: Topology, group: Any) -> Topology:
-    return topo if topo.world_group is group else dataclasses.replace(topo, world_group=group)
-
-
-def _sub(ranks: list[int], node_size: int) -> Topology:
-    """A sub-group's shape (rank 0 of it, no process groups), checked node-major."""
-    nodes = [r // node_size for r in ranks]
-    counts = {n: nodes.count(n) for n in nodes}
-    d = counts[nodes[0]]
-    if len(set(counts.values())) > 1 or nodes != sorted(nodes):
-        raise ValueError(
-            f"zeropp: the process group of ranks {ranks} is not laid out node by node over "
-            f"nodes of {node_size} ranks (its ranks' nodes: {nodes}): zeropp's routes need "
-            "the same number of the group's ranks on every node, in node order")
-    return Topology(len(ranks), 0, d, members=tuple(ranks))
 
 
 def get_topology(node_size: Optional[int] = None) -> Topology:

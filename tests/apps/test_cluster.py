@@ -73,8 +73,9 @@ def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     (["--nodes", "300"], "1 to 253 nodes"),
     (["--nodes", "2", "--node-size", "3", "--nproc", "4"], "--node-size 3 does not divide"),
     (["--configs", "zero3,deepspeed"], "unknown configuration 'deepspeed'"),
+    (["--configs", "fsdp2-tp+zeropp,fsdp2-tp+zero4"], "unknown configuration 'fsdp2-tp+zero4'"),
     (["--rounds", "0"], "--rounds 0 must be >= 1"),
-], ids=["rate", "nodes", "layout", "config", "rounds"])
+], ids=["rate", "nodes", "layout", "config", "fsdp2-layout", "rounds"])
 def test_bench_bad_input_is_one_line(args, message, capsys, monkeypatch):
     import zeropp.bench.run as run
 

@@ -56,7 +56,7 @@ def test_a_group_with_different_numbers_of_ranks_per_node_is_refused_by_name():
     """topology.group_topology's check on every group of a mesh dimension (torch's
     groups list their ranks in ascending order): ranks 0, 1 on node 0 and 2 alone on
     node 1 cannot run node-by-node routes."""
-    from zeropp.topology import _sub
+    from zeropp.fsdp2.groups import _sub
     with pytest.raises(ValueError, match=r"the process group of ranks \[0, 1, 2\] is not "
                                          r"laid out node by node over nodes of 2 ranks"):
         _sub([0, 1, 2], 2)
@@ -67,7 +67,7 @@ def test_a_group_with_different_numbers_of_ranks_per_node_is_refused_by_name():
 def _dp_group_topology() -> tuple:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zeropp.topology import group_topology
+    from zeropp.fsdp2.groups import group_topology
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
     t = group_topology(mesh["dp"].get_group(), 4)
     return (t.rank, t.world_size, t.node_size, t.members,

@@ -24,17 +24,19 @@ from ..cli.launch import host_store
 from ..config import is_named
 from .cluster import Cluster, available, parse_rate, rate_bytes_per_s
 
-FSDP = ["fsdp2", "fsdp2-hsdp"]
+FSDP = ["fsdp2", "fsdp2-hsdp", "fsdp2-tp"]
 DEEPSPEED = ["deepspeed-zero3", "deepspeed-hpz"]
 ALL = [*FSDP, "fsdp2+zeropp", "fsdp2+zeropp-plus", *DEEPSPEED, "zero3", "qwz", "hpz", "qgz",
        "zeropp", "zeropp-plus"]
 
 
 def known(cfg: str) -> bool:
-    """FSDP2's two, DeepSpeed's two, a zeropp preset with any ~SWITCH flips
-    (e.g. zeropp~async), or fsdp2+PRESET (stock FSDP2 with zeropp.fsdp2.install)."""
+    """FSDP2's three layouts (1-D, HSDP, TP x FSDP), DeepSpeed's two, a zeropp preset
+    with any ~SWITCH flips (e.g. zeropp~async), or an FSDP2 layout +PRESET (stock FSDP2
+    with zeropp.fsdp2.install: fsdp2+zeropp, fsdp2-tp+zeropp-plus, ...)."""
+    base, preset = cfg.partition("+")[::2]
     return (cfg in FSDP or cfg in DEEPSPEED or is_named(cfg)
-            or (cfg.startswith("fsdp2+") and is_named(cfg[len("fsdp2+"):])))
+            or (base in FSDP and is_named(preset)))
 
 
 def _without_missing_deepspeed(configs: list[str]) -> list[str]:

@@ -21,7 +21,16 @@ from zeropp.bench.cluster import link_counters
 from zeropp.config import is_named, named
 from zeropp.train.model import GPT, PRESETS, GPTConfig
 
-FSDP = ("fsdp2", "fsdp2-hsdp")
+FSDP = ("fsdp2", "fsdp2-hsdp", "fsdp2-tp")  # stock FSDP2: 1-D, HSDP, TP (2) x FSDP
+
+
+def fsdp2_parts(name: str) -> tuple[str, str]:
+    """("fsdp2-tp", "zeropp") for "fsdp2-tp+zeropp"; ("", "") for a name that is neither
+    a stock FSDP2 layout nor one with a zeropp preset installed."""
+    base, _, preset = name.partition("+")
+    if base in FSDP and (not preset or is_named(preset)):
+        return base, preset
+    return "", ""
 DEEPSPEED = ("deepspeed-zero3", "deepspeed-hpz")  # real DeepSpeed, the optional extra [bench]
 
 
@@ -45,18 +54,32 @@ def build(name: str, a, node_size: int, nodes: int):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=a.seq_len, **PRESETS[a.model]))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
-    if name in FSDP or name.startswith("fsdp2+"):
+    base, preset = fsdp2_parts(name)
+    if base:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-        mesh = (init_device_mesh("cpu", (nodes, node_size), mesh_dim_names=("replicate", "shard"))
-                if name == "fsdp2-hsdp" else None)
+        mesh = None
+        if base == "fsdp2-hsdp":
+            mesh = init_device_mesh("cpu", (nodes, node_size), mesh_dim_names=("replicate", "shard"))
+        elif base == "fsdp2-tp":  # torchtitan's order: TP inside the node, then FSDP on dp
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+            world = nodes * node_size
+            tp_dp = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+            for block in model.h:
+                parallelize_module(block.mlp, tp_dp["tp"], {"fc": ColwiseParallel(),
+                                                            "proj": RowwiseParallel()})
+            mesh = tp_dp["dp"]
         for block in model.h:
             fully_shard(block, mp_policy=mp, mesh=mesh)
         fully_shard(model, mp_policy=mp, mesh=mesh)
-        if name.startswith("fsdp2+"):  # zeropp's comms under stock FSDP2
+        if preset:  # zeropp's comms under stock FSDP2
             from zeropp.fsdp2 import install
-            install(model, named(name[len("fsdp2+"):], node_size))
+            install(model, named(preset, node_size))
         return model
     if name in DEEPSPEED:
         return _deepspeed(model, name, a, node_size, dtype)
@@ -87,7 +110,7 @@ def _deepspeed(model, name: str, a, node_size: int, dtype):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True,
-                   help="fsdp2, fsdp2-hsdp, fsdp2+PRESET or a zeropp preset")
+                   help="fsdp2, fsdp2-hsdp, fsdp2-tp, each +PRESET, or a zeropp preset")
     p.add_argument("--model", default="gpt-6x384")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
@@ -97,8 +120,9 @@ def main() -> None:
                    help="ranks per node (default LOCAL_WORLD_SIZE, as torchrun sets it)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    fsdp2_zeropp = a.config.startswith("fsdp2+") and is_named(a.config[len("fsdp2+"):])
-    if a.config not in (*FSDP, *DEEPSPEED) and not is_named(a.config) and not fsdp2_zeropp:
+    base, preset = fsdp2_parts(a.config)
+    fsdp2_zeropp = bool(preset)
+    if not base and a.config not in DEEPSPEED and not is_named(a.config):
         p.error(f"unknown configuration {a.config!r}")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -111,7 +135,9 @@ def main() -> None:
     ours = is_named(a.config) or fsdp2_zeropp  # zeropp's comms: instrumented (comm_stats)
     engine = a.config in DEEPSPEED
     opt = None if engine else torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, 256, (a.batch, a.seq_len), generator=torch.Generator().manual_seed(rank))
+    data_rank = rank // 2 if base == "fsdp2-tp" else rank  # a TP pair reads one batch
+    x = torch.randint(0, 256, (a.batch, a.seq_len),
+                      generator=torch.Generator().manual_seed(data_rank))
 
     def step() -> float:
         dist.barrier()

@@ -9,7 +9,7 @@ layout.py, grads/qgz.py, hpZ's column layout), with the bytes counted in
 `zeropp.comm_stats(model)`. Any preset or Config: "zero3" (FSDP2's own
 traffic, counted), "qwz", "hpz", "qgz", "zeropp", "zeropp-plus".
 Any FSDP mesh: 1-D over the world, the dp dimension of tensor parallel x FSDP
-(each FSDP group gets a topology of its own: topology.group_topology), HSDP
+(each FSDP group gets a topology of its own: groups.py), HSDP
 (the mean across replicas: replicate.py). reshard_after_forward True, False or
 the group's ranks per node. Not yet: other ints, CPU offload (each refused in
 one line).
@@ -33,8 +33,9 @@ from ..driver import comm_state as comm_state_of
 from ..driver import comm_state_file, held_params, make_comm, step_hooks
 from ..driver import load_comm_state as load_comm_state_of
 from ..stats import CommStats
-from ..topology import Topology, get_topology, group_topology, solo_group
+from ..topology import Topology, get_topology
 from .comms import GradReduce, WeightGather
+from .groups import group_topology, solo_group
 from .replicate import ReplicaMean, check_internals, take_over
 
 
@@ -121,7 +122,7 @@ def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Instal
                 replicas: bool = False) -> tuple[Comm, Config]:
     """The comm over an FSDP shard group, and the Config its routes run with. The
     world in rank order is the engine's own topology; any other group (the dp mesh
-    of TP x FSDP, an expert mesh) gets its own (topology.py, the sub-group note),
+    of TP x FSDP, an expert mesh) gets its own (groups.py),
     where hpZ is the group's ranks per node: none when it has one rank per node."""
     if dist.get_process_group_ranks(pg) == list(range(topo.world_size)):
         return make_comm(cfg, topo, inst.stats), cfg
