@@ -46,7 +46,6 @@ class Installed:
     def __init__(self, cfg: Config, stats: CommStats) -> None:
         self.cfg, self.stats, self.steps = cfg, stats, 0
         self.params: set[int] = set()
-        self.layout: list[str] = []  # each sub-group's shape, as install found it
         self.comms: list[tuple[str, WeightGather, GradReduce]] = []
 
 
@@ -92,8 +91,9 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
             rkey = ("replicate", *dist.get_process_group_ranks(rpg))
             if rkey not in comms:
                 comms[rkey] = _group_comm(rpg, cfg, topo, inst, replicas=True)
-            reduce.replica = ReplicaMean(comms[rkey][0], cfg, label, group)
-            take_over(m, group, reduce.replica, solo_group())
+            if comms[rkey][0].topo.num_nodes > 1:  # replicas inside a node: FSDP2's own
+                reduce.replica = ReplicaMean(comms[rkey][0], cfg, label, group)
+                take_over(m, group, reduce.replica, solo_group())
         inst.comms.append((label, gather, reduce))
         m.set_custom_all_gather(gather)
         m.set_custom_reduce_scatter(reduce)
@@ -130,7 +130,6 @@ def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Instal
     if sub.num_nodes == 1:  # nothing crosses nodes: ZeRO-3's exact collectives
         gcfg = Config(node_size=sub.node_size, param_dtype=cfg.param_dtype,
                       reduce_dtype=cfg.reduce_dtype, collective_timeout=cfg.collective_timeout)
-        inst.layout.append(f"{list(sub.members)}: inside one node, exact collectives")
         return make_comm(gcfg, sub, inst.stats), gcfg
     hpz = sub.node_size if cfg.hpz_partition_size > 1 else 1
     if cfg.hpz_partition_size > 1 and hpz == 1 and not replicas and dist.get_rank() == 0:
@@ -140,8 +139,6 @@ def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Instal
                       "rank of the group shares a node to gather from)", stacklevel=3)
     gcfg = dataclasses.replace(cfg, hpz_partition_size=hpz,
                                weight_delta=cfg.weight_delta and hpz > 1)
-    inst.layout.append(f"{list(sub.members)}: {sub.num_nodes} node(s) x {sub.node_size}, "
-                       + ("replicas" if replicas else f"hpZ {hpz}"))
     return make_comm(gcfg, sub, inst.stats), gcfg
 
 
