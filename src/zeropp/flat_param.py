@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -176,11 +177,15 @@ class FlatParam:
         self.seen: set[int] = set()       # params reached by this backward
         self.expected = set(range(len(self.infos)))  # params backward reaches (learnt)
         me = weakref.ref(self)  # a tensor's hooks are invisible to Python's gc: no cycle
+
+        def grad_ready(t: torch.Tensor, i: int) -> None:
+            flat = me()
+            if flat is not None:
+                flat._param_grad_ready(i, t)
         for i, t in enumerate(self.params):
             if trainable:
                 t.requires_grad_(True)
-                t.register_post_accumulate_grad_hook(
-                    lambda t, i=i: me()._param_grad_ready(i, t))
+                t.register_post_accumulate_grad_hook(functools.partial(grad_ready, i=i))
         self.pending: Optional[Gather] = None
         self.state = State.FREED
         self.full.untyped_storage().resize_(0)
@@ -256,9 +261,11 @@ class FlatParam:
             with torch.inference_mode(False):
                 self.weights.finish(gather)
         except BaseException:
-            # Not finished twice (a qWD delta would apply twice): the buffer is freed,
-            # and the secondary, perhaps half updated, is dropped for a full refresh.
+            # Not finished twice (a qWD delta would apply twice): the buffer is let go
+            # (a timed-out collective may still write into it) and the secondary,
+            # perhaps half updated, dropped for a full refresh.
             self.weights.invalidate()
+            self._new_buffer()
             self._free_storage()
             raise
         self.gathered_for = self.version
@@ -274,9 +281,12 @@ class FlatParam:
         if not self.gathered or (self.persistent and not force):
             return
         if let_go:  # a new buffer (emptied below, never written); the old one lives on
-            self.full = torch.empty_like(self.full)
-            self._views = [self._param_on_full(info) for info in self.infos]
+            self._new_buffer()
         self._free_storage()
+
+    def _new_buffer(self) -> None:
+        self.full = torch.empty_like(self.full)
+        self._views = [self._param_on_full(info) for info in self.infos]
 
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)

@@ -64,7 +64,8 @@ class Topology:
         return list(range(g * size, (g + 1) * size))
 
     def group_ranks(self, group: str, hpz_size: int = 1) -> list[int]:
-        """Global ranks of this rank's group named `group`, in group-rank order."""
+        """The ranks of this rank's group named `group`, in group-rank order (ranks of
+        this topology: global ones for the world's, `global_rank` maps a sub-group's)."""
         if group == "world":
             return list(range(self.world_size))
         if group == "intra_node":

@@ -36,7 +36,7 @@ from ..stats import CommStats
 from ..topology import Topology, get_topology
 from .comms import GradReduce, WeightGather
 from .groups import group_topology, solo_group
-from .replicate import ReplicaMean, check_internals, take_over
+from .replicate import ReplicaMean, take_over
 
 
 class Installed:
@@ -62,7 +62,7 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
         raise ValueError("zeropp.fsdp2.install: no FSDP module in this model; call "
                          "fully_shard on its blocks and on the root first")
     inst = Installed(cfg, CommStats())
-    comms: dict[tuple, tuple[Comm, Config]] = {}  # per FSDP group (its ranks)
+    comms: dict[tuple, tuple[Comm, Config]] = {}  # one per group (its topology's ranks)
     for name, m in modules:
         groups = m._get_fsdp_state()._fsdp_param_groups
         if not groups:
@@ -71,28 +71,23 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
             raise ValueError(f"zeropp.fsdp2: module {name or '<root>'} has several FSDP "
                              "parameter groups (shard_placement_fn meshes); one is supported")
         group = groups[0]
+        if not hasattr(group.mesh_info, "shard_process_group"):
+            raise NotImplementedError(f"zeropp.fsdp2: module {name or '<root>'} is replicated "
+                                      "only (replicate(), DDP); zeropp's comms need FSDP")
         hsdp = getattr(group.mesh_info, "replicate_mesh_dim", None) is not None
-        if hsdp and cfg.quantized_gradients:
-            check_internals(group)  # before anything changes (replicate.py's note)
         if isinstance(group.offload_policy, CPUOffloadPolicy):
             raise NotImplementedError("zeropp.fsdp2: CPUOffloadPolicy is not supported")
-        pg = group.mesh_info.shard_process_group
-        key = tuple(dist.get_process_group_ranks(pg))
-        if key not in comms:
-            comms[key] = _group_comm(pg, cfg, topo, inst)
-        comm, gcfg = comms[key]
+        comm, gcfg = _group_comm(group.mesh_info.shard_process_group, cfg, topo, inst, comms)
         sharded = [fp.sharded_param for fp in group.fsdp_params]
         inst.params |= {id(p) for p in sharded}
         label = name or "<root>"
         gather = WeightGather(comm, gcfg, label, _version(inst, sharded))
         reduce = GradReduce(comm, gcfg, label)
         if hsdp and cfg.quantized_gradients:
-            rpg = group.mesh_info.replicate_process_group
-            rkey = ("replicate", *dist.get_process_group_ranks(rpg))
-            if rkey not in comms:
-                comms[rkey] = _group_comm(rpg, cfg, topo, inst, replicas=True)
-            if comms[rkey][0].topo.num_nodes > 1:  # replicas inside a node: FSDP2's own
-                reduce.replica = ReplicaMean(comms[rkey][0], cfg, label, group)
+            rcomm, _ = _group_comm(group.mesh_info.replicate_process_group, cfg, topo, inst,
+                                   comms, replicas=True)
+            if rcomm.topo.num_nodes > 1:  # replicas inside a node: FSDP2's own all-reduce
+                reduce.replica = ReplicaMean(rcomm, cfg, label, group)
                 take_over(m, group, reduce.replica, solo_group())
         inst.comms.append((label, gather, reduce))
         m.set_custom_all_gather(gather)
@@ -119,14 +114,24 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
 
 
 def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Installed,
-                replicas: bool = False) -> tuple[Comm, Config]:
+                made: dict, replicas: bool = False) -> tuple[Comm, Config]:
     """The comm over an FSDP shard group, and the Config its routes run with. The
     world in rank order is the engine's own topology; any other group (the dp mesh
     of TP x FSDP, an expert mesh) gets its own (groups.py),
     where hpZ is the group's ranks per node: none when it has one rank per node."""
-    if dist.get_process_group_ranks(pg) == list(range(topo.world_size)):
-        return make_comm(cfg, topo, inst.stats), cfg
-    sub = group_topology(pg, topo.node_size)
+    if dist.get_process_group_ranks(pg) == list(range(topo.world_size)):  # on every rank
+        if "world" not in made:
+            made["world"] = make_comm(cfg, topo, inst.stats), cfg
+        return made["world"]
+    sub = group_topology(pg, topo.node_size)  # collective: called alike on every rank
+    key = (replicas, sub.members)
+    if key not in made:
+        made[key] = _sub_comm(sub, cfg, inst, replicas)
+    return made[key]
+
+
+def _sub_comm(sub: Topology, cfg: Config, inst: Installed, replicas: bool
+              ) -> tuple[Comm, Config]:
     if sub.num_nodes == 1:  # nothing crosses nodes: ZeRO-3's exact collectives
         gcfg = Config(node_size=sub.node_size, param_dtype=cfg.param_dtype,
                       reduce_dtype=cfg.reduce_dtype, collective_timeout=cfg.collective_timeout)
@@ -136,7 +141,7 @@ def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Instal
         warnings.warn(f"zeropp.fsdp2: the FSDP group of ranks {list(sub.members)} has one "
                       "rank per node (e.g. tensor parallel inside the node): its gathers "
                       "and reductions all cross nodes, qwZ and qgZ run, hpZ cannot (no "
-                      "rank of the group shares a node to gather from)", stacklevel=3)
+                      "rank of the group shares a node to gather from)", stacklevel=4)
     gcfg = dataclasses.replace(cfg, hpz_partition_size=hpz,
                                weight_delta=cfg.weight_delta and hpz > 1)
     return make_comm(gcfg, sub, inst.stats), gcfg

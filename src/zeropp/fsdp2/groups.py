@@ -32,9 +32,9 @@ def group_topology(group: Any, node_size: int) -> Topology:
     every: list = [None] * world
     dist.all_gather_object(every, ranks)
     siblings = sorted({tuple(g) for g in every})
-    key = ("group", tuple(siblings), node_size)
+    key = ("group", id(dist.group.WORLD), tuple(siblings), node_size)
     if key in _CACHE:
-        return _replace_group(_CACHE[key], group)
+        return _replace_group(_CACHE[key][1], group)
     tops = [_sub(list(g), node_size) for g in siblings]  # every rank checks every group
     made, me = None, dist.get_rank()
     for g, t in zip(siblings, tops):
@@ -44,17 +44,18 @@ def group_topology(group: Any, node_size: int) -> Topology:
         if me in g:
             made = dataclasses.replace(t, world_group=group, intra_node_group=intra,
                                        inter_node_group=inter)
-    _CACHE[key] = made
+    _CACHE[key] = (dist.group.WORLD, made)  # holds WORLD so its id stays unique
     return made
 
 
 def solo_group() -> Any:
     """A process group of this rank alone (collective on first use: every rank makes
     every rank's, in rank order)."""
-    if "solo" not in _HPZ_CACHE:
+    key = ("solo", id(dist.group.WORLD))
+    if key not in _HPZ_CACHE:
         groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-        _HPZ_CACHE["solo"] = groups[dist.get_rank()]
-    return _HPZ_CACHE["solo"]
+        _HPZ_CACHE[key] = (dist.group.WORLD, groups[dist.get_rank()])
+    return _HPZ_CACHE[key][1]
 
 
 def _replace_group(topo: Topology, group: Any) -> Topology:

@@ -20,12 +20,14 @@ FSDP2's all-reduce becomes a copy in place that sends nothing, and installs
 `ReplicaMean` as the hook. The attribute is read nowhere else after
 `fully_shard` (its init groups parameters by it, before). `check_internals`
 verifies both facts from FSDP2's source at install and refuses, naming the torch
-version, when they no longer hold; tests/fsdp2/test_fsdp2_nd.py calls it.
+version, when they no longer hold; tests/fsdp2/test_fsdp2_nd.py calls it. A hook the
+user sets later with `set_all_reduce_hook` replaces the mean: do not.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -43,7 +45,9 @@ class ReplicaMean:
     gradient divide factor (FSDP2 then divides by that factor alone)."""
 
     def __init__(self, comm: Comm, cfg: Config, label: str, param_group: Any) -> None:
-        self.comm, self.cfg, self.label, self.param_group = comm, cfg, label, param_group
+        self.comm, self.cfg, self.label = comm, cfg, label
+        # weakly: the param group holds the model, which the step hooks must not keep alive
+        self.param_group = weakref.ref(param_group)
         self.route: Optional[QgzReduce] = None  # made at the first call (its block)
 
     def make_route(self, block: int) -> None:
@@ -64,19 +68,26 @@ class ReplicaMean:
         pending, out = world.issue(spec, self.comm, "all_gather/hsdp_grad", mean, full)
         pending.wait()
         world.finish(spec, out, full)
-        if self.param_group.gradient_divide_factor is not None:
+        group = self.param_group()
+        if group is not None and group.gradient_divide_factor is not None:
             full.mul_(r)  # FSDP2 sums over replicas then: its factor covers them
         grad.copy_(full[:n].view_as(grad))
 
 
 def check_internals(param_group: Any) -> None:
-    """The two facts about FSDP2 that `take_over` relies on (the note), from its source."""
+    """The facts about FSDP2 that `take_over` relies on (the note), from its source."""
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as fpg
+    from torch.distributed.fsdp import FSDPModule
     prop = getattr(type(param_group), "_all_reduce_process_group", None)
-    reads = (isinstance(prop, property)
-             and "mesh_info.replicate_process_group" in inspect.getsource(prop.fget))
-    uses = "self._all_reduce_process_group" in inspect.getsource(fpg.FSDPParamGroup.post_backward)
-    if not (reads and uses and hasattr(param_group.mesh_info, "replicate_process_group")):
+    try:
+        reads = (isinstance(prop, property)
+                 and "mesh_info.replicate_process_group" in inspect.getsource(prop.fget))
+        uses = "self._all_reduce_process_group" in inspect.getsource(
+            fpg.FSDPParamGroup.post_backward)
+    except (OSError, TypeError):  # no source to read: nothing is verified
+        reads = uses = False
+    if not (reads and uses and hasattr(param_group.mesh_info, "replicate_process_group")
+            and hasattr(FSDPModule, "set_force_sum_reduction_for_comms")):
         raise NotImplementedError(
             f"zeropp.fsdp2: HSDP relies on FSDP2 all-reducing over "
             f"mesh_info.replicate_process_group, as torch 2.13 does; torch {torch.__version__} "
@@ -84,7 +95,11 @@ def check_internals(param_group: Any) -> None:
 
 
 def take_over(module: Any, param_group: Any, hook: ReplicaMean, solo: Any) -> None:
-    """FSDP2's replicate all-reduce of `module` sends nothing; `hook` does the mean."""
+    """FSDP2's replicate all-reduce of `module` sends nothing; `hook` does the mean. Sum
+    reductions only: FSDP2 would otherwise all-reduce with AVG on the one-rank group,
+    which NCCL gets wrong at size 1 (torch itself avoids it there), and divides by the
+    shard group's size after the hook, which means over the replicas itself."""
     check_internals(param_group)
     param_group.mesh_info.replicate_process_group = solo
+    module.set_force_sum_reduction_for_comms(True)
     module.set_all_reduce_hook(hook)
