@@ -101,6 +101,7 @@ def _clip_across_meshes(model, max_norm: float) -> None:
     the total 2-norm from each gradient's own (full) norm."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     total = sum(g.norm().full_tensor().double() ** 2 for g in grads) ** 0.5
+    dist.broadcast(total, src=0)  # one coefficient everywhere (DTensor's norms may differ in ulps)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))
