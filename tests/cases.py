@@ -122,6 +122,18 @@ def fit(model: nn.Module, opt: torch.optim.Optimizer, batches, *, loss_fn=None, 
     return losses
 
 
+def assert_same_losses(ours: list[float], ref: list[float], rel: float = 1e-5) -> None:
+    """Every step's loss within `rel` of the reference run's (relative)."""
+    assert len(ours) == len(ref)
+    for s, (a, b) in enumerate(zip(ours, ref)):
+        assert abs(a - b) <= rel * abs(b), (s, a, b)
+
+
+def assert_loss_drop(ours: list[float], ref: list[float], frac: float = 0.98) -> None:
+    """The run's loss falls at least `frac` of what the reference run's falls."""
+    assert ours[0] - ours[-1] >= frac * (ref[0] - ref[-1]), (ref[-1], ours[-1])
+
+
 def random_batches(steps: int, vocab: int, shape: tuple, seed: int):
     """`steps` (x, x) pairs of random tokens, from a generator seeded with `seed`."""
     g = torch.Generator().manual_seed(seed)
