@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from cases import assert_loss_drop, assert_same_losses, fit, random_batches
+from cases import assert_loss_drop, assert_same_losses, dcp_resume, fit, random_batches
 
 from zeropp.cli.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
@@ -98,34 +98,6 @@ def _train_hsdp(preset):
             "stats": zeropp.comm_stats(model) if preset is not None else None}
 
 
-def _resume(build, data_rank: int, ckpt: str) -> dict:
-    """zeropp-plus for 8 steps straight, and for 4, saved (DCP + comm_state), loaded
-    into a fresh model and optimizer, 4 more: the losses of the last 4."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    import zeropp.fsdp2
-    batches = list(random_batches(8, 256, (2, 32), data_rank))
-
-    def fresh():
-        model = zeropp.fsdp2.install(build(), "zeropp-plus", node_size=2)
-        return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = fresh()
-    whole = fit(model, opt, batches)
-    model, opt = fresh()
-    fit(model, opt, batches[:4])
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
-    zeropp.fsdp2.save_comm_state(model, ckpt)
-    model, opt = fresh()
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=ckpt)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    zeropp.fsdp2.load_comm_state(model, ckpt)
-    return {"whole": whole[4:], "resumed": fit(model, opt, batches[4:])}
-
-
 def _work(ckpt: str) -> dict:
     torch.set_num_threads(1)
     out = {p or "stock": _train(p) for p in (None, "zero3", "zeropp", "zeropp-plus")}
@@ -133,9 +105,9 @@ def _work(ckpt: str) -> dict:
                 for p in (None, "zero3", "zeropp", "zeropp-plus")})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # hpZ off on the TP mesh: tested above
-        out["resume-tp"] = _resume(lambda: _tp_fsdp_gpt()[0], dist.get_rank() // 2,
+        out["resume-tp"] = dcp_resume(lambda: _tp_fsdp_gpt()[0], dist.get_rank() // 2,
                                    f"{ckpt}/tp")
-    out["resume-hsdp"] = _resume(_hsdp_gpt, dist.get_rank(), f"{ckpt}/hsdp")
+    out["resume-hsdp"] = dcp_resume(_hsdp_gpt, dist.get_rank(), f"{ckpt}/hsdp")
     return out
 
 
