@@ -18,7 +18,7 @@ TP ranks of one read the same), the loss summed over tokens and divided by the g
 token count.
 
 The CPU forces the changes torchtitan_fsdp2.py describes (SDPA for FlexAttention;
-stock FSDP2 reduces with AVG and the loss x dp, as gloo has no PREMUL_SUM), and one
+stock FSDP2 reduces with SUM, then / dp, and the loss x dp, as gloo has no PREMUL_SUM), and one
 more: ParallelDims builds its mesh on "cpu" (torchtitan takes "cuda" when it finds no
 accelerator).
 
@@ -38,8 +38,10 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import model_registry
 from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 from torchtitan.models.qwen3 import model_registry as qwen3_registry
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
 import zeropp
 import zeropp.fsdp2
@@ -72,15 +74,20 @@ def build(mode):
         for layer in spec.model.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
         parallelize = parallelize_qwen3
+    training = TrainingConfig(mixed_precision_param="float32",
+                              mixed_precision_reduce="float32")
+    parallelism = ParallelismConfig(data_parallel_shard_degree=world // tp,
+                                    tensor_parallel_degree=tp, expert_parallel_degree=ep,
+                                    spmd_backend="partial_dtensor")
+    # the TP and EP sharding configs, as the Trainer's update_from_config sets them (its
+    # own call imports the Trainer, with tensorboard and torchdata)
+    if mode == "tp":
+        set_llama3_sharding_config(spec.model, enable_sp=False)
+    else:
+        set_qwen3_sharding_config(spec.model, enable_sp=False, enable_ep=ep > 1)
     with torch.device("meta"):
         model = spec.model.build()
-    parallelize(model, parallel_dims=dims,
-                training=TrainingConfig(mixed_precision_param="float32",
-                                        mixed_precision_reduce="float32"),
-                parallelism=ParallelismConfig(data_parallel_shard_degree=world // tp,
-                                              tensor_parallel_degree=tp,
-                                              expert_parallel_degree=ep,
-                                              spmd_backend="partial_dtensor"),
+    parallelize(model, parallel_dims=dims, training=training, parallelism=parallelism,
                 compile_config=CompileConfig(enable=False), ac_config=None,
                 dump_folder="/tmp")
     model.to_empty(device="cpu")
@@ -94,9 +101,10 @@ def run(mode, preset, steps, train):
     model, dims = build(mode)
     dp = dims.get_mesh("fsdp")
     if preset == "stock":
-        for m in model.modules():  # AVG instead of PREMUL_SUM (gloo has none), loss x dp
+        for m in model.modules():  # SUM, then / dp (gloo has no PREMUL_SUM), loss x dp
             if isinstance(m, torch.distributed.fsdp.FSDPModule):
                 m.set_gradient_divide_factor(float(dp.size()))
+                m.set_force_sum_reduction_for_comms(True)
     else:
         zeropp.fsdp2.install(model, preset, node_size=2)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
@@ -110,7 +118,7 @@ def run(mode, preset, steps, train):
         dist.all_reduce(tokens, group=dp.get_group())  # torchtitan's global_valid_tokens
         loss, _ = loss_fn(model(x, positions=pos), y, tokens)
         (loss * dp.size() if preset == "stock" else loss).backward()
-        clip_grad_norm_(list(model.parameters()), 1.0)
+        clip_grad_norm_(list(model.parameters()), 1.0, foreach=True, ep_enabled=dims.ep_enabled)
         opt.step()
         opt.zero_grad()
         t = loss.detach().clone()

@@ -4,7 +4,12 @@
   block and on the root over the mesh's "dp" dimension), TP=2, so each FSDP group has
   one rank per node and all of FSDP's traffic crosses nodes;
 - HSDP: `fully_shard` on a (replicate 2, shard 2) mesh, shard inside the node, where
-  stock FSDP2 all-reduces every gradient across nodes at full width.
+  stock FSDP2 all-reduces every gradient across nodes at full width;
+- expert parallel as torchtitan shards it: each block's experts are a DTensor over the
+  "ep" mesh (inside the node), and one `fully_shard` per block puts them on the
+  "efsdp" mesh (one rank per node) and the rest on all 4 ranks (`shard_placement_fn`),
+  so the block holds two FSDP parameter groups, which FSDP2's public custom-comm
+  setters refuse (comms.py's note).
 
 One spawned world runs stock FSDP2 and the installed presets on the same model and
 data for each; the tests check its results."""
@@ -16,6 +21,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from cases import assert_loss_drop, assert_same_losses, dcp_resume, fit, random_batches
 
 from zeropp.cli.launch import spawn
@@ -98,13 +104,68 @@ def _train_hsdp(preset):
             "stats": zeropp.comm_stats(model) if preset is not None else None}
 
 
+class _LocalExperts(nn.Module):
+    """An MoE MLP with this ep rank's experts: a softmax router mixes them per token.
+    No token dispatch (what is under test is FSDP's traffic): each ep rank's experts
+    learn from the tokens of the data-parallel ranks at its ep index."""
+
+    def __init__(self, width: int, experts: int, ep) -> None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+        super().__init__()
+        w = torch.randn(experts, width, width) * width ** -0.5
+        self.w = nn.Parameter(distribute_tensor(w, ep, [Shard(0)]))
+        self.router = nn.Linear(width, experts // ep.size())
+
+    def forward(self, x):
+        gate = self.router(x).softmax(-1)
+        return torch.einsum("bte,btd,edf->btf", gate, x, self.w.to_local())
+
+
+def _ep_gpt():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_embd=64, n_head=2))
+    dense, experts = FSDPMeshInfo(world, shard_mesh_dim=0), FSDPMeshInfo(mesh["efsdp"],
+                                                                         shard_mesh_dim=0)
+    for block in model.h:
+        block.mlp = _LocalExperts(64, 8, mesh["ep"])
+        fully_shard(block, mesh=world, shard_placement_fn=lambda p, w=block.mlp.w:
+                    ShardPlacementResult(Shard(0), experts if p is w else dense))
+    fully_shard(model, mesh=world)
+    return model
+
+
+def _train_ep(preset):
+    import zeropp.fsdp2
+    model = _ep_gpt()
+    if preset is not None:
+        zeropp.fsdp2.install(model, preset, node_size=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = fit(model, opt, random_batches(STEPS, 256, (2, 32), dist.get_rank()))
+    with torch.no_grad():
+        x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(99))
+        probe = model(x, x)[1].item()
+    return {"losses": losses, "probe": probe,
+            "groups": [len(b._get_fsdp_state()._fsdp_param_groups) for b in model.h],
+            "stats": zeropp.comm_stats(model) if preset is not None else None}
+
+
 def _work(ckpt: str) -> dict:
     torch.set_num_threads(1)
     out = {p or "stock": _train(p) for p in (None, "zero3", "zeropp", "zeropp-plus")}
     out.update({f"hsdp-{p or 'stock'}": _train_hsdp(p)
                 for p in (None, "zero3", "zeropp", "zeropp-plus")})
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # hpZ off on the TP mesh: tested above
+        warnings.simplefilter("ignore")  # hpZ off on the TP and expert meshes: tested above
+        out.update({f"ep-{p or 'stock'}": _train_ep(p) for p in (None, "zero3", "zeropp-plus")})
         out["resume-tp"] = dcp_resume(lambda: _tp_fsdp_gpt()[0], dist.get_rank() // 2,
                                    f"{ckpt}/tp")
     out["resume-hsdp"] = dcp_resume(_hsdp_gpt, dist.get_rank(), f"{ckpt}/hsdp")
@@ -167,6 +228,26 @@ def test_hsdp_reaches_98pct_of_stock_hsdps_loss_drop(runs, preset):
     assert_loss_drop(runs[0][f"hsdp-{preset}"]["losses"], runs[0]["hsdp-stock"]["losses"])
 
 
+def test_expert_parallel_blocks_hold_two_fsdp_groups_and_zero3_gives_stocks_losses(runs):
+    assert runs[0]["ep-zero3"]["groups"] == [2, 2]
+    for r in runs:  # each rank's own losses: the ep ranks train different experts
+        assert_same_losses(r["ep-zero3"]["losses"], r["ep-stock"]["losses"])
+
+
+def test_expert_parallel_zeropp_plus_sends_at_most_0_25x_zero3s_cross_node_bytes(runs):
+    inter = {p: sum(r[f"ep-{p}"]["stats"]["inter_node_bytes"] for r in runs)
+             for p in ("zero3", "zeropp-plus")}
+    assert 0 < inter["zeropp-plus"] <= 0.25 * inter["zero3"], inter
+
+
+def test_expert_parallel_zeropp_plus_reaches_98pct_of_stocks_loss_drop_on_every_rank(runs):
+    for r in runs:
+        assert_loss_drop(r["ep-zeropp-plus"]["losses"], r["ep-stock"]["losses"])
+    for p in ("stock", "zero3", "zeropp-plus"):  # the same experts: the same probe
+        for ep in (0, 1):  # rank = 2 x efsdp + ep
+            assert len({r[f"ep-{p}"]["probe"] for r in runs[ep::2]}) == 1, p
+
+
 @pytest.mark.parametrize("mesh", ["tp", "hsdp"])
 def test_resume_through_dcp_and_comm_state_gives_the_uninterrupted_losses_bit_for_bit(
         runs, mesh):
@@ -185,3 +266,15 @@ def test_fsdp2s_hsdp_internals_are_the_ones_zeropp_takes_over():
     group = FSDPParamGroup.__new__(FSDPParamGroup)  # the class FSDP2 runs, no state
     group.mesh_info = SimpleNamespace(replicate_process_group=None)
     check_internals(group)
+
+
+def test_fsdp2s_custom_comm_setters_write_the_group_slots_zeropp_sets_per_group():
+    """comms.py's note: with several parameter groups zeropp writes the slots FSDP2's
+    setters write. A torch whose setters write other attributes fails here."""
+    from zeropp.fsdp2.comms import check_setter
+    for setter, attr in (("set_custom_all_gather", "_all_gather_comm"),
+                         ("set_custom_reduce_scatter", "_reduce_scatter_comm"),
+                         ("set_all_reduce_hook", "_all_reduce_hook")):
+        check_setter(setter, attr)
+    with pytest.raises(NotImplementedError, match="set_custom_all_gather.*_reduce_scatter"):
+        check_setter("set_custom_all_gather", "_reduce_scatter_comm")

@@ -34,7 +34,7 @@ from ..driver import comm_state_file, held_params, make_comm, step_hooks
 from ..driver import load_comm_state as load_comm_state_of
 from ..stats import CommStats
 from ..topology import Topology, get_topology
-from .comms import GradReduce, WeightGather
+from .comms import GradReduce, WeightGather, attach
 from .groups import group_topology, solo_group
 from .replicate import ReplicaMean, take_over
 
@@ -64,34 +64,10 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
     inst = Installed(cfg, CommStats())
     comms: dict[tuple, tuple[Comm, Config]] = {}  # one per group (its topology's ranks)
     for name, m in modules:
-        groups = m._get_fsdp_state()._fsdp_param_groups
-        if not groups:
-            continue  # a module with no parameters of its own
-        if len(groups) > 1:
-            raise ValueError(f"zeropp.fsdp2: module {name or '<root>'} has several FSDP "
-                             "parameter groups (shard_placement_fn meshes); one is supported")
-        group = groups[0]
-        if not hasattr(group.mesh_info, "shard_process_group"):
-            raise NotImplementedError(f"zeropp.fsdp2: module {name or '<root>'} is replicated "
-                                      "only (replicate(), DDP); zeropp's comms need FSDP")
-        hsdp = getattr(group.mesh_info, "replicate_mesh_dim", None) is not None
-        if isinstance(group.offload_policy, CPUOffloadPolicy):
-            raise NotImplementedError("zeropp.fsdp2: CPUOffloadPolicy is not supported")
-        comm, gcfg = _group_comm(group.mesh_info.shard_process_group, cfg, topo, inst, comms)
-        sharded = [fp.sharded_param for fp in group.fsdp_params]
-        inst.params |= {id(p) for p in sharded}
-        label = name or "<root>"
-        gather = WeightGather(comm, gcfg, label, _version(inst, sharded))
-        reduce = GradReduce(comm, gcfg, label)
-        if hsdp and cfg.quantized_gradients:
-            rcomm, _ = _group_comm(group.mesh_info.replicate_process_group, cfg, topo, inst,
-                                   comms, replicas=True)
-            if rcomm.topo.num_nodes > 1:  # replicas inside a node: FSDP2's own all-reduce
-                reduce.replica = ReplicaMean(rcomm, cfg, label, group)
-                take_over(m, group, reduce.replica, solo_group())
-        inst.comms.append((label, gather, reduce))
-        m.set_custom_all_gather(gather)
-        m.set_custom_reduce_scatter(reduce)
+        # several groups: per-parameter meshes, as torchtitan shards MoE experts (comms.py)
+        for i, group in enumerate(m._get_fsdp_state()._fsdp_param_groups):
+            label = (name or "<root>") + (f"#{i}" if i else "")
+            _install_group(m, group, label, cfg, topo, inst, comms)
 
     gathers = [g for _, g, _ in inst.comms]
 
@@ -111,6 +87,30 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
     step_hooks(model, select, before, after)  # removed when the model dies
     model._zeropp_fsdp2 = inst
     return model
+
+
+def _install_group(m: FSDPModule, group: Any, label: str, cfg: Config, topo: Topology,
+                   inst: Installed, comms: dict) -> None:
+    if not hasattr(group.mesh_info, "shard_process_group"):
+        raise NotImplementedError(f"zeropp.fsdp2: module {label} is replicated only "
+                                  "(replicate(), DDP); zeropp's comms need FSDP")
+    hsdp = getattr(group.mesh_info, "replicate_mesh_dim", None) is not None
+    if isinstance(group.offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("zeropp.fsdp2: CPUOffloadPolicy is not supported")
+    comm, gcfg = _group_comm(group.mesh_info.shard_process_group, cfg, topo, inst, comms)
+    sharded = [fp.sharded_param for fp in group.fsdp_params]
+    inst.params |= {id(p) for p in sharded}
+    gather = WeightGather(comm, gcfg, label, _version(inst, sharded))
+    reduce = GradReduce(comm, gcfg, label)
+    if hsdp and cfg.quantized_gradients:
+        rcomm, _ = _group_comm(group.mesh_info.replicate_process_group, cfg, topo, inst,
+                               comms, replicas=True)
+        if rcomm.topo.num_nodes > 1:  # replicas inside a node: FSDP2's own all-reduce
+            reduce.replica = ReplicaMean(rcomm, cfg, label, group)
+            take_over(m, group, reduce.replica, solo_group())
+    inst.comms.append((label, gather, reduce))
+    attach(m, group, "_all_gather_comm", gather, "set_custom_all_gather")
+    attach(m, group, "_reduce_scatter_comm", reduce, "set_custom_reduce_scatter")
 
 
 def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Installed,

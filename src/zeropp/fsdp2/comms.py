@@ -16,10 +16,20 @@ Only the output's contents are contracted; what travels is up to the comm:
   module's own error-feedback state. Either returns the mean, scaled for the
   op FSDP2 asks for (AVG, SUM, PREMUL_SUM's factor).
 Both are synchronous (they return None; FSDP2 then records its event).
+
+[Note: a module with several parameter groups]
+torchtitan shards an MoE block with per-parameter meshes (`shard_placement_fn`:
+the experts over the expert-FSDP mesh, the rest over the dp mesh), so the
+module holds one FSDPParamGroup per mesh. FSDP2's public setters refuse such a
+module, as one comm would serve groups of different meshes (pytorch#173509).
+zeropp makes a comm per group, so `attach` writes each group's slots, the very
+attributes those setters write (each setter's source is checked for them first;
+tests/fsdp2/test_fsdp2_nd.py pins it).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Optional
 
 import torch
@@ -143,3 +153,29 @@ class GradReduce(_Buffers, ReduceScatter):
         mean = self.route.reduce(self.comm, g.view(-1))  # the sum / W
         output_tensor.copy_(mean[:c] * (scale * w))
         return None
+
+
+def attach(module: Any, group: Any, attr: str, comm: Any, setter: str) -> None:
+    """`group`'s FSDP2 slot `attr` (e.g. "_all_gather_comm") set to `comm`: by the
+    module's public `setter` when it has one group, else directly (the note)."""
+    if len(module._get_fsdp_state()._fsdp_param_groups) == 1:
+        getattr(module, setter)(comm)
+        return
+    check_setter(setter, attr)
+    setattr(group, attr, comm)
+
+
+def check_setter(setter: str, attr: str) -> None:
+    """That FSDP2's `setter` writes each parameter group's `attr` (the note), from its
+    source; refused in one line, naming the torch version, when it does not."""
+    from torch.distributed.fsdp import FSDPModule
+    try:
+        ok = f"fsdp_param_group.{attr} = " in inspect.getsource(getattr(FSDPModule, setter))
+    except (AttributeError, OSError, TypeError):  # no such setter, or no source
+        ok = False
+    if not ok:
+        raise NotImplementedError(
+            f"zeropp.fsdp2: a module with several FSDP parameter groups (per-parameter "
+            f"meshes, e.g. MoE experts) needs FSDP2's {setter} to set each group's {attr}, as "
+            f"torch 2.13's does; torch {torch.__version__}'s does not: shard the experts in a "
+            "module of their own (fully_shard on it before its block)")

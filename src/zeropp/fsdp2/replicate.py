@@ -37,6 +37,7 @@ from ..config import Config
 from ..grads.qgz import QgzReduce
 from ..layout import ShardLayout
 from ..weights import WeightSpec, world
+from .comms import attach
 
 
 class ReplicaMean:
@@ -102,4 +103,4 @@ def take_over(module: Any, param_group: Any, hook: ReplicaMean, solo: Any) -> No
     check_internals(param_group)
     param_group.mesh_info.replicate_process_group = solo
     module.set_force_sum_reduction_for_comms(True)
-    module.set_all_reduce_hook(hook)
+    attach(module, param_group, "_all_reduce_hook", hook, "set_all_reduce_hook")
