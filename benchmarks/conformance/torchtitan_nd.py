@@ -8,11 +8,16 @@ and `clip_grad_norm_`, AdamW; zeropp adds one line,
 - moe: the Qwen3 `debugmodel_moe` (64 experts, top 8, width 256; its first 2 of 8
   blocks, for the CPU's sake) under `parallelize_qwen3` with expert parallel 2 (inside
   the node): the dense part under FSDP over all 4 ranks, the experts under FSDP over
-  the 2 ranks of the "efsdp" mesh (one per node). On this CPU it fails inside
-  torchtitan before zeropp is involved (the stock run: torch._grouped_mm "matrix batch
-  sizes have to match", models/common/moe.py);
+  the 2 ranks of the "efsdp" mesh (one per node), one `fully_shard` per block with
+  per-parameter meshes (two FSDP parameter groups);
 - moe-noep: the same model without expert parallelism (experts under FSDP over all 4
   ranks, with the rest of their block).
+The MoE modes add `stock-ulp`: stock with every gradient nudged by about an ulp (the
+loss x (1 + 2^-23)), what a different summation order does; how far it drifts from
+stock is the MoE's own sensitivity, against which zero3's gap reads.
+The sharding configs are set as torchtitan's Trainer sets them before the build
+(`set_llama3_sharding_config` / `set_qwen3_sharding_config`; its own
+`update_from_config` would import the Trainer, with tensorboard and torchdata).
 Built on the meta device; Shakespeare's bytes, batch 2 x 64 per data-parallel rank (the
 TP ranks of one read the same), the loss summed over tokens and divided by the global
 token count.
@@ -100,7 +105,7 @@ def build(mode):
 def run(mode, preset, steps, train):
     model, dims = build(mode)
     dp = dims.get_mesh("fsdp")
-    if preset == "stock":
+    if preset.startswith("stock"):
         for m in model.modules():  # SUM, then / dp (gloo has no PREMUL_SUM), loss x dp
             if isinstance(m, torch.distributed.fsdp.FSDPModule):
                 m.set_gradient_divide_factor(float(dp.size()))
@@ -117,7 +122,9 @@ def run(mode, preset, steps, train):
         tokens = torch.tensor(float(y.numel()))
         dist.all_reduce(tokens, group=dp.get_group())  # torchtitan's global_valid_tokens
         loss, _ = loss_fn(model(x, positions=pos), y, tokens)
-        (loss * dp.size() if preset == "stock" else loss).backward()
+        # stock-ulp: every gradient off stock's by about an ulp, as a summation order would
+        nudge = 1 + 2 ** -23 if preset == "stock-ulp" else 1
+        (loss * nudge * dp.size() if preset.startswith("stock") else loss).backward()
         clip_grad_norm_(list(model.parameters()), 1.0, foreach=True, ep_enabled=dims.ep_enabled)
         opt.step()
         opt.zero_grad()
@@ -127,14 +134,14 @@ def run(mode, preset, steps, train):
     with torch.no_grad():
         x, y = get_batch(train, BATCH, SEQ, torch.Generator().manual_seed(99))
         probe = loss_fn(model(x, positions=pos), y)[0].item()
-    inter = zeropp.comm_stats(model)["inter_node_bytes"] if preset != "stock" else None
+    inter = None if preset.startswith("stock") else zeropp.comm_stats(model)["inter_node_bytes"]
     return losses, probe, inter
 
 
-def work(mode, steps, tokens):
+def work(mode, preset, steps, tokens):
     torch.set_num_threads(1)
     train, _ = split_tokens(torch.load(tokens, weights_only=True), SEQ)
-    return {p: run(mode, p, steps, train) for p in RUNS}
+    return run(mode, preset, steps, train)
 
 
 if __name__ == "__main__":
@@ -142,24 +149,28 @@ if __name__ == "__main__":
     from pathlib import Path
     mode = sys.argv[1] if len(sys.argv) > 1 else "tp"
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 50
+    runs = RUNS + (["stock-ulp"] if mode != "tp" else [])
     ids, _ = encode(load_text(None), "bytes", Path(tempfile.gettempdir()))
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(ids, f"{tmp}/tokens.pt")
-        res = spawn(work, 4, 2, args=(mode, steps, f"{tmp}/tokens.pt"), timeout=3000)
-    stock = res[0]["stock"][0]
-    zero3 = sum(r["zero3"][2] for r in res)
+        # a world per run: the MoE runs' host memory grows with each step on the CPU
+        # (stock's too), and a process does not give it back between runs
+        res = {p: spawn(work, 4, 2, args=(mode, p, steps, f"{tmp}/tokens.pt"), timeout=3000)
+               for p in runs}
+    stock = res["stock"][0][0]
+    zero3 = sum(r[2] for r in res["zero3"])
     drop = stock[0] - sum(stock[-5:]) / 5
-    for p in RUNS:
-        losses = res[0][p][0]
+    for p in runs:
+        losses = res[p][0][0]
         # the probe per TP rank (each computes its vocabulary shard's part of the loss):
         # the same on every data-parallel rank at each TP index
         tp = TP if mode == "tp" else 1
-        same = all(res[r][p][1] == res[r % tp][p][1] for r in range(len(res)))
+        same = all(res[p][r][1] == res[p][r % tp][1] for r in range(len(res[p])))
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, stock))
         mine = (losses[0] - sum(losses[-5:]) / 5) / drop
-        inter = sum(r[p][2] for r in res) if p != "stock" else None
+        inter = sum(r[2] for r in res[p]) if not p.startswith("stock") else None
         ratio = f", {inter / zero3:.4f}x zero3" if inter is not None else ""
         print(f"{p:12s} loss {losses[0]:.5f} -> {losses[-1]:.5f} (last 5: "
-              f"{sum(losses[-5:]) / 5:.5f}); max rel. gap to stock {rel:.2e}; loss drop "
-              f"{100 * mine:.1f}% of stock's; same probe on every dp rank: {same}; "
-              f"inter-node bytes {inter}{ratio}")
+              f"{sum(losses[-5:]) / 5:.5f}); max rel. gap to stock {rel:.2e} (step 2: "
+              f"{abs(losses[1] - stock[1]) / stock[1]:.1e}); loss drop {100 * mine:.1f}% of "
+              f"stock's; same probe on every dp rank: {same}; inter-node bytes {inter}{ratio}")
