@@ -6,7 +6,8 @@ a worker takes is a short one and both finish together."""
 from pathlib import Path
 
 LONGEST_FIRST = ["engine/test_compile.py", "fsdp2/test_fsdp2.py",
-                 "deepspeed/test_hf_deepspeed.py", "apps/test_launch.py",
+                 "deepspeed/test_hf_deepspeed.py", "fsdp2/test_fsdp2_nd.py",
+                 "apps/test_launch.py",
                  "apps/test_train_cli.py", "deepspeed/test_hf_trl.py",
                  "deepspeed/test_deepspeed_api.py", "apps/test_cluster.py",
                  "engine/test_gathered.py", "engine/test_zeropp.py"]

@@ -11,8 +11,10 @@
   so the block holds two FSDP parameter groups, which FSDP2's public custom-comm
   setters refuse (comms.py's note).
 
-One spawned world runs stock FSDP2 and the installed presets on the same model and
-data for each; the tests check its results."""
+One spawned world runs stock FSDP2, zero3 and zeropp-plus on the same model and data
+for each; the tests check its results. (zeropp is zeropp-plus here: with one dp rank
+per node, and with HSDP's shard group inside the node, hpZ has nothing to do;
+benchmarks/conformance/nd_parity.py measures both.)"""
 
 from __future__ import annotations
 
@@ -160,9 +162,9 @@ def _train_ep(preset):
 
 def _work(ckpt: str) -> dict:
     torch.set_num_threads(1)
-    out = {p or "stock": _train(p) for p in (None, "zero3", "zeropp", "zeropp-plus")}
+    out = {p or "stock": _train(p) for p in (None, "zero3", "zeropp-plus")}
     out.update({f"hsdp-{p or 'stock'}": _train_hsdp(p)
-                for p in (None, "zero3", "zeropp", "zeropp-plus")})
+                for p in (None, "zero3", "zeropp-plus")})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # hpZ off on the TP and expert meshes: tested above
         out.update({f"ep-{p or 'stock'}": _train_ep(p) for p in (None, "zero3", "zeropp-plus")})
@@ -181,51 +183,47 @@ def test_tp_x_fsdp_zero3_preset_gives_stock_losses_to_1e5_relative(runs):
     assert_same_losses(runs[0]["zero3"]["losses"], runs[0]["stock"]["losses"])
 
 
-def test_tp_x_fsdp_zeropp_and_zeropp_plus_send_at_most_0_25x_zero3s_cross_node_bytes(runs):
+def test_tp_x_fsdp_zeropp_plus_sends_at_most_0_25x_zero3s_cross_node_bytes(runs):
     inter = {p: sum(r[p]["stats"]["inter_node_bytes"] for r in runs)
-             for p in ("zero3", "zeropp", "zeropp-plus")}
+             for p in ("zero3", "zeropp-plus")}
     # every byte of the dp group's traffic crosses nodes: zero3's is all of FSDP2's
     assert sum(r["zero3"]["stats"]["intra_node_bytes"] for r in runs) == 0 < inter["zero3"]
-    assert 0 < inter["zeropp"] <= 0.25 * inter["zero3"], inter
     assert 0 < inter["zeropp-plus"] <= 0.25 * inter["zero3"], inter
 
 
 def test_tp_x_fsdp_every_rank_computes_the_same_outputs(runs):
-    for p in ("stock", "zero3", "zeropp", "zeropp-plus"):
+    for p in ("stock", "zero3", "zeropp-plus"):
         assert len({r[p]["probe"] for r in runs}) == 1, p
 
 
-@pytest.mark.parametrize("preset", ["zeropp", "zeropp-plus"])
-def test_tp_x_fsdp_reaches_98pct_of_stocks_loss_drop(runs, preset):
-    assert_loss_drop(runs[0][preset]["losses"], runs[0]["stock"]["losses"])
+def test_tp_x_fsdp_zeropp_plus_reaches_98pct_of_stocks_loss_drop(runs):
+    assert_loss_drop(runs[0]["zeropp-plus"]["losses"], runs[0]["stock"]["losses"])
 
 
 def test_one_rank_per_node_says_hpz_is_off_in_one_warning_on_rank_0(runs):
-    said = runs[0]["zeropp"]["warnings"]
+    said = runs[0]["zeropp-plus"]["warnings"]
     assert len(said) == 1 and "one rank per node" in said[0] and "hpZ cannot" in said[0], said
-    assert runs[1]["zeropp"]["warnings"] == [] and runs[0]["zero3"]["warnings"] == []
+    assert runs[1]["zeropp-plus"]["warnings"] == [] and runs[0]["zero3"]["warnings"] == []
 
 
 def test_hsdp_zero3_preset_gives_stock_hsdp_losses_to_1e5_relative(runs):
     assert_same_losses(runs[0]["hsdp-zero3"]["losses"], runs[0]["hsdp-stock"]["losses"])
 
 
-@pytest.mark.parametrize("preset", ["zeropp", "zeropp-plus"])
-def test_hsdp_sends_at_most_0_20x_of_stock_hsdps_all_reduce_across_nodes(runs, preset):
-    ours = sum(r[f"hsdp-{preset}"]["stats"]["inter_node_bytes"] for r in runs)
+def test_hsdp_zeropp_plus_sends_at_most_0_20x_of_stock_hsdps_all_reduce_across_nodes(runs):
+    ours = sum(r["hsdp-zeropp-plus"]["stats"]["inter_node_bytes"] for r in runs)
     stock = sum(r["hsdp-stock"]["stock_allreduce_bytes"] for r in runs)
     assert 0 < ours <= 0.20 * stock, (ours, stock, ours / stock)
 
 
-@pytest.mark.parametrize("preset", ["stock", "zero3", "zeropp", "zeropp-plus"])
+@pytest.mark.parametrize("preset", ["stock", "zero3", "zeropp-plus"])
 def test_hsdp_replicas_stay_bitwise_identical(runs, preset):
     for a, b in ((0, 2), (1, 3)):  # (replicate, shard) mesh: rank = 2 * replica + shard
         assert runs[a][f"hsdp-{preset}"]["local"] == runs[b][f"hsdp-{preset}"]["local"]
 
 
-@pytest.mark.parametrize("preset", ["zeropp", "zeropp-plus"])
-def test_hsdp_reaches_98pct_of_stock_hsdps_loss_drop(runs, preset):
-    assert_loss_drop(runs[0][f"hsdp-{preset}"]["losses"], runs[0]["hsdp-stock"]["losses"])
+def test_hsdp_zeropp_plus_reaches_98pct_of_stock_hsdps_loss_drop(runs):
+    assert_loss_drop(runs[0]["hsdp-zeropp-plus"]["losses"], runs[0]["hsdp-stock"]["losses"])
 
 
 def test_expert_parallel_blocks_hold_two_fsdp_groups_and_zero3_gives_stocks_losses(runs):

@@ -10,7 +10,8 @@ layout.py, grads/qgz.py, hpZ's column layout), with the bytes counted in
 traffic, counted), "qwz", "hpz", "qgz", "zeropp", "zeropp-plus".
 Any FSDP mesh: 1-D over the world, the dp dimension of tensor parallel x FSDP
 (each FSDP group gets a topology of its own: groups.py), HSDP
-(the mean across replicas: replicate.py). reshard_after_forward True, False or
+(the mean across replicas: replicate.py), an expert mesh beside the dp mesh in one
+module (a comm per FSDP parameter group: comms.py). reshard_after_forward True, False or
 the group's ranks per node. Not yet: other ints, CPU offload (each refused in
 one line).
 """
