@@ -44,6 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .host_memory import release_freed_host_memory
+from .partitioned import forget, is_partitioned, placeholder
+from .partitioned import gather as gather_partitions
 
 # Ops whose result does not depend on what the tensor held: a whole-tensor one
 # makes every earlier op on the parameter dead (its draws were already made).
@@ -321,15 +323,21 @@ def show(p: nn.Parameter) -> None:
 
 
 def show_module(model: nn.Module) -> None:
-    """Every hidden parameter of `model` shows its tensor again (before sharding)."""
+    """Every hidden parameter of `model` shows its tensor again, every partitioned one
+    its shape (before sharding: partitioned.py)."""
     for p in model.parameters():
         show(p)
+        if is_partitioned(p):
+            placeholder(p)
 
 
 def materialize(p: nn.Parameter) -> torch.Tensor:
     """The values of a parameter built under deferred_init(), in a new tensor (of
-    its shape and dtype); the parameter itself stays unwritten. Any parameter
-    that is not deferred is returned as it is."""
+    its shape and dtype); the parameter itself stays unwritten. A partitioned one
+    (partitioned.py) is all-gathered: a collective. Any other parameter is returned
+    as it is."""
+    if is_partitioned(p):
+        return gather_partitions(p)
     rec = _record(p)
     if rec is None:
         return p.detach()
@@ -381,7 +389,11 @@ def materialize_module(model: nn.Module) -> nn.Module:
 
 
 def release(p: nn.Parameter) -> None:
-    """Forget a deferred parameter once sharded: its unwritten storage goes back."""
+    """Forget a deferred (or partitioned) parameter once sharded: its unwritten
+    storage (or its partition) goes back."""
+    if is_partitioned(p):
+        forget(p)
+        p.data = torch.empty(0, dtype=p.dtype)
     if is_deferred(p):
         _DEFERRED.pop(id(p))
         p.data = torch.empty(0, dtype=p.dtype)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -32,6 +31,9 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from ..deferred import deferred_init, hide, is_deferred, is_hidden, materialize, release, show
 from ..gathered import gathered
 from ..guards import first_failure, in_one_line
+from ..partitioned import gather as gather_partitions
+from ..partitioned import is_partitioned, keep, own_chunk
+from ..partitioned import partition as partition_param
 from .attributes import ZeroParamStatus, owner_of
 
 
@@ -62,7 +64,7 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_mod
         except TypeError:
             params = [params]
     units = [u for u in map(_unit_of, params) if u is not None]
-    unsharded = [p for p in params if is_deferred(p) or is_hidden(p)]
+    unsharded = [p for p in params if is_deferred(p) or is_hidden(p) or is_partitioned(p)]
     if enabled and unsharded:  # built under Init, not sharded yet
         with _materialized(unsharded, modifier_rank):
             yield
@@ -82,18 +84,25 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_mod
 
 @contextlib.contextmanager
 def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
-    """GatheredParameters on parameters built under Init before `initialize`:
-    they get their values for good (the whole build's, bit for bit; sharding
-    later takes them as they are), AVAILABLE inside, and with `modifier_rank`,
-    that rank's edits reach every rank on exit (broadcast), as DeepSpeed's; then
-    they show 0 elements again."""
+    """GatheredParameters on parameters built under Init before `initialize`: inside,
+    their full values (a partitioned one all-gathered, a deferred one materialized:
+    the whole build's, bit for bit), AVAILABLE; on exit each keeps its partition
+    (partitioned.py): with `modifier_rank`, of that rank's values (scattered from it,
+    as DeepSpeed broadcasts them), without, of its values before the context (edits
+    discarded, as DeepSpeed's); then they show 0 elements again."""
+    before = []  # each one's partition now: what it keeps unless a rank modifies it
     with torch.no_grad():
         for p in params:
+            if is_partitioned(p):
+                before.append(p.ds_tensor)
+                p.data = gather_partitions(p)
+                continue
             show(p)
             if is_deferred(p):
                 value = materialize(p)
                 release(p)
                 p.data = value
+            before.append(own_chunk(p.data))
     for p in params:
         p.ds_status = ZeroParamStatus.AVAILABLE
     error: Optional[str] = None
@@ -106,15 +115,16 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
         for p in params:
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         failed = ""
+        src = modifier_rank if torch.distributed.is_initialized() else None
         if modifier_rank is not None and torch.distributed.is_initialized():
-            # Every rank broadcasts or none does: one rank's exception is every rank's.
+            # Every rank scatters or none does: one rank's exception is every rank's.
             failed = first_failure(error)
-            if not failed:
-                with torch.no_grad():
-                    for p in params:
-                        torch.distributed.broadcast(p.data, src=modifier_rank)
-        for p in params:
-            hide(p)
+        with torch.no_grad():
+            for p, old in zip(params, before):
+                if modifier_rank is not None and not failed:
+                    partition_param(p, p.data, src=src)
+                else:
+                    keep(p, old, p.shape)
         if failed and error is None:
             raise RuntimeError(f"zeropp GatheredParameters: {failed} inside the context")
 
@@ -160,29 +170,19 @@ def add_gather_methods(t: torch.Tensor) -> None:
         param_list if param_list is not None else [t])
 
 
-def _caller_package() -> str:
-    """The top-level package of the code that entered the context (contextlib's
-    frames skipped)."""
-    f = sys._getframe(1)
-    while f is not None:
-        name = f.f_globals.get("__name__", "")
-        if name != "contextlib" and not name.startswith("zeropp"):
-            return name.split(".")[0]
-        f = f.f_back
-    return ""
-
-
 @contextlib.contextmanager
 def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     """DeepSpeed's context for building a model that does not fit whole: here
     `zeropp.deferred_init()` (parameters recorded, not written; `initialize` or
     `zeropp.shard` materializes one unit at a time, values exactly as the whole
     build's under the same seed). DeepSpeed's other arguments (config, remote
-    device, dtype) are accepted and unused.
-    Under Hugging Face's from_config / from_pretrained, which initialize or load
-    the weights after construction through GatheredParameters, it does nothing:
-    the model is built whole, as before."""
-    if not enabled or _caller_package() == "transformers":
+    device, dtype) are accepted and unused. Hugging Face's from_pretrained and
+    from_config then write the weights module by module inside
+    GatheredParameters(modifier_rank=0), after which each parameter keeps only its
+    partition (partitioned.py). An Init inside an open one (transformers' inside
+    the user's) adds nothing: the outer one records."""
+    global _open_inits
+    if not enabled or _open_inits:
         yield
         return
     if not torch.distributed.is_initialized():  # as DeepSpeed's Init does
@@ -192,9 +192,11 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     with deferred_init():
         tagging = register_module_parameter_registration_hook(
             lambda m, n, p: _tag_deferred(p, built))
+        _open_inits += 1
         try:
             yield
         finally:
+            _open_inits -= 1
             tagging.remove()
     for ref in built:  # DeepSpeed's partitioned look: 0 elements until gathered or sharded
         p = ref()
@@ -204,6 +206,7 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
 
 
 _ids = itertools.count()
+_open_inits = 0  # Init contexts open now (nested ones add nothing)
 
 
 def _tag_deferred(p: Any, built: list) -> None:
