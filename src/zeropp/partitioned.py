@@ -58,9 +58,10 @@ def partition(p: torch.nn.Parameter, full: torch.Tensor, src: int | None = None)
         chunk = torch.empty(-(-n // w), dtype=full.dtype, device=full.device)
         parts = None
         if r == src:
-            padded = torch.zeros(w * chunk.numel(), dtype=full.dtype, device=full.device)
-            padded[:n] = full.detach().reshape(-1)
-            parts = list(padded.view(w, -1))
+            flat = full.detach().reshape(-1)
+            if n != w * chunk.numel():  # padded: a copy (only then, the module's largest)
+                flat = torch.cat([flat, flat.new_zeros(w * chunk.numel() - n)])
+            parts = list(flat.view(w, -1))
         dist.scatter(chunk, parts, src=src)
     keep(p, chunk, full.shape)
 
