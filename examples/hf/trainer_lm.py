@@ -41,13 +41,16 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--ds-config", default=None, help="a ds_config.json (default: the dict above)")
     p.add_argument("--node-size", type=int, default=None, help="zeropp: ranks per node")
+    p.add_argument("--from-pretrained", default=None, metavar="PATH",
+                   help="load the model with from_pretrained after TrainingArguments: under "
+                   "ZeRO-3, partitioned from construction")
     p.add_argument("--torch-compile", nargs="?", const="inductor", default=None,
                    metavar="BACKEND", help="TrainingArguments(torch_compile=True), with this "
                    "torch_compile_backend (default inductor)")
     a = p.parse_args()
     ds = json.load(open(a.ds_config)) if a.ds_config else with_node_size(DS_CONFIG, a.node_size)
     torch.manual_seed(0)
-    model = tiny_gpt2()
+    model = tiny_gpt2() if a.from_pretrained is None else None
     args = TrainingArguments(output_dir=a.out, max_steps=a.steps, per_device_train_batch_size=4,
                              learning_rate=3e-3, warmup_steps=2, logging_steps=1,
                              save_steps=a.steps // 2, save_strategy="steps", report_to=[],
@@ -55,6 +58,9 @@ def main() -> None:
                              dataloader_num_workers=0, disable_tqdm=True,
                              torch_compile=a.torch_compile is not None,
                              torch_compile_backend=a.torch_compile)
+    if model is None:  # TrainingArguments(deepspeed=...) is alive: HF's ZeRO-3 load
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(a.from_pretrained)
     trainer = Trainer(model=model, args=args, train_dataset=Counting(256, 16, 64))
     trainer.train(resume_from_checkpoint=True if a.resume else None)
     if a.torch_compile is not None:

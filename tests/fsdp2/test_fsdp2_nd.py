@@ -51,25 +51,32 @@ def _tp_fsdp_gpt():
     return model, mesh
 
 
-def _train(preset):
+def _fit(model, preset, data_rank: int) -> dict:
+    """`preset` installed (None: stock FSDP2), STEPS of AdamW on random batches seeded by
+    `data_rank`: each step's loss (the ranks' mean), a probe loss on a fixed batch
+    afterwards, the byte accounting, and what install warned."""
     import zeropp.fsdp2
-    model, mesh = _tp_fsdp_gpt()
     caught = []
     if preset is not None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             zeropp.fsdp2.install(model, preset, node_size=2)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    dp = mesh["dp"].get_local_rank()  # the two TP ranks of a dp rank see the same batch
-    losses = torch.tensor(fit(model, opt, random_batches(STEPS, 256, (2, 32), dp)))
-    dist.all_reduce(losses)  # the ranks' mean loss per step
-    losses = (losses.double() / dist.get_world_size()).tolist()
+    own = fit(model, opt, random_batches(STEPS, 256, (2, 32), data_rank))
+    losses = torch.tensor(own)
+    dist.all_reduce(losses)
     with torch.no_grad():
         x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(99))
         probe = model(x, x)[1].item()
-    stats = zeropp.comm_stats(model) if preset is not None else None
-    return {"losses": losses, "probe": probe, "stats": stats,
-            "warnings": [str(w.message) for w in caught]}
+    return {"own": own, "losses": (losses.double() / dist.get_world_size()).tolist(),
+            "probe": probe, "warnings": [str(w.message) for w in caught],
+            "stats": zeropp.comm_stats(model) if preset is not None else None}
+
+
+def _train(preset):
+    model, mesh = _tp_fsdp_gpt()
+    # the two TP ranks of a dp rank see the same batch
+    return _fit(model, preset, mesh["dp"].get_local_rank())
 
 
 def _hsdp_gpt():
@@ -85,15 +92,9 @@ def _hsdp_gpt():
 
 
 def _train_hsdp(preset):
-    import zeropp.fsdp2
     from zeropp.stats import ring_send
     model = _hsdp_gpt()
-    if preset is not None:
-        zeropp.fsdp2.install(model, preset, node_size=2)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = torch.tensor(fit(model, opt, random_batches(STEPS, 256, (2, 32), dist.get_rank())))
-    dist.all_reduce(losses)
-    losses = (losses.double() / dist.get_world_size()).tolist()
+    out = _fit(model, preset, dist.get_rank())
     local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
     # stock HSDP's all-reduce: a ring over the 2 replicas of each module's fp32
     # reduce-scatter output (this rank's shard), every step, all of it across nodes
@@ -101,9 +102,8 @@ def _train_hsdp(preset):
                           for m in model.modules() if hasattr(m, "_get_fsdp_state")
                           for g in m._get_fsdp_state()._fsdp_param_groups
                           for fp in g.fsdp_params)
-    return {"losses": losses, "local": local.numpy().tobytes(),
-            "stock_allreduce_bytes": ring_send(shard_bytes, 2, 2) * STEPS,
-            "stats": zeropp.comm_stats(model) if preset is not None else None}
+    return {**out, "local": local.numpy().tobytes(),
+            "stock_allreduce_bytes": ring_send(shard_bytes, 2, 2) * STEPS}
 
 
 class _LocalExperts(nn.Module):
@@ -146,18 +146,9 @@ def _ep_gpt():
 
 
 def _train_ep(preset):
-    import zeropp.fsdp2
     model = _ep_gpt()
-    if preset is not None:
-        zeropp.fsdp2.install(model, preset, node_size=2)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = fit(model, opt, random_batches(STEPS, 256, (2, 32), dist.get_rank()))
-    with torch.no_grad():
-        x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(99))
-        probe = model(x, x)[1].item()
-    return {"losses": losses, "probe": probe,
-            "groups": [len(b._get_fsdp_state()._fsdp_param_groups) for b in model.h],
-            "stats": zeropp.comm_stats(model) if preset is not None else None}
+    out = _fit(model, preset, dist.get_rank())
+    return {**out, "groups": [len(b._get_fsdp_state()._fsdp_param_groups) for b in model.h]}
 
 
 def _work(ckpt: str) -> dict:
@@ -229,7 +220,7 @@ def test_hsdp_zeropp_plus_reaches_98pct_of_stock_hsdps_loss_drop(runs):
 def test_expert_parallel_blocks_hold_two_fsdp_groups_and_zero3_gives_stocks_losses(runs):
     assert runs[0]["ep-zero3"]["groups"] == [2, 2]
     for r in runs:  # each rank's own losses: the ep ranks train different experts
-        assert_same_losses(r["ep-zero3"]["losses"], r["ep-stock"]["losses"])
+        assert_same_losses(r["ep-zero3"]["own"], r["ep-stock"]["own"])
 
 
 def test_expert_parallel_zeropp_plus_sends_at_most_0_25x_zero3s_cross_node_bytes(runs):
@@ -240,7 +231,7 @@ def test_expert_parallel_zeropp_plus_sends_at_most_0_25x_zero3s_cross_node_bytes
 
 def test_expert_parallel_zeropp_plus_reaches_98pct_of_stocks_loss_drop_on_every_rank(runs):
     for r in runs:
-        assert_loss_drop(r["ep-zeropp-plus"]["losses"], r["ep-stock"]["losses"])
+        assert_loss_drop(r["ep-zeropp-plus"]["own"], r["ep-stock"]["own"])
     for p in ("stock", "zero3", "zeropp-plus"):  # the same experts: the same probe
         for ep in (0, 1):  # rank = 2 x efsdp + ep
             assert len({r[f"ep-{p}"]["probe"] for r in runs[ep::2]}) == 1, p
