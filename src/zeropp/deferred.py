@@ -44,8 +44,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .host_memory import release_freed_host_memory
-from .partitioned import forget, is_partitioned, placeholder
-from .partitioned import gather as gather_partitions
 
 # Ops whose result does not depend on what the tensor held: a whole-tensor one
 # makes every earlier op on the parameter dead (its draws were already made).
@@ -323,21 +321,15 @@ def show(p: nn.Parameter) -> None:
 
 
 def show_module(model: nn.Module) -> None:
-    """Every hidden parameter of `model` shows its tensor again, every partitioned one
-    its shape (before sharding: partitioned.py)."""
+    """Every hidden parameter of `model` shows its tensor again (before sharding)."""
     for p in model.parameters():
         show(p)
-        if is_partitioned(p):
-            placeholder(p)
 
 
 def materialize(p: nn.Parameter) -> torch.Tensor:
     """The values of a parameter built under deferred_init(), in a new tensor (of
-    its shape and dtype); the parameter itself stays unwritten. A partitioned one
-    (partitioned.py) is all-gathered: a collective. Any other parameter is returned
-    as it is."""
-    if is_partitioned(p):
-        return gather_partitions(p)
+    its shape and dtype); the parameter itself stays unwritten. Any parameter
+    that is not deferred is returned as it is."""
     rec = _record(p)
     if rec is None:
         return p.detach()
@@ -375,6 +367,16 @@ def _replay(p: torch.Tensor, rec: _Record) -> torch.Tensor:
     return out
 
 
+def defer(p: nn.Parameter, fill: Callable[[torch.Tensor], Any], name: str = "") -> None:
+    """`p`, showing its shape on storage never written, becomes deferred with one op,
+    `fill(out)`, that writes all its values when it is materialized: a parameter whose
+    values are elsewhere (the DeepSpeed alias's per-parameter partitions) is then
+    sharded as a deferred_init() one is, one unit at a time, in model order."""
+    op = _Op(fill, (0, tuple(p.shape), tuple(p.stride())), (), {}, overwrites=True)
+    _add(p, _Record(p.untyped_storage().data_ptr(), p.storage_offset(), [op],
+                    p._version, name))
+
+
 def materialize_module(model: nn.Module) -> nn.Module:
     """Give every deferred parameter of `model` its values in place (the whole
     model, in this process): the unsharded model deferred_init() stood for."""
@@ -389,11 +391,7 @@ def materialize_module(model: nn.Module) -> nn.Module:
 
 
 def release(p: nn.Parameter) -> None:
-    """Forget a deferred (or partitioned) parameter once sharded: its unwritten
-    storage (or its partition) goes back."""
-    if is_partitioned(p):
-        forget(p)
-        p.data = torch.empty(0, dtype=p.dtype)
+    """Forget a deferred parameter once sharded: its unwritten storage goes back."""
     if is_deferred(p):
         _DEFERRED.pop(id(p))
         p.data = torch.empty(0, dtype=p.dtype)

@@ -23,8 +23,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from cases import assert_loss_drop, assert_same_losses, dcp_resume, fit, random_batches
+from torch import nn
 
 from zeropp.cli.launch import spawn
 from zeropp.train.model import GPT, GPTConfig

@@ -31,10 +31,11 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from ..deferred import deferred_init, hide, is_deferred, is_hidden, materialize, release, show
 from ..gathered import gathered
 from ..guards import first_failure, in_one_line
-from ..partitioned import gather as gather_partitions
-from ..partitioned import is_partitioned, keep, own_chunk
-from ..partitioned import partition as partition_param
 from .attributes import ZeroParamStatus, owner_of
+from .hf_loader import install as install_lazy_hf_loads
+from .partitioned import gather as gather_partitions
+from .partitioned import is_partitioned, keep, own_chunk
+from .partitioned import partition as partition_param
 
 
 def _unit_of(t: Any) -> Any:
@@ -185,6 +186,7 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     if not enabled or _open_inits:
         yield
         return
+    install_lazy_hf_loads()  # transformers enters Init before its load (hf_loader.py)
     if not torch.distributed.is_initialized():  # as DeepSpeed's Init does
         from .comm import init_distributed
         init_distributed()

@@ -10,8 +10,9 @@ equal chunks (the last padded with zeros), scattered from the modifier rank,
 which is DeepSpeed's own per-parameter layout and its `ds_tensor`; the parameter
 shows 0 elements. So the largest a rank holds during the load is its partitions
 plus the module being written (and rank 0 the checkpoint transformers reads).
-A later GatheredParameters all-gathers the partitions; `shard` (flat_param.py,
-through deferred.materialize) all-gathers each parameter once, in model order on
+A later GatheredParameters all-gathers the partitions; `initialize` makes each
+partitioned parameter a deferred one whose values are that all-gather
+(`to_deferred`, deferred.defer), so `shard` gathers each once, in model order on
 every rank, into the unit it joins, whose shard it then keeps.
 """
 
@@ -21,6 +22,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
+
+from ..deferred import defer
 
 # id(parameter) -> (weak reference, its partition): tensors compare elementwise.
 _PARTS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -77,23 +80,25 @@ def keep(p: torch.nn.Parameter, chunk: torch.Tensor, shape: torch.Size) -> None:
 def gather(p: torch.nn.Parameter) -> torch.Tensor:
     """The full values of a partitioned `p`, in a new tensor of its shape (an
     all-gather of the partitions: every rank, the same parameters in the same order)."""
-    chunk = _PARTS[id(p)][1]
+    return _all_gather(_PARTS[id(p)][1], p.ds_numel).view(p.ds_shape)
+
+
+def _all_gather(chunk: torch.Tensor, numel: int) -> torch.Tensor:
     w, _ = _world()
-    out = torch.empty(w * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
+    full = torch.empty(w * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
     if w == 1:
-        out.copy_(chunk)
+        full.copy_(chunk)
     else:
-        dist.all_gather_into_tensor(out, chunk)
-    return out[:p.ds_numel].view(p.ds_shape)
+        dist.all_gather_into_tensor(full, chunk)
+    return full[:numel]
 
 
-def placeholder(p: torch.nn.Parameter) -> None:
-    """A partitioned `p` shows its shape again, on storage never written (no memory
-    is touched), for `shard` to see; its values come from `gather`."""
-    p.data = torch.empty(p.ds_shape, dtype=p.dtype, device=p.device)
+def to_deferred(p: torch.nn.Parameter) -> None:
+    """A partitioned `p` shows its shape again, on storage never written, and is deferred
+    with the all-gather of its partitions as its one op (before `shard`)."""
+    chunk, numel = _PARTS.pop(id(p))[1], p.ds_numel  # (the closure must not hold p)
+    del p.ds_tensor
+    p.data = torch.empty(p.ds_shape, dtype=chunk.dtype, device=chunk.device)
 
-
-def forget(p: torch.nn.Parameter) -> None:
-    """`p`'s partition is let go (its values are now elsewhere)."""
-    if _PARTS.pop(id(p), None) is not None and hasattr(p, "ds_tensor"):
-        del p.ds_tensor
+    defer(p, lambda out: out.copy_(_all_gather(chunk, numel).view(out.shape)),
+          "a parameter partitioned under zero.Init")
