@@ -74,7 +74,8 @@ def _load(root: str) -> dict:
             for n, p in params:
                 same.append(n not in ckpt or torch.equal(p.detach(), ckpt[n]))
         out[name] = {"look": look, "padding": parts, "values": all(same),
-                     "empty_after": all(p.numel() == 0 for _, p in params)}
+                     "empty_after": all(p.numel() == 0 for _, p in params),
+                     "lazy": getattr(tf.modeling_utils.load_state_dict, "_zeropp", False)}
         if name == "gpt2":
             engine, *_ = deepspeed.initialize(model=model, config=DS)
             out[name]["loss"] = engine(input_ids=X, labels=X).loss.item()
@@ -104,3 +105,29 @@ def test_first_loss_after_initialize_equals_the_plain_loads(loaded):
     plain, runs = loaded
     for r in runs:
         assert abs(r["gpt2"]["loss"] - plain) <= 1e-6 * abs(plain), (r["gpt2"]["loss"], plain)
+
+
+def test_rank_0_reads_the_checkpoint_lazily_and_transformers_loader_is_the_one_known(loaded):
+    """hf_loader.py's note: transformers' modeling_utils.load_state_dict was replaced by
+    the lazy reader (the values are checked above); a transformers whose function has
+    another signature fails here, and its own loader stays."""
+    import transformers.modeling_utils as mu
+
+    from zeropp.deepspeed.hf_loader import signature_known
+    assert all(r["gpt2"]["lazy"] for r in loaded[1])
+    assert signature_known(mu.load_state_dict)
+
+
+def test_a_lazy_checkpoint_tensor_reads_its_file_at_each_use(tmp_path):
+    from safetensors.torch import save_file
+
+    from zeropp.deepspeed.hf_loader import _lazy_state_dict
+    a, b = torch.randn(3, 4), torch.arange(6, dtype=torch.int64)
+    save_file({"a": a, "b": b}, tmp_path / "m.safetensors")
+    lazy = _lazy_state_dict(str(tmp_path / "m.safetensors"))
+    assert lazy["a"].shape == (3, 4) and lazy["b"].dtype == torch.int64
+    p = torch.nn.Parameter(torch.zeros(3, 4))
+    with torch.no_grad():
+        p.copy_(lazy["a"])  # what torch's _load_from_state_dict does
+    assert torch.equal(p.detach(), a) and torch.equal(torch.cat([lazy["b"], lazy["b"]]),
+                                                      torch.cat([b, b]))

@@ -19,6 +19,7 @@ values loaded bit for bit.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from typing import Any
@@ -77,6 +78,7 @@ def install() -> None:
     if own is None or getattr(own, "_zeropp", False) or not signature_known(own):
         return
 
+    @functools.wraps(own)
     def load_state_dict(checkpoint_file: Any, map_location: Any = "cpu", *args: Any,
                         **kwargs: Any) -> dict:
         from transformers.integrations import is_deepspeed_zero3_enabled
