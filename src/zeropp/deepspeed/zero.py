@@ -91,6 +91,7 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
     (partitioned.py): with `modifier_rank`, of that rank's values (scattered from it,
     as DeepSpeed broadcasts them), without, of its values before the context (edits
     discarded, as DeepSpeed's); then they show 0 elements again."""
+    params = list({id(p): p for p in params}.values())  # a tied one once
     before = []  # each one's partition now: what it keeps unless a rank modifies it
     with torch.no_grad():
         for p in params:
