@@ -321,9 +321,16 @@ def show(p: nn.Parameter) -> None:
 
 
 def show_module(model: nn.Module) -> None:
-    """Every hidden parameter of `model` shows its tensor again (before sharding)."""
+    """Every hidden parameter of `model` shows its tensor again (before sharding); then
+    each of `before_shard` runs on the model (the DeepSpeed alias's: its partitioned
+    parameters become deferred ones)."""
     for p in model.parameters():
         show(p)
+    for hook in before_shard:
+        hook(model)
+
+
+before_shard: list[Callable[[nn.Module], None]] = []
 
 
 def materialize(p: nn.Parameter) -> torch.Tensor:

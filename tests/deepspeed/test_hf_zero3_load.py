@@ -79,7 +79,28 @@ def _load(root: str) -> dict:
         if name == "gpt2":
             engine, *_ = deepspeed.initialize(model=model, config=DS)
             out[name]["loss"] = engine(input_ids=X, labels=X).loss.item()
+        else:
+            out[name]["edits"] = _edits(model, deepspeed)
     return out
+
+
+def _edits(model, deepspeed) -> list:
+    """Rank 0's edits inside GatheredParameters(modifier_rank=0) over two parameters of
+    one shape, listed in a different order on odd ranks (transformers passes a set),
+    with a nested GatheredParameters inside: each keeps its own edit, on every rank."""
+    import torch.distributed as dist
+    named = dict(model.named_parameters())
+    a, b = named["decoder.transformer.h.0.ln_1.weight"], named["decoder.transformer.h.0.ln_2.weight"]
+    order = [a, b] if dist.get_rank() % 2 == 0 else [b, a]
+    with deepspeed.zero.GatheredParameters(order, modifier_rank=0):
+        with deepspeed.zero.GatheredParameters([a]):  # an enclosing one holds it: no-op
+            pass
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                a.fill_(1.0)
+                b.fill_(2.0)
+    with deepspeed.zero.GatheredParameters([a, b]):
+        return [a.detach().unique().tolist(), b.detach().unique().tolist(), tuple(a.shape)]
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +152,8 @@ def test_a_lazy_checkpoint_tensor_reads_its_file_at_each_use(tmp_path):
         p.copy_(lazy["a"])  # what torch's _load_from_state_dict does
     assert torch.equal(p.detach(), a) and torch.equal(torch.cat([lazy["b"], lazy["b"]]),
                                                       torch.cat([b, b]))
+
+
+def test_rank_0s_edits_land_whatever_order_each_rank_lists_them_and_nesting_is_harmless(loaded):
+    for r in loaded[1]:
+        assert r["vision"]["edits"] == [[1.0], [2.0], (8,)], r["vision"]["edits"]

@@ -44,7 +44,6 @@ from .attributes import ZeroParamStatus, owner_of
 from .comm import init_distributed
 from .engine import DeepSpeedEngine
 from .parameters import expose_original_parameters, master_shards
-from .partitioned import is_partitioned, to_deferred
 from .zero import add_gather_methods
 
 _DS_OPTIMIZERS_NOT_HERE = {"lamb", "lion", "onebitadam", "zerooneadam", "onebitlamb", "muadam",
@@ -93,9 +92,6 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         raise ValueError("zeropp.initialize: a submodule of this model is already sharded; "
                          "pass the whole model")
     show_module(model)  # zero.Init's 0-element parameters: their tensors, to shard
-    for p in model.parameters():  # ... and those holding a partition: its all-gather
-        if is_partitioned(p):
-            to_deferred(p)
     groups = _param_groups(model, model_parameters, optimizer)
     if device.type != "cpu" and any(map(is_deferred, model.parameters())):
         raise one_line(ValueError(

@@ -10,10 +10,11 @@ equal chunks (the last padded with zeros), scattered from the modifier rank,
 which is DeepSpeed's own per-parameter layout and its `ds_tensor`; the parameter
 shows 0 elements. So the largest a rank holds during the load is its partitions
 plus the module being written (and rank 0 the checkpoint transformers reads).
-A later GatheredParameters all-gathers the partitions; `initialize` makes each
-partitioned parameter a deferred one whose values are that all-gather
-(`to_deferred`, deferred.defer), so `shard` gathers each once, in model order on
-every rank, into the unit it joins, whose shard it then keeps.
+A later GatheredParameters all-gathers the partitions. Before sharding
+(`initialize`, or `zeropp.shard`: deferred.show_module's hook), each partitioned
+parameter becomes a deferred one whose one op is that all-gather (`to_deferred`), so
+`shard` gathers each once, in model order on every rank, into the unit it joins,
+whose shard it then keeps.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .. import deferred
 from ..deferred import defer
 
 # id(parameter) -> (weak reference, its partition): tensors compare elementwise.
@@ -102,3 +104,12 @@ def to_deferred(p: torch.nn.Parameter) -> None:
 
     defer(p, lambda out: out.copy_(_all_gather(chunk, numel).view(out.shape)),
           "a parameter partitioned under zero.Init")
+
+
+def _to_deferred_all(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        if is_partitioned(p):
+            to_deferred(p)
+
+
+deferred.before_shard.append(_to_deferred_all)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -65,7 +66,9 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_mod
         except TypeError:
             params = [params]
     units = [u for u in map(_unit_of, params) if u is not None]
-    unsharded = [p for p in params if is_deferred(p) or is_hidden(p) or is_partitioned(p)]
+    # (one already AVAILABLE is an enclosing context's: left to it)
+    unsharded = [p for p in params if (is_deferred(p) or is_hidden(p) or is_partitioned(p))
+                 and getattr(p, "ds_status", None) is not ZeroParamStatus.AVAILABLE]
     if enabled and unsharded:  # built under Init, not sharded yet
         with _materialized(unsharded, modifier_rank):
             yield
@@ -91,7 +94,9 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
     (partitioned.py): with `modifier_rank`, of that rank's values (scattered from it,
     as DeepSpeed broadcasts them), without, of its values before the context (edits
     discarded, as DeepSpeed's); then they show 0 elements again."""
-    params = list({id(p): p for p in params}.values())  # a tied one once
+    # a tied one once; in ds_id order, the same on every rank whatever order the caller's
+    # (transformers passes a set of tensors, which each process iterates differently)
+    params = sorted({id(p): p for p in params}.values(), key=lambda p: getattr(p, "ds_id", -1))
     before = []  # each one's partition now: what it keeps unless a rank modifies it
     with torch.no_grad():
         for p in params:
@@ -126,7 +131,7 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
                 if modifier_rank is not None and not failed:
                     partition_param(p, p.data, src=src)
                 else:
-                    keep(p, old, p.shape)
+                    keep(p, old, torch.Size(getattr(p, "ds_shape", p.shape)))
         if failed and error is None:
             raise RuntimeError(f"zeropp GatheredParameters: {failed} inside the context")
 
@@ -172,6 +177,18 @@ def add_gather_methods(t: torch.Tensor) -> None:
         param_list if param_list is not None else [t])
 
 
+def _caller_package() -> str:
+    """The top-level package of the code that entered the context (contextlib's
+    frames skipped)."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_globals.get("__name__", "")
+        if name != "contextlib" and not name.startswith("zeropp"):
+            return name.split(".")[0]
+        f = f.f_back
+    return ""
+
+
 @contextlib.contextmanager
 def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     """DeepSpeed's context for building a model that does not fit whole: here
@@ -187,10 +204,15 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     if not enabled or _open_inits:
         yield
         return
-    install_lazy_hf_loads()  # transformers enters Init before its load (hf_loader.py)
     if not torch.distributed.is_initialized():  # as DeepSpeed's Init does
         from .comm import init_distributed
         init_distributed()
+    if torch.distributed.get_backend() != "gloo" and _caller_package() == "transformers":
+        # the partitions' collectives run on host tensors: with NCCL, transformers'
+        # model is built whole, as before, and sharded by initialize on the device
+        yield
+        return
+    install_lazy_hf_loads()  # transformers enters Init before its load (hf_loader.py)
     built: list = []
     with deferred_init():
         tagging = register_module_parameter_registration_hook(
