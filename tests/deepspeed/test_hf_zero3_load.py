@@ -145,7 +145,8 @@ def test_a_lazy_checkpoint_tensor_reads_its_file_at_each_use(tmp_path):
     from zeropp.deepspeed.hf_loader import _lazy_state_dict
     a, b = torch.randn(3, 4), torch.arange(6, dtype=torch.int64)
     save_file({"a": a, "b": b}, tmp_path / "m.safetensors")
-    lazy = _lazy_state_dict(str(tmp_path / "m.safetensors"))
+    from transformers.modeling_utils import str_to_torch_dtype
+    lazy = _lazy_state_dict(str(tmp_path / "m.safetensors"), str_to_torch_dtype)
     assert lazy["a"].shape == (3, 4) and lazy["b"].dtype == torch.int64
     p = torch.nn.Parameter(torch.zeros(3, 4))
     with torch.no_grad():

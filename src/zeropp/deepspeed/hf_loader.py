@@ -52,20 +52,17 @@ class Lazy(torch.Tensor):
         return func(*tree_map(read, args), **tree_map(read, kwargs or {}))
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def _lazy_state_dict(path: str) -> dict | None:
+def _lazy_state_dict(path: str, dtypes: dict) -> dict | None:
+    """`Lazy` tensors for the safetensors file at `path`; `dtypes`: transformers' own
+    table of safetensors dtype names (modeling_utils.str_to_torch_dtype)."""
     from safetensors import safe_open
     out = {}
     with safe_open(path, framework="pt") as f:
         for k in f.keys():
             s = f.get_slice(k)
-            dtype = _DTYPES.get(s.get_dtype())
+            dtype = dtypes.get(s.get_dtype())
             if dtype is None:
-                return None  # a dtype this does not know: transformers' own reading
+                return None  # a dtype it does not know: transformers' own reading
             out[k] = Lazy(path, k, s.get_shape(), dtype)
     return out
 
@@ -75,7 +72,9 @@ def install() -> None:
     only for the signature it was written against (else transformers' stays)."""
     mu = sys.modules.get("transformers.modeling_utils")
     own = getattr(mu, "load_state_dict", None)
-    if own is None or getattr(own, "_zeropp", False) or not signature_known(own):
+    dtypes = getattr(mu, "str_to_torch_dtype", None)
+    if (own is None or getattr(own, "_zeropp", False) or not signature_known(own)
+            or not isinstance(dtypes, dict)):
         return
 
     @functools.wraps(own)
@@ -84,7 +83,7 @@ def install() -> None:
         from transformers.integrations import is_deepspeed_zero3_enabled
         if (str(map_location) == "cpu" and str(checkpoint_file).endswith(".safetensors")
                 and is_deepspeed_zero3_enabled()):
-            lazy = _lazy_state_dict(str(checkpoint_file))
+            lazy = _lazy_state_dict(str(checkpoint_file), dtypes)
             if lazy is not None:
                 return lazy
         return own(checkpoint_file, map_location, *args, **kwargs)
