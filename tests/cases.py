@@ -163,6 +163,70 @@ def dcp_resume(build, data_rank: int, ckpt: str) -> dict:
     return {"whole": whole[4:], "resumed": fit(model, opt, batches[4:])}
 
 
+class TPBlock(nn.Module):
+    """A LayerNorm, then `up` and `down` (for ColwiseParallel / RowwiseParallel), residual."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+class TPLM(nn.Module):
+    """The LM a tensor-parallel user writes: `TPBlock`s (`tp_fsdp` shards their `up` and
+    `down`), and an embedding, a final LayerNorm and an untied head that TP leaves whole,
+    as it does the norms and `down`'s bias. `forward(x, y)` gives (logits, loss) as
+    zeropp's GPT does."""
+
+    def __init__(self, vocab: int = 256, width: int = 64, blocks: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(TPBlock(width) for _ in range(blocks))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        logits = self.head(self.norm(h))
+        return logits, F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def tp_fsdp(model: TPLM, dp: int, tp: int = 2) -> tuple[nn.Module, Any]:
+    """`model` under tensor parallel x FSDP in torchtitan's order on a (dp, tp) mesh, TP
+    inside the node: each block's `up` ColwiseParallel, `down` RowwiseParallel, then
+    `fully_shard` per block and on the root over "dp". Returns (model, mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
+                                               "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, mesh
+
+
+def replicated_digest(model: nn.Module) -> str:
+    """A digest of this rank's shards of the parameters that tensor parallel leaves
+    whole (FSDP's dim first, then only Replicate): the same on every TP rank of one
+    data-parallel index while they hold one model. Call it while the model is sharded."""
+    import hashlib
+    h = hashlib.sha256()
+    for _, p in sorted(model.named_parameters()):
+        if all(pl.is_replicate() for pl in p.placements[1:]):
+            h.update(p.to_local().detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def random_batches(steps: int, vocab: int, shape: tuple, seed: int):
     """`steps` (x, x) pairs of random tokens, from a generator seeded with `seed`."""
     g = torch.Generator().manual_seed(seed)

@@ -131,11 +131,24 @@ def run(mode, preset, steps, train):
         t = loss.detach().clone()
         dist.all_reduce(t, group=dp.get_group())  # each dp rank's share of the global mean
         losses.append(t.item())
+    digest = replicated_digest(model)  # (before the probe: the root stays gathered after it)
     with torch.no_grad():
         x, y = get_batch(train, BATCH, SEQ, torch.Generator().manual_seed(99))
         probe = loss_fn(model(x, positions=pos), y)[0].item()
     inter = None if preset.startswith("stock") else zeropp.comm_stats(model)["inter_node_bytes"]
-    return losses, probe, inter
+    return losses, probe, inter, digest
+
+
+def replicated_digest(model):
+    """A digest of this rank's shards of the parameters tensor parallel leaves whole
+    (a plain FSDP parameter, or a DTensor replicated beyond FSDP's first dim): the
+    same on the TP ranks of one data-parallel index when they hold one model."""
+    import hashlib
+    h = hashlib.sha256()
+    for _, p in sorted(model.named_parameters()):
+        if all(pl.is_replicate() for pl in p.placements[1:]):
+            h.update(p.to_local().detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def work(mode, preset, steps, tokens):
@@ -166,6 +179,8 @@ if __name__ == "__main__":
         # the same on every data-parallel rank at each TP index
         tp = TP if mode == "tp" else 1
         same = all(res[p][r][1] == res[p][r % tp][1] for r in range(len(res[p])))
+        # rank = dp * tp + tp index: the TP ranks of one dp index hold one model
+        whole = all(res[p][r][3] == res[p][r - r % tp][3] for r in range(len(res[p])))
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, stock))
         mine = (losses[0] - sum(losses[-5:]) / 5) / drop
         inter = sum(r[2] for r in res[p]) if not p.startswith("stock") else None
@@ -173,4 +188,5 @@ if __name__ == "__main__":
         print(f"{p:12s} loss {losses[0]:.5f} -> {losses[-1]:.5f} (last 5: "
               f"{sum(losses[-5:]) / 5:.5f}); max rel. gap to stock {rel:.2e} (step 2: "
               f"{abs(losses[1] - stock[1]) / stock[1]:.1e}); loss drop {100 * mine:.1f}% of "
-              f"stock's; same probe on every dp rank: {same}; inter-node bytes {inter}{ratio}")
+              f"stock's; same probe on every dp rank: {same}; TP-replicated parameters bitwise "
+              f"equal on every TP rank: {whole}; inter-node bytes {inter}{ratio}")

@@ -122,7 +122,7 @@ def save_checkpoint(path: os.PathLike, model: nn.Module,
             tmp.mkdir(parents=True)
         except OSError as e:
             err = f"cannot create {tmp}: {e}"
-    agree(err, CheckpointError)  # also a barrier: the directory exists for everyone
+    agree(err, CheckpointError, "checkpoint")  # also a barrier: the directory exists for everyone
     info, manifest = b"", None
     try:
         tensors, meta, manifest = _collect(st, model, optimizer, extra)
@@ -131,8 +131,8 @@ def save_checkpoint(path: os.PathLike, model: nn.Module,
         info = json.dumps({"sha256": sha, "bytes": nbytes})
     except Exception as e:  # noqa: BLE001 - every failure must reach every rank
         err = f"saving {path}: {e}"
-    agree(err, CheckpointError)
-    files = [json.loads(b) for b in all_gather_bytes(info.encode())]
+    agree(err, CheckpointError, "checkpoint")
+    files = [json.loads(b) for b in all_gather_bytes(info.encode(), "checkpoint")]
     if rank == 0:
         try:
             manifest["files"] = {rank_file(r): f for r, f in enumerate(files)}
@@ -141,7 +141,7 @@ def save_checkpoint(path: os.PathLike, model: nn.Module,
             _move_into_place(tmp, path, old)
         except Exception as e:  # noqa: BLE001
             err = f"saving {path}: {e}"
-    agree(err, CheckpointError)  # nobody returns before the checkpoint is in place
+    agree(err, CheckpointError, "checkpoint")  # nobody returns before the checkpoint is in place
     return path
 
 
@@ -246,7 +246,7 @@ def load_checkpoint(path: os.PathLike, model: nn.Module,
         plan = _read(Path(path), st, model, optimizer, restore)
     except Exception as e:  # noqa: BLE001 - every failure must reach every rank
         err = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-    agree(err, CheckpointError)
+    agree(err, CheckpointError, "checkpoint")
     return _apply(plan, st, model, optimizer, restore)
 
 

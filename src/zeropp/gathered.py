@@ -128,7 +128,7 @@ def gathered(model: nn.Module, *, writable: bool = False,
                 if _all_ok(st, error is None):
                     _write_back(st, snapshots, modifier_rank)
                 else:
-                    peer_error = first_failure(error)
+                    peer_error = first_failure(error, "zeropp.gathered")
                 for f in snapshots:
                     f.weights.invalidate()
         finally:

@@ -13,7 +13,10 @@
   is the user's to fix, not a bug to debug: if nothing catches it, it prints
   as one line, not a traceback per rank.
 
-Everything here exchanges raw bytes in tensors: no pickle crosses ranks.
+Everything here exchanges raw bytes in tensors: no pickle crosses ranks, and every
+exchange opens with a header (a mark, the exchange's name, the length) that each rank
+checks, so a rank that is in another collective meanwhile (a script that calls a
+collective on one rank only) is named in one line, never read as a message.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import hashlib
 import json
 import sys
 import weakref
+import zlib
 from typing import Any, Optional
 
 import torch
@@ -42,15 +46,34 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_bytes(data: bytes) -> list[bytes]:
-    """Every rank's `data` (any length), by rank: two all-gathers."""
+_MARK = 0x7A65726F707000  # "zeropp" and a 0: opens every exchange of this file
+
+
+class MismatchedCollective(RuntimeError):
+    """Ranks entered different collectives: one of them is not in this exchange."""
+
+
+def all_gather_bytes(data: bytes, what: str = "exchange", hint: str = "") -> list[bytes]:
+    """Every rank's `data` (any length), by rank: two all-gathers, the first of a header
+    that names the exchange (`what`). A rank whose header is not this one's is in
+    another collective: MismatchedCollective names it (and `hint`), on every rank that
+    sees a header it does not expect."""
     if not _distributed():
         return [data]
     dev, w = _device(), dist.get_world_size()
-    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    sizes = torch.empty(w, dtype=torch.int64, device=dev)
-    _all_gather_flat(sizes, n)
-    sizes_l = sizes.tolist()
+    tag = zlib.crc32(what.encode())
+    head = torch.tensor([_MARK, tag, len(data)], dtype=torch.int64, device=dev)
+    heads = torch.empty(3 * w, dtype=torch.int64, device=dev)
+    _all_gather_flat(heads, head)
+    rows = heads.view(w, 3).tolist()
+    strangers = [r for r, (mark, t, n) in enumerate(rows)
+                 if (mark, t) != (_MARK, tag) or not 0 <= n < 1 << 31]
+    if strangers:
+        who = (f"rank {strangers[0]} is" if len(strangers) == 1 else
+               f"ranks {strangers} are")
+        raise MismatchedCollective(f"zeropp: {who} not in this {what} (in another "
+                                   f"collective meanwhile){': ' + hint if hint else ''}")
+    sizes_l = [n for _, _, n in rows]
     buf = torch.zeros(max(sizes_l) or 1, dtype=torch.uint8, device=dev)
     if data:
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
@@ -60,10 +83,11 @@ def all_gather_bytes(data: bytes) -> list[bytes]:
     return [bytes(rows[r, :sizes_l[r]].numpy().tobytes()) for r in range(w)]
 
 
-def agree(error: Optional[str], exc_type: type = RuntimeError) -> None:
+def agree(error: Optional[str], exc_type: type = RuntimeError, what: str = "agreement"
+          ) -> None:
     """Collective: if any rank passes an error message, every rank raises
     `exc_type` with the lowest failing rank's message (and the list of ranks)."""
-    msgs = all_gather_bytes((error or "").encode())
+    msgs = all_gather_bytes((error or "").encode(), what)
     failed = [r for r, m in enumerate(msgs) if m]
     if failed:
         others = f" (ranks failing: {failed})" if len(failed) > 1 else ""
@@ -76,11 +100,11 @@ def in_one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
 
 
-def first_failure(error: Optional[str]) -> str:
+def first_failure(error: Optional[str], what: str = "agreement", hint: str = "") -> str:
     """Collective: "rank r raised MESSAGE" for the lowest rank that passes an error
     (an exception it is about to re-raise), "" when none does. The ranks that left
     normally raise it themselves instead of going on alone into a collective."""
-    msgs = all_gather_bytes((error or "").encode())
+    msgs = all_gather_bytes((error or "").encode(), what, hint)
     r = next((r for r, m in enumerate(msgs) if m), None)
     return "" if r is None else f"rank {r} raised {msgs[r].decode(errors='replace')}"
 
@@ -111,11 +135,11 @@ def check_same_model(model: torch.nn.Module, unit_names: list[str]) -> None:
         return
     sig = json.dumps(model_signature(model, unit_names)).encode()
     digest = hashlib.sha256(sig).digest()
-    digests = all_gather_bytes(digest)
+    digests = all_gather_bytes(digest, "check of the model's signature")
     if all(d == digests[0] for d in digests):
         return
     # Rare path: exchange the full signatures to name the first difference.
-    sigs = [json.loads(s) for s in all_gather_bytes(sig)]
+    sigs = [json.loads(s) for s in all_gather_bytes(sig, "exchange of the models' signatures")]
     bad = next(r for r, d in enumerate(digests) if d != digests[0])
     ref, other = sigs[0], sigs[bad]
     i = next((k for k in range(max(len(ref), len(other)))

@@ -11,19 +11,34 @@
   so the block holds two FSDP parameter groups, which FSDP2's public custom-comm
   setters refuse (comms.py's note).
 
-One spawned world runs stock FSDP2, zero3 and zeropp-plus on the same model and data
-for each; the tests check its results. (zeropp is zeropp-plus here: with one dp rank
-per node, and with HSDP's shard group inside the node, hpZ has nothing to do;
-benchmarks/conformance/nd_parity.py measures both.)"""
+- TP x FSDP again at W=8 as 2 nodes x 4 (dp groups of 4 ranks, 2 per node: hpZ, the
+  hierarchical gather and qWD run there), every preset.
+
+The TP model is `cases.TPLM`: norms, `down`'s bias, the embedding and the head are
+left whole by TP, and each TP rank's dp group trains its own copy of them, which
+must stay bitwise equal (fsdp2/regions.py's note). One spawned world per size runs
+stock FSDP2 and the presets on the same model and data; the tests check its results.
+(At W=4 with one dp rank per node, and with HSDP's shard group inside the node, hpZ
+has nothing to do: zeropp-plus and stock carry the loss checks there.)"""
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-from cases import assert_loss_drop, assert_same_losses, dcp_resume, fit, random_batches
+from cases import (
+    TPLM,
+    assert_loss_drop,
+    assert_same_losses,
+    dcp_resume,
+    fit,
+    random_batches,
+    replicated_digest,
+    tp_fsdp,
+)
 from torch import nn
 
 from zeropp.cli.launch import spawn
@@ -32,53 +47,46 @@ from zeropp.train.model import GPT, GPTConfig
 STEPS = 30
 
 
-def _tp_fsdp_gpt():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+def _tp_lm(dp: int = 2):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=3, n_embd=64, n_head=2))
-    for block in model.h:
-        parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(),
-                                                   "proj": RowwiseParallel()})
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model, mesh
+    return tp_fsdp(TPLM(), dp)
 
 
-def _fit(model, preset, data_rank: int, probe: bool = True) -> dict:
-    """`preset` installed (None: stock FSDP2), STEPS of AdamW on random batches seeded by
-    `data_rank`: each step's loss (the ranks' mean), a probe loss on a fixed batch
-    afterwards (unless not asked: the root's weights stay gathered after it), the byte
-    accounting, and what install warned."""
+def _fit(model, preset, data_rank: int, probe: bool = True, steps: int = STEPS,
+         replicated: bool = False, then=None) -> dict:
+    """`preset` installed (None: stock FSDP2), `steps` of AdamW on random batches seeded
+    by `data_rank`: each step's loss (the ranks' mean), the digest of the TP-replicated
+    parameters' shards (if asked), the probe's output (the logits' bytes) on a fixed
+    batch afterwards (unless not asked: the root's weights stay gathered after it), the
+    byte accounting, and what install warned. `then(model)` runs after install."""
     import zeropp.fsdp2
     caught = []
     if preset is not None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            zeropp.fsdp2.install(model, preset, node_size=2)
+            zeropp.fsdp2.install(model, preset, node_size=dist.get_world_size() // 2)
+    if then is not None:
+        then(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    own = fit(model, opt, random_batches(STEPS, 256, (2, 32), data_rank))
+    own = fit(model, opt, random_batches(steps, 256, (2, 32), data_rank))
     losses = torch.tensor(own)
     dist.all_reduce(losses)
+    out = {"own": own, "losses": (losses.double() / dist.get_world_size()).tolist(),
+           "warnings": [str(w.message) for w in caught],
+           "stats": zeropp.comm_stats(model) if preset is not None else None}
+    if replicated:
+        out["replicated"] = replicated_digest(model)
     if probe:
         with torch.no_grad():
             x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(99))
-            probe = model(x, x)[1].item()
-    return {"own": own, "losses": (losses.double() / dist.get_world_size()).tolist(),
-            "probe": probe, "warnings": [str(w.message) for w in caught],
-            "stats": zeropp.comm_stats(model) if preset is not None else None}
+            out["probe"] = model(x, x)[0].numpy().tobytes()
+    return out
 
 
-def _train(preset):
-    model, mesh = _tp_fsdp_gpt()
+def _train(preset, dp: int = 2, steps: int = STEPS):
+    model, mesh = _tp_lm(dp)
     # the two TP ranks of a dp rank see the same batch
-    return _fit(model, preset, mesh["dp"].get_local_rank())
+    return _fit(model, preset, mesh["dp"].get_local_rank(), steps=steps, replicated=True)
 
 
 def _hsdp_gpt():
@@ -93,10 +101,22 @@ def _hsdp_gpt():
     return model
 
 
-def _train_hsdp(preset):
+def _train_hsdp(preset, hooks: bool = False):
+    """HSDP; with `hooks`, every module gets an all-reduce hook of the user's that only
+    records a digest of what it sees: the first block's set before install, the
+    others' after it, as torchtitan's fault-tolerant HSDP sets them."""
     from zeropp.stats import ring_send
-    model = _hsdp_gpt()
-    out = _fit(model, preset, dist.get_rank(), probe=False)
+    model, seen = _hsdp_gpt(), []
+
+    def hook(grad: torch.Tensor) -> None:
+        seen.append(hashlib.sha256(grad.numpy().tobytes()).hexdigest())
+
+    def set_later(model) -> None:
+        for m in [*model.h[1:], model]:
+            m.set_all_reduce_hook(hook)
+    if hooks:
+        model.h[0].set_all_reduce_hook(hook)
+    out = _fit(model, preset, dist.get_rank(), probe=False, then=set_later if hooks else None)
     local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
     # stock HSDP's all-reduce: a ring over the 2 replicas of each module's fp32
     # reduce-scatter output (this rank's shard), every step, all of it across nodes
@@ -104,7 +124,7 @@ def _train_hsdp(preset):
                           for m in model.modules() if hasattr(m, "_get_fsdp_state")
                           for g in m._get_fsdp_state()._fsdp_param_groups
                           for fp in g.fsdp_params)
-    return {**out, "local": local.numpy().tobytes(),
+    return {**out, "local": local.numpy().tobytes(), "seen": seen,
             "stock_allreduce_bytes": ring_send(shard_bytes, 2, 2) * STEPS}
 
 
@@ -153,16 +173,20 @@ def _train_ep(preset):
     return {**out, "groups": [len(b._get_fsdp_state()._fsdp_param_groups) for b in model.h]}
 
 
+PRESETS = ["zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-plus"]
+
+
 def _work(ckpt: str) -> dict:
     torch.set_num_threads(1)
     out = {p or "stock": _train(p) for p in (None, "zero3", "zeropp-plus")}
+    out.update({p: _train(p, steps=8) for p in PRESETS if p not in out})
     out.update({f"hsdp-{p or 'stock'}": _train_hsdp(p)
                 for p in (None, "zero3", "zeropp-plus")})
+    out["hsdp-hooked"] = _train_hsdp("zeropp-plus", hooks=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # hpZ off on the TP and expert meshes: tested above
         out.update({f"ep-{p or 'stock'}": _train_ep(p) for p in (None, "zero3", "zeropp-plus")})
-        out["resume-tp"] = dcp_resume(lambda: _tp_fsdp_gpt()[0], dist.get_rank() // 2,
-                                   f"{ckpt}/tp")
+        out["resume-tp"] = dcp_resume(lambda: _tp_lm()[0], dist.get_rank() // 2, f"{ckpt}/tp")
     out["resume-hsdp"] = dcp_resume(_hsdp_gpt, dist.get_rank(), f"{ckpt}/hsdp")
     return out
 
@@ -184,9 +208,17 @@ def test_tp_x_fsdp_zeropp_plus_sends_at_most_0_25x_zero3s_cross_node_bytes(runs)
     assert 0 < inter["zeropp-plus"] <= 0.25 * inter["zero3"], inter
 
 
-def test_tp_x_fsdp_every_rank_computes_the_same_outputs(runs):
-    for p in ("stock", "zero3", "zeropp-plus"):
-        assert len({r[p]["probe"] for r in runs}) == 1, p
+@pytest.mark.parametrize("preset", ["stock", *PRESETS])
+def test_tp_x_fsdp_every_rank_computes_the_same_outputs_bit_for_bit(runs, preset):
+    assert len({r[preset]["probe"] for r in runs}) == 1
+
+
+@pytest.mark.parametrize("preset", ["stock", *PRESETS])
+def test_tp_replicated_parameters_stay_bitwise_equal_on_every_tp_rank(runs, preset):
+    """The norms, `down`'s bias, the embedding and the head: each TP rank's dp group
+    trains its own copy (regions.py's note); rank = 2 x dp + tp."""
+    for a, b in ((0, 1), (2, 3)):
+        assert runs[a][preset]["replicated"] == runs[b][preset]["replicated"]
 
 
 def test_tp_x_fsdp_zeropp_plus_reaches_98pct_of_stocks_loss_drop(runs):
@@ -215,6 +247,19 @@ def test_hsdp_replicas_stay_bitwise_identical(runs, preset):
         assert runs[a][f"hsdp-{preset}"]["local"] == runs[b][f"hsdp-{preset}"]["local"]
 
 
+def test_a_users_all_reduce_hook_on_hsdp_runs_on_zeropps_replica_mean(runs):
+    """Set before install or after (replicate.py's note): it sees the mean, the same
+    bits on both replicas, on every module at every step, and the mean is kept: the
+    same losses and weights as without the hook."""
+    for a, b in ((0, 2), (1, 3)):
+        assert runs[a]["hsdp-hooked"]["seen"] == runs[b]["hsdp-hooked"]["seen"]
+        assert runs[a]["hsdp-hooked"]["local"] == runs[b]["hsdp-hooked"]["local"]
+    for r in runs:
+        assert len(r["hsdp-hooked"]["seen"]) == 4 * STEPS  # 3 blocks and the root
+        assert r["hsdp-hooked"]["losses"] == r["hsdp-zeropp-plus"]["losses"]
+        assert r["hsdp-hooked"]["local"] == r["hsdp-zeropp-plus"]["local"]
+
+
 def test_hsdp_zeropp_plus_reaches_98pct_of_stock_hsdps_loss_drop(runs):
     assert_loss_drop(runs[0]["hsdp-zeropp-plus"]["losses"], runs[0]["hsdp-stock"]["losses"])
 
@@ -237,6 +282,32 @@ def test_expert_parallel_zeropp_plus_reaches_98pct_of_stocks_loss_drop_on_every_
     for p in ("stock", "zero3", "zeropp-plus"):  # the same experts: the same probe
         for ep in (0, 1):  # rank = 2 x efsdp + ep
             assert len({r[f"ep-{p}"]["probe"] for r in runs[ep::2]}) == 1, p
+
+
+def _work8() -> dict:
+    torch.set_num_threads(1)
+    return {p: _train(p, dp=4, steps=6) for p in PRESETS}
+
+
+@pytest.fixture(scope="module")
+def runs8():
+    """W=8 as 2 nodes x 4, TP 2 inside the node: dp groups of 4 ranks, 2 per node, so
+    hpZ, the hierarchical gather and qWD run on them."""
+    return spawn(_work8, 8, 4, timeout=300)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_w8_tp_replicated_parameters_and_every_ranks_outputs_stay_bitwise_equal(runs8, preset):
+    for a in range(0, 8, 2):
+        assert runs8[a][preset]["replicated"] == runs8[a + 1][preset]["replicated"]
+    assert len({r[preset]["probe"] for r in runs8}) == 1
+
+
+def test_w8_tp_zeropp_sends_at_most_0_15x_and_zeropp_plus_0_09x_zero3s_cross_node_bytes(runs8):
+    inter = {p: sum(r[p]["stats"]["inter_node_bytes"] for r in runs8)
+             for p in ("zero3", "zeropp", "zeropp-plus")}
+    assert 0 < inter["zeropp"] <= 0.15 * inter["zero3"], inter
+    assert 0 < inter["zeropp-plus"] <= 0.09 * inter["zero3"], inter
 
 
 @pytest.mark.parametrize("mesh", ["tp", "hsdp"])

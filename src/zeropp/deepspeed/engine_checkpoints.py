@@ -53,14 +53,14 @@ class EngineCheckpoints:
                     os.replace(tmp, Path(save_dir) / "latest")
                 except OSError as e:
                     err = f"writing {Path(save_dir) / 'latest'}: {e}"
-            agree(err, CheckpointError)  # every rank raises it, none waits forever
+            agree(err, CheckpointError, "checkpoint")  # every rank raises it, none waits forever
         return True
 
     def _agreed_tag(self, tag: str) -> str:
         """Collective: the tag every rank saves under. Ranks passing different tags is
         `checkpoint.tag_validation`'s case: Fail raises on every rank, Warn warns, and
         both Warn and Ignore save under rank 0's tag (a checkpoint is one directory)."""
-        tags = [t.decode() for t in all_gather_bytes(tag.encode())]
+        tags = [t.decode() for t in all_gather_bytes(tag.encode(), "checkpoint")]
         if len(set(tags)) == 1:
             return tag
         msg = ("zeropp engine.save_checkpoint: the ranks pass different tags ("
@@ -119,7 +119,7 @@ class EngineCheckpoints:
                 self._write_16bit(sd, save_dir, save_filename)
             except (OSError, RuntimeError) as e:
                 err = f"save_16bit_model to {save_dir}: {e}"
-        agree(err, CheckpointError)
+        agree(err, CheckpointError, "checkpoint")
         return True
 
     def _write_16bit(self, sd: dict, save_dir: os.PathLike, save_filename: str) -> None:

@@ -125,7 +125,7 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
         src = modifier_rank if torch.distributed.is_initialized() else None
         if modifier_rank is not None and torch.distributed.is_initialized():
             # Every rank scatters or none does: one rank's exception is every rank's.
-            failed = first_failure(error)
+            failed = first_failure(error, "GatheredParameters", _EVERY_RANK)
         with torch.no_grad():
             for p, old in zip(params, before):
                 if modifier_rank is not None and not failed:
@@ -134,6 +134,11 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
                     keep(p, old, torch.Size(getattr(p, "ds_shape", p.shape)))
         if failed and error is None:
             raise RuntimeError(f"zeropp GatheredParameters: {failed} inside the context")
+
+
+_EVERY_RANK = ("GatheredParameters is collective, and under ZeRO-3 so is transformers' "
+               "from_pretrained: run it on every rank, or in a process without the "
+               "DeepSpeed config")
 
 
 class _Done:

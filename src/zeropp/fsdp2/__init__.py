@@ -35,8 +35,9 @@ from ..driver import comm_state_file, held_params, make_comm, step_hooks
 from ..driver import load_comm_state as load_comm_state_of
 from ..stats import CommStats
 from ..topology import Topology, get_topology
-from .comms import GradReduce, WeightGather, attach
+from .comms import Failures, GradReduce, WeightGather, attach
 from .groups import group_topology, solo_group
+from .regions import Kinds
 from .replicate import ReplicaMean, take_over
 
 
@@ -48,6 +49,8 @@ class Installed:
         self.cfg, self.stats, self.steps = cfg, stats, 0
         self.params: set[int] = set()
         self.comms: list[tuple[str, WeightGather, GradReduce]] = []
+        self.failures = Failures()  # a failed collective drops every secondary (comms.py)
+        self.failures.drop = lambda: [g.invalidate() for _, g, _ in self.comms]
 
 
 def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
@@ -77,14 +80,12 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
 
     def before(gathers: list) -> None:  # a secondary made stale by anything but a step
         for g in gathers:
-            if g.path is not None:
-                g.path.before_step()
+            g.before_step()
 
     def after(gathers: list) -> None:  # hpZ's secondaries go stale; qWD's take a delta
         inst.steps += 1
         for g in gathers:
-            if g.path is not None:
-                g.path.after_step()
+            g.after_step()
     step_hooks(model, select, before, after)  # removed when the model dies
     model._zeropp_fsdp2 = inst
     return model
@@ -101,13 +102,14 @@ def _install_group(m: FSDPModule, group: Any, label: str, cfg: Config, topo: Top
     comm, gcfg = _group_comm(group.mesh_info.shard_process_group, cfg, topo, inst, comms)
     sharded = [fp.sharded_param for fp in group.fsdp_params]
     inst.params |= {id(p) for p in sharded}
-    gather = WeightGather(comm, gcfg, label, _version(inst, sharded))
-    reduce = GradReduce(comm, gcfg, label)
+    kinds = Kinds(group, label)
+    gather = WeightGather(comm, gcfg, label, _version(inst, sharded), kinds, inst.failures)
+    reduce = GradReduce(comm, gcfg, label, kinds, inst.failures)
     if hsdp and cfg.quantized_gradients:
         rcomm, _ = _group_comm(group.mesh_info.replicate_process_group, cfg, topo, inst,
                                comms, replicas=True)
         if rcomm.topo.num_nodes > 1:  # replicas inside a node: FSDP2's own all-reduce
-            reduce.replica = ReplicaMean(rcomm, cfg, label, group)
+            reduce.replica = ReplicaMean(rcomm, cfg, label, group, kinds, inst.failures)
             take_over(m, group, reduce.replica, solo_group())
     inst.comms.append((label, gather, reduce))
     attach(m, group, "_all_gather_comm", gather, "set_custom_all_gather")
@@ -161,22 +163,31 @@ def _version(inst: Installed, sharded: list) -> Any:
 def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     """This rank's comm state an exact resume needs, per FSDP module: qWD's
     copies (and whether a delta is due), qgZ's error-feedback residuals (HSDP: those
-    of the hop across replicas too).
+    of the hop across replicas too), per region (regions.py; keys of a region of
+    replicated parameters, the only one on a 1-D mesh, unprefixed).
     Different on every rank: save it per rank beside the model and optimizer's
     DCP checkpoint (`save_comm_state`)."""
     out = {}
     for label, gather, reduce in _installed(model).comms:
-        s: dict[str, Any] = comm_state_of(gather.path, reduce.route and reduce.route.codec)
-        if gather.path is not None:
-            s["numel"] = gather.numel
-        if reduce.route is not None:
-            s["grad_block"] = reduce.route.block
-        rep = reduce.replica
-        if rep is not None and rep.route is not None:  # HSDP: the replicas' hop residuals
-            s.update({f"replica/{k}": v for k, v in rep.route.codec.state().items()})
-            s["replica_block"] = rep.route.block
+        rep = reduce.replica.routes if reduce.replica is not None else {}
+        s: dict[str, Any] = {}
+        for kind in {*gather.paths, *reduce.routes, *rep}:
+            path, route = gather.paths.get(kind), reduce.routes.get(kind)
+            mine = comm_state_of(path, route and route.codec)
+            if path is not None:
+                mine["numel"] = gather.numels[kind]
+            if route is not None:
+                mine["grad_block"] = route.block
+            if kind in rep:  # HSDP: the replicas' hop residuals
+                mine.update({f"replica/{k}": v for k, v in rep[kind].codec.state().items()})
+                mine["replica_block"] = rep[kind].block
+            s.update({_prefix(kind) + k: v for k, v in mine.items()})
         out[label] = s
     return out
+
+
+def _prefix(kind: str) -> str:
+    return f"{kind}|" if kind else ""
 
 
 def save_comm_state(model: nn.Module, directory: Union[str, os.PathLike]) -> None:
@@ -196,18 +207,24 @@ def load_comm_state(model: nn.Module,
         state = torch.load(comm_state_file(state, dist.get_rank()), weights_only=True)
     device = next(model.parameters()).device
     for label, gather, reduce in _installed(model).comms:
-        s = state.get(label, {})
-        if "numel" in s and not gather.plain:
-            gather.make_path(int(s["numel"]))
-        if "grad_block" in s:
-            reduce.make_route(int(s["grad_block"]))
-        load_comm_state_of(gather.path, reduce.route and reduce.route.codec, s, device)
-        if reduce.replica is not None:
-            if "replica_block" in s:
-                reduce.replica.make_route(int(s["replica_block"]))
-            if reduce.replica.route is not None:
-                reduce.replica.route.codec.load_state(
-                    {k[8:]: v for k, v in s.items() if k.startswith("replica/")}, device)
+        saved, rep = state.get(label, {}), reduce.replica
+        kinds = {k.rpartition("|")[0] for k in saved} | {*gather.paths, *reduce.routes}
+        for kind in kinds | (set(rep.routes) if rep is not None else set()):
+            s = {k.removeprefix(_prefix(kind)): v for k, v in saved.items()
+                 if k.rpartition("|")[0] == kind}
+            if "numel" in s and not gather.plain:
+                gather.make_path(kind, int(s["numel"]))
+            if "grad_block" in s:
+                reduce.routes.of(kind, int(s["grad_block"]))
+            route = reduce.routes.get(kind)
+            load_comm_state_of(gather.paths.get(kind), route and route.codec, s, device)
+            if rep is not None:
+                if "replica_block" in s:
+                    rep.routes.of(kind, int(s["replica_block"]))
+                if kind in rep.routes:
+                    rep.routes[kind].codec.load_state(
+                        {k.removeprefix("replica/"): v for k, v in s.items()
+                         if k.startswith("replica/")}, device)
 
 
 def _installed(model: nn.Module) -> Installed:

@@ -25,22 +25,37 @@ module, as one comm would serve groups of different meshes (pytorch#173509).
 zeropp makes a comm per group, so `attach` writes each group's slots, the very
 attributes those setters write (each setter's source is checked for them first;
 tests/fsdp2/test_fsdp2_nd.py pins it).
+
+[Note: a failed collective]
+Every rank must choose the same route for a gather, and the route depends on the
+secondaries a rank holds (weights/__init__.py). A gather or reduction that fails on
+one rank (a timeout, a dead peer, an error between the wait and the copy-out)
+leaves that rank's secondaries unknown while its peers may hold theirs. So the
+first failure drops every secondary of the model on that rank, and every later
+collective of the model there is refused at once, naming the failure: the peers,
+which cannot complete a collective without this rank, fail in turn within their
+`collective_timeout` and do the same. Every rank of the group then holds no
+secondary and goes no further, alike: none goes on alone on a route the others
+do not take. Going on means a restart from the last checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from ..collectives import Comm
+from ..collectives import CollectiveError, Comm
 from ..config import Config
 from ..grads.qgz import QgzReduce
 from ..layout import ShardLayout
 from ..weights import WeightPath, WeightSpec
+from .regions import Kinds
 
 
 class _Buffers:
@@ -62,33 +77,67 @@ def _global(comm: Comm, group: str) -> list[int]:
     return [comm.topo.global_rank(r) for r in comm.ranks[group]]
 
 
+class Failures:
+    """The first collective of an installed model that failed on this rank (the note),
+    and how to drop the model's secondaries."""
+
+    def __init__(self) -> None:
+        self.first: Optional[str] = None
+        self.drop: Callable[[], None] = lambda: None
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        if self.first is not None:
+            raise CollectiveError(
+                f"zeropp.fsdp2: {what} refused on rank {dist.get_rank()}: {self.first} failed "
+                "here earlier, so the ranks may no longer agree on the secondaries they "
+                "hold (every rank drops its own at a failure); restart from the last "
+                "checkpoint")
+        try:
+            yield
+        except BaseException as e:
+            if self.first is None:
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.first = f"{what} ({why})"
+                self.drop()
+            raise
+
+
 class WeightGather(_Buffers, AllGather):
-    """zero3: FSDP2's own all-gather, counted. Otherwise the module's chunk goes
-    through zeropp's weight routes (weights/: qwZ, hpZ, the hierarchical gather,
-    qWD), the same the engine runs, and the full weights into FSDP2's output.
-    The routes see this rank's chunk padded to whole blocks as its primary shard."""
+    """zero3: FSDP2's own all-gather, counted. Otherwise each region of the module's
+    chunk (regions.py: one per kind of parameter, the whole chunk on a 1-D mesh) goes
+    through zeropp's weight routes (weights/: qwZ, hpZ, the hierarchical gather, qWD),
+    the same the engine runs, and the full weights into FSDP2's output. The routes
+    see the region's part of this rank's chunk, padded to whole blocks, as its
+    primary shard."""
 
     def __init__(self, comm: Comm, cfg: Config, label: str,
-                 version: Callable[[], tuple]) -> None:
+                 version: Callable[[], tuple], kinds: Kinds, failures: Failures) -> None:
         self.comm, self.cfg, self.label, self.version = comm, cfg, label, version
+        self.kinds, self.failures = kinds, failures
         self.plain = not (cfg.quantized_weights or cfg.hpz_partition_size > 1
                           or cfg.hierarchical_gather)
-        self.path: Optional[WeightPath] = None  # made for the module's gathered size
-        self.numel: Optional[int] = None        # ... which is this
+        self.paths: dict[str, WeightPath] = {}  # per region kind, made for its gathered size
+        self.numels: dict[str, int] = {}        # ... which is this
 
-    def make_path(self, numel: int) -> WeightPath:
-        """The weight path of a module whose gathered size (W chunks) is `numel`."""
-        if self.path is None or self.numel != numel:
+    def make_path(self, kind: str, numel: int) -> WeightPath:
+        """The weight path of region `kind` whose gathered size (W chunks) is `numel`."""
+        if kind not in self.paths or self.numels[kind] != numel:
             w = self.comm.topo.world_size
             spec = WeightSpec.of(ShardLayout.of(numel, w, self.cfg),
                                  self.cfg.weight_bits if self.cfg.quantized_weights else None)
-            self.path = WeightPath(spec, self.comm.topo, self.cfg, trainable=True,
-                                   version=self.version)
-            self.numel = numel
-        return self.path
+            self.paths[kind] = WeightPath(spec, self.comm.topo, self.cfg, trainable=True,
+                                          version=self.version)
+            self.numels[kind] = numel
+        return self.paths[kind]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> None:
+        with self.failures.guard(f"the all-gather of module {self.label}"):
+            self._gather(output_tensor, input_tensor, group)
+
+    def _gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                group: dist.ProcessGroup) -> None:
         self.comm.unit = self.label
         if (group.size() == self.comm.topo.node_size < self.comm.topo.world_size
                 and dist.get_process_group_ranks(group) == _global(self.comm, "intra_node")):
@@ -106,28 +155,67 @@ class WeightGather(_Buffers, AllGather):
                 f"zeropp.fsdp2: module {self.label} mixes parameter dtypes (FSDP2 gathers them "
                 "as bytes); zeropp's weight routes need one dtype per module")
         w, c = self.comm.topo.world_size, input_tensor.numel()
-        path = self.make_path(c * w)
-        shard = torch.zeros(path.spec.shard_numel, dtype=torch.float32,
-                            device=input_tensor.device)
-        shard[:c] = input_tensor
-        full = torch.empty(path.spec.padded_numel, dtype=output_tensor.dtype,
-                           device=input_tensor.device)
-        path.finish(path.issue(self.comm, "fsdp2", shard, full))
-        output_tensor.view(w, c).copy_(full.view(w, -1)[:, :c])
+        started = []  # every region's first collective goes out before any is waited for
+        for region in self.kinds.regions(c):
+            path = self.make_path(region.kind, region.numel * w)
+            shard = torch.zeros(1, path.spec.shard_numel, dtype=torch.float32,
+                                device=input_tensor.device)
+            region.take(input_tensor.view(1, c), shard)
+            full = torch.empty(path.spec.padded_numel, dtype=output_tensor.dtype,
+                               device=input_tensor.device)
+            started.append((region, path, path.issue(self.comm, "fsdp2", shard.view(-1), full)))
+        for region, path, gather in started:
+            path.finish(gather)
+            region.put(gather.full.view(w, -1), output_tensor.view(w, c))
         return None
+
+    def before_step(self) -> None:
+        for path in self.paths.values():
+            path.before_step()
+
+    def after_step(self) -> None:
+        for path in self.paths.values():
+            path.after_step()
+
+    def invalidate(self) -> None:
+        for path in self.paths.values():
+            path.invalidate()
+
+
+class Routes(dict):
+    """qgZ's routes of a module's regions, by kind, each for its block: made anew when a
+    region's block changes (a backward with other gradients), its error feedback, of
+    another layout, dropped; never a route of another layout."""
+
+    def __init__(self, cfg: Config, op: str) -> None:
+        super().__init__()
+        self.cfg, self.op = cfg, op
+
+    def of(self, kind: str, block: int) -> QgzReduce:
+        route = self.get(kind)
+        if route is None or route.block != block:
+            route = self[kind] = QgzReduce.from_config(self.cfg, block=block)
+            route.op = self.op
+        return route
 
 
 class GradReduce(_Buffers, ReduceScatter):
-    def __init__(self, comm: Comm, cfg: Config, label: str) -> None:
-        self.comm, self.cfg, self.label = comm, cfg, label
-        self.route: Optional[QgzReduce] = None  # made at the first call (its block)
-        self.replica: Any = None  # HSDP: the mean across replicas (replicate.py)
+    """zero3: the ring reduce-scatter; qgZ: each region's two quantized hops."""
 
-    def make_route(self, block: int) -> None:
-        self.route = QgzReduce.from_config(self.cfg, block=block)
+    def __init__(self, comm: Comm, cfg: Config, label: str, kinds: Kinds,
+                 failures: Failures) -> None:
+        self.comm, self.cfg, self.label, self.kinds = comm, cfg, label, kinds
+        self.failures = failures
+        self.routes = Routes(cfg, "reduce_scatter/qgz")
+        self.replica: Any = None  # HSDP: the mean across replicas (replicate.py)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
+        with self.failures.guard(f"the reduce-scatter of module {self.label}"):
+            self._reduce(output_tensor, input_tensor, group, op)
+
+    def _reduce(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                group: dist.ProcessGroup, op: Any) -> None:
         _check_group(self.comm, group, "a reduce-scatter")
         self.comm.unit = self.label
         w, c = self.comm.topo.world_size, output_tensor.numel()
@@ -145,13 +233,12 @@ class GradReduce(_Buffers, ReduceScatter):
             total = self.comm.reduce_scatter_sum(input_tensor, op="reduce_scatter/fsdp2")
             output_tensor.copy_(total if scale == 1.0 else total * scale)
             return None
-        lay = ShardLayout.of(c * w, w, self.cfg)
-        if self.route is None:
-            self.make_route(lay.block)
-        g = torch.zeros(w, lay.shard_numel, dtype=torch.float32, device=input_tensor.device)
-        g[:, :c] = input_tensor.view(w, c)
-        mean = self.route.reduce(self.comm, g.view(-1))  # the sum / W
-        output_tensor.copy_(mean[:c] * (scale * w))
+        for region in self.kinds.regions(c, grads=True):
+            lay = ShardLayout.of(region.numel * w, w, self.cfg)
+            g = torch.zeros(w, lay.shard_numel, dtype=torch.float32, device=input_tensor.device)
+            region.take(input_tensor.view(w, c), g)
+            mean = self.routes.of(region.kind, lay.block).reduce(self.comm, g.view(-1))  # sum / W
+            region.put((mean[:region.numel] * (scale * w)).view(1, -1), output_tensor.view(1, c))
         return None
 
 

@@ -20,59 +20,74 @@ FSDP2's all-reduce becomes a copy in place that sends nothing, and installs
 `ReplicaMean` as the hook. The attribute is read nowhere else after
 `fully_shard` (its init groups parameters by it, before). `check_internals`
 verifies both facts from FSDP2's source at install and refuses, naming the torch
-version, when they no longer hold; tests/fsdp2/test_fsdp2_nd.py calls it. A hook the
-user sets later with `set_all_reduce_hook` replaces the mean: do not.
+version, when they no longer hold; tests/fsdp2/test_fsdp2_nd.py calls it.
+
+[Note: the user's all-reduce hook]
+FSDP2 has one hook slot, which the mean now fills; a hook of the user's (torchtitan's
+fault-tolerant HSDP sets one on every FSDP module) would replace it and silently
+leave every replica with its own gradient. So the user's hook composes: one set
+before `install` is kept, and `take_over` gives the module a `set_all_reduce_hook`
+of its own that hands later ones to `ReplicaMean`, which calls the hook on the mean,
+as FSDP2 calls it on its all-reduce's result. What FSDP2's setter refuses (a module
+with several groups, a stream under HSDP) it still refuses.
 """
 
 from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..collectives import Comm
 from ..config import Config
-from ..grads.qgz import QgzReduce
 from ..layout import ShardLayout
 from ..weights import WeightSpec, world
-from .comms import attach
+from .comms import Failures, Routes, attach
+from .regions import Kinds
 
 
 class ReplicaMean:
     """The hook FSDP2 calls on a module's reduce-scattered gradient (fp32): replaced
     in place by its mean over the replicas, or by the sum when the module has a
-    gradient divide factor (FSDP2 then divides by that factor alone)."""
+    gradient divide factor (FSDP2 then divides by that factor alone). Each region of
+    it (regions.py) travels on its own."""
 
-    def __init__(self, comm: Comm, cfg: Config, label: str, param_group: Any) -> None:
-        self.comm, self.cfg, self.label = comm, cfg, label
+    def __init__(self, comm: Comm, cfg: Config, label: str, param_group: Any,
+                 kinds: Kinds, failures: Failures) -> None:
+        self.comm, self.cfg, self.label, self.kinds = comm, cfg, label, kinds
+        self.failures = failures
+        self.user_hook: Optional[Callable[[torch.Tensor], None]] = None  # (the note)
         # weakly: the param group holds the model, which the step hooks must not keep alive
         self.param_group = weakref.ref(param_group)
-        self.route: Optional[QgzReduce] = None  # made at the first call (its block)
-
-    def make_route(self, block: int) -> None:
-        self.route = QgzReduce.from_config(self.cfg, block=block)
-        self.route.op = "reduce_scatter/hsdp_grad"
+        self.routes = Routes(cfg, "reduce_scatter/hsdp_grad")
 
     def __call__(self, grad: torch.Tensor) -> None:
+        with self.failures.guard(f"the mean over replicas of module {self.label}"):
+            self._mean(grad)
+        if self.user_hook is not None:
+            self.user_hook(grad)
+
+    def _mean(self, grad: torch.Tensor) -> None:
         self.comm.unit = self.label
         r, n = self.comm.topo.world_size, grad.numel()
-        lay = ShardLayout.of(n, r, self.cfg)
-        if self.route is None:
-            self.make_route(lay.block)
-        g = torch.zeros(lay.padded_numel, dtype=torch.float32, device=grad.device)
-        g[:n] = grad.reshape(-1)
-        mean = self.route.reduce(self.comm, g)  # this replica's chunk of the sum / R
-        spec = WeightSpec.of(lay, self.cfg.weight_bits)
-        full = torch.empty(lay.padded_numel, dtype=torch.float32, device=grad.device)
-        pending, out = world.issue(spec, self.comm, "all_gather/hsdp_grad", mean, full)
-        pending.wait()
-        world.finish(spec, out, full)
         group = self.param_group()
-        if group is not None and group.gradient_divide_factor is not None:
-            full.mul_(r)  # FSDP2 sums over replicas then: its factor covers them
-        grad.copy_(full[:n].view_as(grad))
+        summed = group is not None and group.gradient_divide_factor is not None
+        for region in self.kinds.regions(n, grads=True):
+            lay = ShardLayout.of(region.numel, r, self.cfg)
+            g = torch.zeros(1, lay.padded_numel, dtype=torch.float32, device=grad.device)
+            region.take(grad.view(1, n), g)
+            # this replica's chunk of the sum / R
+            mean = self.routes.of(region.kind, lay.block).reduce(self.comm, g.view(-1))
+            spec = WeightSpec.of(lay, self.cfg.weight_bits)
+            full = torch.empty(lay.padded_numel, dtype=torch.float32, device=grad.device)
+            pending, out = world.issue(spec, self.comm, "all_gather/hsdp_grad", mean, full)
+            pending.wait()
+            world.finish(spec, out, full)
+            if summed:
+                full.mul_(r)  # FSDP2 sums over replicas then: its factor covers them
+            region.put(full.view(1, -1), grad.view(1, n))
 
 
 def check_internals(param_group: Any) -> None:
@@ -99,8 +114,26 @@ def take_over(module: Any, param_group: Any, hook: ReplicaMean, solo: Any) -> No
     """FSDP2's replicate all-reduce of `module` sends nothing; `hook` does the mean. Sum
     reductions only: FSDP2 would otherwise all-reduce with AVG on the one-rank group,
     which NCCL gets wrong at size 1 (torch itself avoids it there), and divides by the
-    shard group's size after the hook, which means over the replicas itself."""
+    shard group's size after the hook, which means over the replicas itself. A hook the
+    user set, or sets later, runs on the mean (the note)."""
     check_internals(param_group)
     param_group.mesh_info.replicate_process_group = solo
     module.set_force_sum_reduction_for_comms(True)
+    hook.user_hook = param_group._all_reduce_hook
     attach(module, param_group, "_all_reduce_hook", hook, "set_all_reduce_hook")
+    if "set_all_reduce_hook" not in vars(module):  # once per module, whatever its groups
+        module.set_all_reduce_hook = _composing_setter(module)
+
+
+def _composing_setter(module: Any) -> Callable:
+    fsdp2_setter = type(module).set_all_reduce_hook
+
+    def set_all_reduce_hook(hook: Callable[[torch.Tensor], None], *, stream: Any = None
+                            ) -> None:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) != 1:  # FSDP2 refuses: the hook would be ambiguous across groups
+            return fsdp2_setter(module, hook, stream=stream)
+        if stream is not None:  # as FSDP2 says, before it would have replaced the mean
+            raise ValueError("stream cannot be set when using native HSDP")
+        groups[0]._all_reduce_hook.user_hook = hook
+    return set_all_reduce_hook

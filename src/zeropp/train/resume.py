@@ -171,7 +171,7 @@ def after_save(run_dir: Path, name: str, keep: int) -> None:
                 shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
             err = f"after saving {name}: {e}"
-    agree(err, CheckpointError)
+    agree(err, CheckpointError, "checkpoint")
 
 
 def resume_point(path: str, say: Callable[[str], None], keep: bool = False) -> Path:

@@ -1,0 +1,117 @@
+"""Which of an FSDP module's parameters may share a quantization block.
+
+[Note: one model on every rank]
+Under tensor parallel x FSDP every TP rank's dp group carries its own copy of the
+parameters TP leaves whole (norms, a row-wise layer's bias, an unsharded head or
+embedding); the copies stay equal only if every dp group turns equal inputs into
+equal bytes. zeropp's codecs depend on nothing but a buffer's values and their
+positions in it (no rank, no randomness), but a block's scale is the absmax of all
+of its values, and FSDP2's flat chunk puts a replicated LayerNorm beside a TP-sharded
+projection, whose values differ between TP ranks: one block over both rounds the
+LayerNorm differently on each TP rank, and the copies drift apart (bitwise from the
+first step; 0.1% apart in the outputs after 20). So a module's chunk is cut into
+regions, one per *kind* of parameter -- the mesh dimensions beyond FSDP's over which
+its values differ (none for a replicated one) -- and each region travels as a buffer
+of its own, with its own blocks, routes and error feedback: a block never holds two
+kinds, and a region's bytes depend only on its own values. A module of one kind (any
+1-D mesh; HSDP; a block of experts alone) is one region, the whole chunk, as before,
+bit for bit. Weights always come with every parameter; gradients come only for the
+parameters that have one, whose set FSDP2 does not pass on: the trainable ones, or
+all. Any other set (a parameter unused in this backward) travels as one region and
+says once that the copies may then part.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Region:
+    """The parameters of one kind: their spans (offset, numel) in a module's chunk."""
+
+    kind: str
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(n for _, n in self.spans)
+
+    def take(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rows of `src` (rows x chunk) -> the first `numel` columns of `dst`, packed."""
+        pos = 0
+        for off, n in self.spans:
+            dst[:, pos:pos + n] = src[:, off:off + n]
+            pos += n
+
+    def put(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The inverse of `take`: the first `numel` columns of `src` back into `dst`."""
+        pos = 0
+        for off, n in self.spans:
+            dst[:, off:off + n] = src[:, pos:pos + n]
+            pos += n
+
+
+class Kinds:
+    """A module's parameters (one FSDP parameter group), each with its kind and its
+    size in the chunk (its padded shard), in FSDP2's order."""
+
+    def __init__(self, group: Any, label: str) -> None:
+        dp_dims = group.mesh_info.mesh.ndim  # FSDP's own dims lead the sharded DTensor
+        self.params = [fp.sharded_param for fp in group.fsdp_params]
+        self.sizes = [fp.padded_sharded_param_size.numel() for fp in group.fsdp_params]
+        kinds = [kind_of(p, dp_dims) for p in self.params]
+        self.kinds = kinds if len(set(kinds)) > 1 else [""] * len(kinds)
+        self.label, self.warned = label, False
+        self._made: dict[tuple, tuple[Region, ...]] = {}
+
+    @property
+    def mixed(self) -> bool:
+        return len(set(self.kinds)) > 1
+
+    def regions(self, chunk: int, grads: bool = False) -> tuple[Region, ...]:
+        """The regions of a chunk of `chunk` elements: of every parameter (weights), or of
+        those with a gradient (`grads`): the trainable ones, or all."""
+        if not self.mixed:
+            return (Region("", ((0, chunk),)),)
+        trainable = tuple(p.requires_grad for p in self.params)
+        key = (chunk, grads and trainable)
+        if key not in self._made:
+            self._made[key] = self._cut(chunk, trainable if grads else None)
+        return self._made[key]
+
+    def _cut(self, chunk: int, trainable: Any) -> tuple[Region, ...]:
+        for present in ([True] * len(self.sizes), trainable):
+            if present is None:
+                continue
+            sizes = [n if keep else 0 for n, keep in zip(self.sizes, present)]
+            if sum(sizes) == chunk:
+                spans: dict[str, list] = {}
+                off = 0
+                for kind, n in zip(self.kinds, sizes):
+                    if n:
+                        spans.setdefault(kind, []).append((off, n))
+                    off += n
+                return tuple(Region(k, tuple(s)) for k, s in sorted(spans.items()))
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"zeropp.fsdp2: module {self.label} passed a chunk of {chunk} elements that is "
+                "neither all of its parameters nor its trainable ones (one unused in this "
+                "backward?): it travels in shared quantization blocks, so the copies of its "
+                "tensor-parallel-replicated parameters on different TP ranks may no longer be "
+                "bitwise equal", stacklevel=4)
+        return (Region("*", ((0, chunk),)),)
+
+
+def kind_of(param: torch.Tensor, dp_dims: int) -> str:
+    """The mesh dimensions beyond FSDP's first `dp_dims` over which `param`'s values
+    differ (its non-replicate placements there), e.g. "tp:S(0)"; "" when none."""
+    mesh, places = getattr(param, "device_mesh", None), getattr(param, "placements", ())
+    names = (mesh.mesh_dim_names if mesh is not None else None) or ()
+    return ",".join(f"{names[i] if i < len(names) else i}:{p}"
+                    for i, p in enumerate(places) if i >= dp_dims and not p.is_replicate())
