@@ -12,6 +12,11 @@ Checks, each a row (ok / FAILED, what was measured, seconds):
                and zero3's losses equal one unsharded process's (fp32, TF32 off);
                zeropp-plus again with bf16 compute (param_dtype), within 2% of it
   w1           one rank on the device's own backend (NCCL on a GPU, gloo on the CPU)
+  hf_load      Hugging Face's from_pretrained under ZeRO-3 (HfDeepSpeedConfig alive, the
+               alias) at W=1 on the device's own backend: every parameter partitioned
+               from construction (DeepSpeed's look, 0 elements), its values the
+               checkpoint's bit for bit; initialize on the device, the first loss the
+               plain load's (fp32, to 1e-5)
   pipeline     the reduce pipeline on its side stream / threads (async_reduce) vs
                the synchronous path, zeropp-plus: bitwise equal weights after 4 steps
   quant        INT8 and INT4 blockwise quantize + dequantize of 64 MiB (CPU: 16 MiB)
@@ -152,6 +157,53 @@ def check_w1(device: str, timeout: float) -> dict:
     ok = all(v == v for v in r["losses"])
     return {"check": f"w1 ({backend})", "ok": ok,
             "measured": f"losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
+            "seconds": time.perf_counter() - t0}
+
+
+HF_DS = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+         "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+
+
+def _hf_load(root: str, device: str) -> dict:
+    import zeropp as alias
+    alias.install_as_deepspeed()  # before transformers, as a user's script does
+    import deepspeed
+    import transformers as tf
+    from safetensors.torch import load_file
+    from transformers.integrations import HfDeepSpeedConfig
+    keep = HfDeepSpeedConfig(HF_DS)  # noqa: F841 (transformers holds it weakly)
+    model = tf.GPT2LMHeadModel.from_pretrained(root)
+    params = list(model.named_parameters())
+    look = all(p.numel() == 0 and hasattr(p, "ds_tensor") for _, p in params)
+    ckpt = load_file(str(Path(root) / "model.safetensors"))
+    with deepspeed.zero.GatheredParameters([p for _, p in params]):
+        same = all(torch.equal(p.detach().cpu(), ckpt[n]) for n, p in params if n in ckpt)
+    engine, *_ = deepspeed.initialize(model=model, config=HF_DS)
+    x = torch.arange(16, device=device).reshape(2, 8) % 50
+    with torch.no_grad():
+        loss = engine(input_ids=x, labels=x).loss.item()
+    return {"look": look, "same": same, "loss": loss}
+
+
+def check_hf_load(device: str, timeout: float) -> dict:
+    import tempfile
+
+    import transformers as tf
+    t0 = time.perf_counter()
+    backend = "nccl" if device == "cuda" else "gloo"
+    torch.manual_seed(0)
+    gpt = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_positions=16, n_embd=32,
+                                           n_layer=2, n_head=2))
+    x = torch.arange(16).reshape(2, 8) % 50
+    with tempfile.TemporaryDirectory() as root:
+        gpt.save_pretrained(root)
+        with torch.no_grad():
+            plain = gpt.to(device).eval()(input_ids=x.to(device), labels=x.to(device)).loss.item()
+        r = spawn(_hf_load, 1, args=(root, device), timeout=timeout, backend=backend)[0]
+    ok = r["look"] and r["same"] and abs(r["loss"] - plain) <= 1e-5 * abs(plain)
+    return {"check": f"hf_load ({backend})", "ok": ok,
+            "measured": f"partitioned {r['look']}, values the checkpoint's {r['same']}, "
+                        f"first loss {r['loss']:.6f} (plain load {plain:.6f})",
             "seconds": time.perf_counter() - t0}
 
 
@@ -350,6 +402,7 @@ def main() -> int:
     rows = []
     for name, run in (("train", lambda: check_train(a.device, a.timeout)),
                       ("w1", lambda: [check_w1(a.device, a.timeout)]),
+                      ("hf_load", lambda: [check_hf_load(a.device, a.timeout)]),
                       ("pipeline", lambda: [check_pipeline(a.device, a.timeout)]),
                       ("quant", lambda: check_quant(a.device)),
                       ("codecs", lambda: check_codecs(a.device)),

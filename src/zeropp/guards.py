@@ -32,18 +32,11 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .collectives import _all_gather_flat
+from .collectives import _all_gather_flat, collective_device
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _device() -> torch.device:
-    # NCCL moves only CUDA tensors; gloo (and CPU training) uses the CPU.
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 _MARK = 0x7A65726F707000  # "zeropp" and a 0: opens every exchange of this file
@@ -60,9 +53,26 @@ def all_gather_bytes(data: bytes, what: str = "exchange", hint: str = "") -> lis
     sees a header it does not expect."""
     if not _distributed():
         return [data]
-    dev, w = _device(), dist.get_world_size()
+    dev, w = collective_device(), dist.get_world_size()
+    sizes_l = check_peers(what, hint, len(data))
+    buf = torch.zeros(max(sizes_l) or 1, dtype=torch.uint8, device=dev)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    out = torch.empty(w * buf.numel(), dtype=torch.uint8, device=dev)
+    _all_gather_flat(out, buf)
+    rows = out.view(w, -1).cpu()
+    return [bytes(rows[r, :sizes_l[r]].numpy().tobytes()) for r in range(w)]
+
+
+def check_peers(what: str, hint: str = "", size: int = 0) -> list[int]:
+    """Collective (one all-gather of 24 bytes): every rank's `size`, after checking
+    that every rank is in this exchange (`what`); MismatchedCollective names those that
+    are not, and `hint`."""
+    if not _distributed():
+        return [size]
+    dev, w = collective_device(), dist.get_world_size()
     tag = zlib.crc32(what.encode())
-    head = torch.tensor([_MARK, tag, len(data)], dtype=torch.int64, device=dev)
+    head = torch.tensor([_MARK, tag, size], dtype=torch.int64, device=dev)
     heads = torch.empty(3 * w, dtype=torch.int64, device=dev)
     _all_gather_flat(heads, head)
     rows = heads.view(w, 3).tolist()
@@ -73,14 +83,7 @@ def all_gather_bytes(data: bytes, what: str = "exchange", hint: str = "") -> lis
                f"ranks {strangers} are")
         raise MismatchedCollective(f"zeropp: {who} not in this {what} (in another "
                                    f"collective meanwhile){': ' + hint if hint else ''}")
-    sizes_l = [n for _, _, n in rows]
-    buf = torch.zeros(max(sizes_l) or 1, dtype=torch.uint8, device=dev)
-    if data:
-        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
-    out = torch.empty(w * buf.numel(), dtype=torch.uint8, device=dev)
-    _all_gather_flat(out, buf)
-    rows = out.view(w, -1).cpu()
-    return [bytes(rows[r, :sizes_l[r]].numpy().tobytes()) for r in range(w)]
+    return [n for _, _, n in rows]
 
 
 def agree(error: Optional[str], exc_type: type = RuntimeError, what: str = "agreement"

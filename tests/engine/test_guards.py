@@ -75,6 +75,43 @@ def test_a_collective_that_never_completes_fails_naming_the_op_and_unit():
            "collective_timeout on rank 0" in msg
 
 
+def _mismatched_exchanges() -> dict:
+    """Rank 0 in GatheredParameters' agreement at exit; rank 1 elsewhere: in a
+    checkpoint's agreement, then in an all-gather of its own of the header's size."""
+    from zeropp.deepspeed.zero import _EVERY_RANK
+    from zeropp.guards import MismatchedCollective, agree, first_failure
+    out = {}
+    for case in ("agreement", "foreign"):
+        t0 = time.monotonic()
+        try:
+            if dist.get_rank() == 0:
+                first_failure(None, "GatheredParameters", _EVERY_RANK)
+            elif case == "agreement":
+                agree(None, what="checkpoint")
+            else:
+                dist.all_gather_into_tensor(torch.empty(6, dtype=torch.int64),
+                                            torch.tensor([7, 8, 9]))
+            out[case] = "no error"
+        except MismatchedCollective as e:
+            out[case] = f"{time.monotonic() - t0:.1f}|{e}"
+    return out
+
+
+def test_ranks_in_different_exchanges_say_which_rank_is_elsewhere_in_one_line():
+    """Before, rank 0 decoded rank 1's bytes as its error message."""
+    r0, r1 = spawn(_mismatched_exchanges, 2, timeout=60)
+    for case, msg in (("agreement", "rank 1 is not in this GatheredParameters"),
+                      ("foreign", "rank 1 is not in this GatheredParameters")):
+        took, said = r0[case].split("|", 1)
+        assert said.startswith(f"zeropp: {msg} (in another collective meanwhile): "
+                               "GatheredParameters is collective, and under ZeRO-3 so is "
+                               "transformers' from_pretrained: run it on every rank"), said
+        assert "\n" not in said and float(took) < 5
+    took, said = r1["agreement"].split("|", 1)  # rank 1 can tell too, in its own words
+    assert said == "zeropp: rank 0 is not in this checkpoint (in another collective meanwhile)"
+    assert r1["foreign"] == "no error"  # a collective not zeropp's cannot tell
+
+
 def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
     model = build("gpt")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

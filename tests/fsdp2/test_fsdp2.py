@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from cases import assert_loss_drop, assert_same_losses, dcp_resume, fit, random_batches
 
+import zeropp
 from zeropp.cli.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
@@ -167,6 +168,91 @@ def test_resume_through_dcp_and_comm_state_gives_the_uninterrupted_losses_bit_fo
     runs = spawn(_resume_run, 4, 2, args=(str(tmp_path / "ckpt"),), timeout=300)
     for r in runs:
         assert r["resumed"] == r["whole"], r  # the last 4 steps, resumed and straight
+
+
+# ---- a failed collective: every rank drops its secondaries alike, and goes no further --
+def _gather_fails_on_rank_0() -> dict:
+    import time
+
+    import zeropp.fsdp2
+    from zeropp.collectives import CollectiveError
+    from zeropp.weights import hpz
+    torch.set_num_threads(1)
+    model = zeropp.fsdp2.install(_fsdp2_gpt(), zeropp.Config.preset(
+        "hpz", node_size=2, collective_timeout=2.0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = [_step_batch(s) for s in range(3)]
+    _steps(model, opt, batches[:1])
+    paths = [p for _, g, _ in model._zeropp_fsdp2.comms for p in g.paths.values()]
+    loss = model(batches[1], batches[1])[1]
+    held = sum(p.secondary.pieces is not None for p in paths)  # the forward kept them
+    if dist.get_rank() == 0:  # the backward's first gather from the secondaries fails here
+        real = hpz.issue
+
+        def fail(*args, **kwargs):
+            hpz.issue = real
+            raise RuntimeError("injected")
+        hpz.issue = fail
+    out = {"held": held}
+    t0 = time.monotonic()
+    try:
+        loss.backward()
+    except Exception as e:  # rank 0: its own error; rank 1: its gather's timeout
+        out["failed"] = f"{time.monotonic() - t0:.1f}|{str(e).splitlines()[0]}"
+    out["after"] = sum(p.secondary.pieces is not None for p in paths)
+    t0 = time.monotonic()
+    try:  # the next step's first collective
+        model(batches[2], batches[2])
+    except CollectiveError as e:
+        out["next"] = f"{time.monotonic() - t0:.1f}|{e}"
+    return out
+
+
+def test_a_failed_gather_drops_every_secondary_on_every_rank_and_refuses_what_follows():
+    """comms.py's note: rank 0's backward gather fails, rank 1's times out within its
+    2 s collective_timeout; both then hold no secondary and refuse the next step at once,
+    naming the first failure, instead of going on on different routes."""
+    r0, r1 = spawn(_gather_fails_on_rank_0, 2, 2, timeout=120)
+    for r in (r0, r1):
+        assert r["held"] > 0 and r["after"] == 0, r
+        took, said = r["next"].split("|", 1)
+        assert float(took) < 1.0 and "refused" in said and "restart" in said, said
+    assert "injected" in r0["failed"] and "injected" in r0["next"]
+    took, said = r1["failed"].split("|", 1)
+    assert float(took) < 2.0 + 5.0 and "did not complete within the 2s" in said, said
+
+
+# ---- qgZ's route follows the layout: a backward with fewer gradients --------------
+def _reduce_at_two_sizes() -> list[bool]:
+    from torch.distributed.fsdp import fully_shard
+
+    from zeropp.driver import make_comm
+    from zeropp.fsdp2.comms import Failures, GradReduce
+    from zeropp.fsdp2.regions import Kinds
+    from zeropp.stats import CommStats
+    from zeropp.topology import get_topology
+    torch.set_num_threads(1)
+    cfg = zeropp.Config.preset("zeropp-plus", node_size=2)
+    comm = make_comm(cfg, get_topology(2), CommStats())
+    group = fully_shard(torch.nn.Linear(8, 8))._get_fsdp_state()._fsdp_param_groups[0]
+
+    def reduce(red: GradReduce, c: int) -> bytes:
+        g = torch.randn(4 * c, generator=torch.Generator().manual_seed(c + dist.get_rank()))
+        out = torch.empty(c)
+        red(out, g, dist.group.WORLD, dist.ReduceOp.AVG)
+        return out.numpy().tobytes()
+    kept = GradReduce(comm, cfg, "kept", Kinds(group, "kept"), Failures())
+    # each call against a route made for its size alone (a fresh one, no residual yet)
+    return [reduce(kept, c) == reduce(GradReduce(comm, cfg, "fresh", Kinds(group, "fresh"),
+                                                 Failures()), c)
+            for c in (3000, 5000, 3000)]
+
+
+def test_a_reduction_at_another_size_runs_a_route_of_its_own_layout():
+    """The route was fixed at the first call; another size (a parameter without a
+    gradient in this backward) then reduced with the first size's blocks."""
+    for r in spawn(_reduce_at_two_sizes, 4, 2, timeout=120):
+        assert r == [True, True, True]
 
 
 # ---- per-block torch.compile, as torchtitan uses it ---------------------------------

@@ -10,7 +10,9 @@ equal chunks (the last padded with zeros), scattered from the modifier rank,
 which is DeepSpeed's own per-parameter layout and its `ds_tensor`; the parameter
 shows 0 elements. So the largest a rank holds during the load is its partitions
 plus the module being written (and rank 0 the checkpoint transformers reads).
-A later GatheredParameters all-gathers the partitions. Before sharding
+A later GatheredParameters all-gathers the partitions. The partitions stay where the
+model is built (the host); each collective runs on the group's device (NCCL's: the
+GPU), so one path serves every backend. Before sharding
 (`initialize`, or `zeropp.shard`: deferred.show_module's hook), each partitioned
 parameter becomes a deferred one whose one op is that all-gather (`to_deferred`), so
 `shard` gathers each once, in model order on every rank, into the unit it joins,
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import deferred
+from ..collectives import _all_gather_flat, collective_device
 from ..deferred import defer
 
 # id(parameter) -> (weak reference, its partition): tensors compare elementwise.
@@ -59,15 +62,16 @@ def partition(p: torch.nn.Parameter, full: torch.Tensor, src: int | None = None)
     if src is None or w == 1:
         chunk = own_chunk(full)
     else:
-        n = full.numel()
-        chunk = torch.empty(-(-n // w), dtype=full.dtype, device=full.device)
+        n, dev = full.numel(), collective_device()
+        chunk = torch.empty(-(-n // w), dtype=full.dtype, device=dev)
         parts = None
         if r == src:
-            flat = full.detach().reshape(-1)
+            flat = full.detach().reshape(-1).to(dev)
             if n != w * chunk.numel():  # padded: a copy (only then, the module's largest)
                 flat = torch.cat([flat, flat.new_zeros(w * chunk.numel() - n)])
             parts = list(flat.view(w, -1))
         dist.scatter(chunk, parts, src=src)
+        chunk = chunk.to(full.device)
     keep(p, chunk, full.shape)
 
 
@@ -87,12 +91,12 @@ def gather(p: torch.nn.Parameter) -> torch.Tensor:
 
 def _all_gather(chunk: torch.Tensor, numel: int) -> torch.Tensor:
     w, _ = _world()
-    full = torch.empty(w * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
     if w == 1:
-        full.copy_(chunk)
-    else:
-        dist.all_gather_into_tensor(full, chunk)
-    return full[:numel]
+        return chunk[:numel].clone()
+    dev = collective_device()
+    full = torch.empty(w * chunk.numel(), dtype=chunk.dtype, device=dev)
+    _all_gather_flat(full, chunk.to(dev))
+    return full[:numel].to(chunk.device)
 
 
 def to_deferred(p: torch.nn.Parameter) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -31,7 +30,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..deferred import deferred_init, hide, is_deferred, is_hidden, materialize, release, show
 from ..gathered import gathered
-from ..guards import first_failure, in_one_line
+from ..guards import check_peers, first_failure, in_one_line
 from .attributes import ZeroParamStatus, owner_of
 from .hf_loader import install as install_lazy_hf_loads
 from .partitioned import gather as gather_partitions
@@ -97,6 +96,9 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
     # a tied one once; in ds_id order, the same on every rank whatever order the caller's
     # (transformers passes a set of tensors, which each process iterates differently)
     params = sorted({id(p): p for p in params}.values(), key=lambda p: getattr(p, "ds_id", -1))
+    # a rank alone here (from_pretrained called on one rank) is named before any tensor
+    # of the context travels, rather than mismatched against another collective
+    check_peers("GatheredParameters", _EVERY_RANK)
     before = []  # each one's partition now: what it keeps unless a rank modifies it
     with torch.no_grad():
         for p in params:
@@ -182,18 +184,6 @@ def add_gather_methods(t: torch.Tensor) -> None:
         param_list if param_list is not None else [t])
 
 
-def _caller_package() -> str:
-    """The top-level package of the code that entered the context (contextlib's
-    frames skipped)."""
-    f = sys._getframe(1)
-    while f is not None:
-        name = f.f_globals.get("__name__", "")
-        if name != "contextlib" and not name.startswith("zeropp"):
-            return name.split(".")[0]
-        f = f.f_back
-    return ""
-
-
 @contextlib.contextmanager
 def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     """DeepSpeed's context for building a model that does not fit whole: here
@@ -212,11 +202,6 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     if not torch.distributed.is_initialized():  # as DeepSpeed's Init does
         from .comm import init_distributed
         init_distributed()
-    if torch.distributed.get_backend() != "gloo" and _caller_package() == "transformers":
-        # the partitions' collectives run on host tensors: with NCCL, transformers'
-        # model is built whole, as before, and sharded by initialize on the device
-        yield
-        return
     install_lazy_hf_loads()  # transformers enters Init before its load (hf_loader.py)
     built: list = []
     with deferred_init():
