@@ -126,10 +126,11 @@ def take_over(module: Any, param_group: Any, hook: ReplicaMean, solo: Any) -> No
 
 
 def _composing_setter(module: Any) -> Callable:
-    fsdp2_setter = type(module).set_all_reduce_hook
+    fsdp2_setter, ref = type(module).set_all_reduce_hook, weakref.ref(module)  # (no cycle)
 
     def set_all_reduce_hook(hook: Callable[[torch.Tensor], None], *, stream: Any = None
                             ) -> None:
+        module = ref()
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) != 1:  # FSDP2 refuses: the hook would be ambiguous across groups
             return fsdp2_setter(module, hook, stream=stream)
