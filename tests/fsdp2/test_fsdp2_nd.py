@@ -258,7 +258,7 @@ def test_a_users_all_reduce_hook_on_hsdp_runs_on_zeropps_replica_mean(runs):
         assert runs[a]["hsdp-hooked"]["local"] == runs[b]["hsdp-hooked"]["local"]
     for r in runs:
         assert len(r["hsdp-hooked"]["seen"]) == 4 * HOOKED  # 3 blocks and the root
-        assert r["hsdp-hooked"]["losses"] == r["hsdp-zeropp-plus"]["losses"][:HOOKED]
+        assert r["hsdp-hooked"]["own"] == r["hsdp-zeropp-plus"]["own"][:HOOKED]
 
 
 def test_hsdp_zeropp_plus_reaches_98pct_of_stock_hsdps_loss_drop(runs):
