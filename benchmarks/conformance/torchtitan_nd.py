@@ -33,6 +33,7 @@ accelerator).
     python benchmarks/conformance/torchtitan_nd.py moe-noep [steps]
 """
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,9 @@ import zeropp.fsdp2
 from zeropp.cli.launch import spawn
 from zeropp.train.data import get_batch, load_text, split_tokens
 from zeropp.train.tokenizer import encode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from cases import replicated_digest  # noqa: E402  (the tests' digest of TP-replicated shards)
 
 RUNS = ["stock", "zero3", "zeropp", "zeropp-plus"]
 BATCH, SEQ, TP, EP, MOE_LAYERS = 2, 64, 2, 2, 2
@@ -139,17 +143,6 @@ def run(mode, preset, steps, train):
     return losses, probe, inter, digest
 
 
-def replicated_digest(model):
-    """A digest of this rank's shards of the parameters tensor parallel leaves whole
-    (a plain FSDP parameter, or a DTensor replicated beyond FSDP's first dim): the
-    same on the TP ranks of one data-parallel index when they hold one model."""
-    import hashlib
-    h = hashlib.sha256()
-    for _, p in sorted(model.named_parameters()):
-        if all(pl.is_replicate() for pl in p.placements[1:]):
-            h.update(p.to_local().detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
 
 def work(mode, preset, steps, tokens):
     torch.set_num_threads(1)
@@ -159,7 +152,6 @@ def work(mode, preset, steps, tokens):
 
 if __name__ == "__main__":
     import tempfile
-    from pathlib import Path
     mode = sys.argv[1] if len(sys.argv) > 1 else "tp"
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 50
     runs = RUNS + (["stock-ulp"] if mode != "tp" else [])

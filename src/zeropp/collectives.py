@@ -46,10 +46,10 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def collective_device(group: Any = None) -> torch.device:
-    """Where `group`'s collectives take their tensors: the current CUDA device under NCCL
-    (it moves only those), the host otherwise."""
-    if dist.get_backend(group) == "nccl":
+def collective_device() -> torch.device:
+    """Where the default group's collectives take their tensors: the current CUDA device
+    under NCCL (it moves only those), the host otherwise."""
+    if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -70,7 +70,8 @@ def _refusals() -> list[str]:
 def _work() -> dict:
     torch.set_num_threads(1)
     return {"stock": _train(None), "zero3": _train("zero3"), "zeropp": _train("zeropp"),
-            "zeropp-plus": _train("zeropp-plus"), "zeropp-node": _train("zeropp", reshard=2, steps=NODE_STEPS),
+            "zeropp-plus": _train("zeropp-plus"),
+            "zeropp-node": _train("zeropp", reshard=2, steps=NODE_STEPS),
             "stock-bf16": _train(None, bf16=True, steps=8),
             "zero3-bf16": _train("zero3", bf16=True, steps=8),
             "zeropp-plus-bf16": _train("zeropp-plus", bf16=True, steps=8),

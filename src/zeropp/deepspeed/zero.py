@@ -85,6 +85,11 @@ def GatheredParameters(params: Any, modifier_rank: Optional[int] = None, fwd_mod
         yield
 
 
+_EVERY_RANK = ("GatheredParameters is collective, and under ZeRO-3 so is transformers' "
+               "from_pretrained: run it on every rank, or in a process without the "
+               "DeepSpeed config")
+
+
 @contextlib.contextmanager
 def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
     """GatheredParameters on parameters built under Init before `initialize`: inside,
@@ -136,11 +141,6 @@ def _materialized(params: list, modifier_rank: Optional[int]) -> Iterator[None]:
                     keep(p, old, torch.Size(getattr(p, "ds_shape", p.shape)))
         if failed and error is None:
             raise RuntimeError(f"zeropp GatheredParameters: {failed} inside the context")
-
-
-_EVERY_RANK = ("GatheredParameters is collective, and under ZeRO-3 so is transformers' "
-               "from_pretrained: run it on every rank, or in a process without the "
-               "DeepSpeed config")
 
 
 class _Done:

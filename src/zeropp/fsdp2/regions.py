@@ -64,24 +64,19 @@ class Kinds:
         dp_dims = group.mesh_info.mesh.ndim  # FSDP's own dims lead the sharded DTensor
         self.params = [fp.sharded_param for fp in group.fsdp_params]
         self.sizes = [fp.padded_sharded_param_size.numel() for fp in group.fsdp_params]
-        kinds = [kind_of(p, dp_dims) for p in self.params]
-        self.kinds = kinds if len(set(kinds)) > 1 else [""] * len(kinds)
+        self.kinds = [kind_of(p, dp_dims) for p in self.params]
+        self.mixed = len(set(self.kinds)) > 1
         self.label, self.warned = label, False
-        self._made: dict[tuple, tuple[Region, ...]] = {}
-
-    @property
-    def mixed(self) -> bool:
-        return len(set(self.kinds)) > 1
+        self._made: dict[tuple, tuple[Region, ...]] = {}  # by (chunk, trainable flags)
 
     def regions(self, chunk: int, grads: bool = False) -> tuple[Region, ...]:
         """The regions of a chunk of `chunk` elements: of every parameter (weights), or of
         those with a gradient (`grads`): the trainable ones, or all."""
-        if not self.mixed:
-            return (Region("", ((0, chunk),)),)
-        trainable = tuple(p.requires_grad for p in self.params)
-        key = (chunk, grads and trainable)
+        trainable = tuple(p.requires_grad for p in self.params) if grads and self.mixed else None
+        key = (chunk, trainable)
         if key not in self._made:
-            self._made[key] = self._cut(chunk, trainable if grads else None)
+            self._made[key] = (self._cut(chunk, trainable) if self.mixed
+                               else (Region("", ((0, chunk),)),))
         return self._made[key]
 
     def _cut(self, chunk: int, trainable: Any) -> tuple[Region, ...]:
