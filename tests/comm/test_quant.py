@@ -210,3 +210,68 @@ def test_bad_arguments_are_rejected():
         quantize(torch.ones(4), 8, 7)
     with pytest.raises(TypeError, match="stochastic"):  # retired: nearest rounding only
         quantize(torch.ones(4), 8, stochastic=True)
+
+
+# ---- 2 bits ([Note: 2 bits]) ----------------------------------------------------------
+@st.composite
+def cases2(draw):
+    x = _tensor(draw)
+    return x, draw(st.sampled_from([4, 8, 64, 100, 2048]))
+
+
+def _nearest_level_error(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    levels = torch.tensor([-3.0, -1.0, 1.0, 3.0])
+    return (x.unsqueeze(-1) - levels * s.unsqueeze(-1)).abs().min(dim=-1).values
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases2())
+def test_two_bits_scale_is_min_of_half_the_rms_and_a_third_of_absmax_and_values_take_the_nearest_level(case):
+    """scale = min(rms/2, absmax/3) per block (to an ulp); every value decodes to the
+    level of -3, -1, +1, +3 scales nearest to it (to fp32 rounding); the dequantized
+    copy a sender keeps is bit for bit what dequantize gives."""
+    x, block = case
+    deq = torch.empty(x.numel())
+    q = quantize(x, 2, block, dequantized=deq)
+    assert q.data.numel() == -(-x.numel() // block) * block // 4
+    d = dequantize(q, torch.float32).view(-1)
+    assert torch.equal(d, deq)
+    xf = torch.nn.functional.pad(x.float().view(-1), (0, -x.numel() % block)).view(-1, block)
+    want = torch.minimum(xf.pow(2).mean(1).sqrt() / 2, xf.abs().amax(1) / 3)
+    assert torch.allclose(q.scales, want, rtol=1e-5, atol=0), (q.scales, want)
+    s = _elementwise_scale(q).view(-1)
+    err = (x.float().view(-1) - d).abs()
+    best = _nearest_level_error(x.float().view(-1), s)
+    assert bool((err <= best + 4 * EPS32 * (x.float().abs().view(-1) + 3 * s)).all())
+
+
+def test_two_bits_pack_unpack_is_a_bijection_on_all_256_bytes_with_element_4i_lowest():
+    from zeropp.quant import pack_int2, unpack_int2
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = unpack_int2(every)
+    assert codes.numel() == 1024 and int(codes.max()) == 3
+    assert torch.equal(pack_int2(codes.float() * 2 - 3), every)
+    assert pack_int2(torch.tensor([3.0, -3.0, -3.0, -3.0])).item() == 0b00000011
+    assert pack_int2(torch.tensor([-3.0, -3.0, -3.0, 3.0])).item() == 0b11000000
+
+
+def test_two_bits_zeros_ties_and_non_finite_blocks():
+    """An all-zero block is scale 0 and exact zeros; ties go upward (0 -> +1 scale);
+    a NaN makes its own block non-finite and leaves the next one alone."""
+    z = quantize(torch.zeros(12), 2, 4)
+    assert torch.equal(z.scales, torch.zeros(3)) and torch.equal(dequantize(z), torch.zeros(12))
+    x = torch.tensor([0.0, 2.0, -2.0, 6.0, float("nan"), 1.0, 1.0, 1.0, 3.0, -1.0, 1.0, -3.0])
+    q = quantize(x, 2, 4)
+    d = dequantize(q)
+    s0 = q.scales[0].item()
+    assert s0 == pytest.approx(min(math.sqrt((4 + 4 + 36) / 4) / 2, 2.0))
+    assert d[0].item() == s0  # 0 reaches the threshold 0: level +1
+    assert bool(d[4:8].isnan().all())
+    assert torch.equal(d[8:], dequantize(quantize(x[8:], 2, 4)))
+
+
+def test_two_bits_needs_blocks_of_a_multiple_of_four():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        quantize(torch.ones(12), 2, 6)
+    with pytest.raises(ValueError, match="2, 4 or 8"):
+        quantize(torch.ones(12), 3, 4)

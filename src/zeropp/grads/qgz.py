@@ -31,8 +31,12 @@ class HopCodec:
     """Quantizes the rows of one hop's all-to-all (round to nearest) and sums what
     arrives; with `error_feedback` each row's residual rides on its next send."""
 
-    def __init__(self, bits: int, block: int, *, error_feedback: bool = False) -> None:
+    def __init__(self, bits: int, block: int, *, error_feedback: bool = False,
+                 beta: float = ERROR_BETA, reset_every: int = ERROR_RESET) -> None:
+        """`beta` 0 and `reset_every` 0: plain error feedback (the whole residual rides
+        on the next send, never reset), as zeropp.ft's 2-bit all-reduce runs it."""
         self.bits, self.block, self.error_feedback = bits, block, error_feedback
+        self.beta, self.reset_every = beta, reset_every
         self.residual: Optional[torch.Tensor] = None   # rows sent to peers, in send order
         self.sends = 0
 
@@ -43,7 +47,7 @@ class HopCodec:
             if self.residual is None or self.residual.shape != (k - 1, numel):
                 self.residual = torch.zeros(k - 1, numel, dtype=torch.float32,
                                             device=rows.device)
-            if self.sends % ERROR_RESET == 0:
+            if self.reset_every and self.sends % self.reset_every == 0:
                 self.residual.zero_()
             self.sends += 1
         peer = 0
@@ -56,7 +60,10 @@ class HopCodec:
             seen = scratch_buffer("ef_dq", numel, x.device) if self.error_feedback else None
             quantize(x, self.bits, self.block, out=send[r * wb:(r + 1) * wb], dequantized=seen)
             if self.error_feedback:  # what the peer will decode, without unpacking it here
-                self.residual[peer].mul_(ERROR_BETA).add_(x.sub_(seen), alpha=1 - ERROR_BETA)
+                if self.beta == 0:  # a non-finite block's residual would stay so for good
+                    self.residual[peer].copy_(x.sub_(seen)).nan_to_num_(0.0, 0.0, 0.0)
+                else:
+                    self.residual[peer].mul_(self.beta).add_(x.sub_(seen), alpha=1 - self.beta)
             peer += 1
 
     def decode_sum(self, recv: torch.Tensor, own: int, own_row: torch.Tensor,
