@@ -46,8 +46,9 @@ for _m in (zero, comm, accelerator):
 
 
 def __getattr__(name: str) -> Any:
-    """`zeropp.fsdp2` after a plain `import zeropp`, imported on first use: it imports
-    torch.distributed.fsdp, a slow import that nothing else in zeropp needs."""
-    if name == "fsdp2":
-        return importlib.import_module(f"{__name__}.fsdp2")
+    """`zeropp.fsdp2` and `zeropp.ft` after a plain `import zeropp`, imported on first
+    use: fsdp2 imports torch.distributed.fsdp, a slow import that nothing else in zeropp
+    needs; ft is for torchft's users."""
+    if name in ("fsdp2", "ft"):  # ft: torchft's process groups, imported on use
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -69,6 +69,19 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "last checkpoint (as torchrun's --max-restarts)")
     g.add_argument("--verbose", action="store_true",
                    help="restart lines carry the failing rank's last message line (gloo's)")
+    g = p.add_argument_group("replica groups across slow links (torchft; zeropp[ft])")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="R > 1: R replica groups of nproc/R ranks (one node each), zeropp "
+                        "inside each, torchft's Manager and lighthouse across them")
+    g.add_argument("--sync-every", type=int, default=1,
+                   help="with --replicas: 1 = fault-tolerant HSDP (every step's gradients), "
+                        "H > 1 = DiLoCo, an outer Nesterov step every H inner steps")
+    g.add_argument("--outer-codec", default="2bit", choices=["fp32", "int8", "int4", "2bit"],
+                   help="with --replicas: what crosses between the groups (zeropp.ft.wrap)")
+    g.add_argument("--kill-replica-at", type=int, default=None, metavar="STEP",
+                   help="with --replicas: SIGKILL the last group at STEP, restart it "
+                        "--restart-after steps later; it heals from a live group")
+    g.add_argument("--restart-after", type=int, default=30)
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save-every", type=int, default=d.save_every,
                    help=f"steps between checkpoints in RUN/checkpoints (0: only the last; "
@@ -191,6 +204,8 @@ def run_train(ns: argparse.Namespace) -> int:
         raise UsageError(f"--max-restarts must be 0 or more, got {ns.max_restarts}")
     if ns.resume and ns.compare:
         raise UsageError("--resume continues one run; it cannot be combined with --compare")
+    if ns.replicas != 1:
+        return run_replica_train(ns)
     resume, ns.resume = ns.resume, None  # chosen below, once the run directory is ours
     a = train_args_from(ns)
     runs = configs_from(ns)
@@ -277,6 +292,74 @@ def _train(ns: argparse.Namespace, a: TrainArgs, runs: list, run_dir: Path,
     print(f"Files in {run_dir}/: config.json, metrics.jsonl, summary.json, checkpoints/"
           + (", loss plot " + ("compare.png" if ns.compare else "loss.png") if drew
              else " (no plot: matplotlib is not installed)"))
+    return 0
+
+
+def run_replica_train(ns: argparse.Namespace) -> int:
+    """`--replicas R`: R replica groups under torchft (train/replicas.py)."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise UsageError("--replicas needs torchft: pip install 'zeropp[ft]'") from None
+    from ..train.replicas import ReplicaArgs, run_replicas
+    R, H = ns.replicas, ns.sync_every
+    if R < 2 or ns.nproc % R:
+        raise UsageError(f"--replicas {R} must be at least 2 and divide --nproc {ns.nproc}")
+    if H < 1:
+        raise UsageError(f"--sync-every must be at least 1, got {H}")
+    if ns.compare or ns.resume or ns.max_restarts:
+        raise UsageError("--replicas keeps the run going through failures itself; it does not "
+                         "take --compare, --resume or --max-restarts")
+    a = train_args_from(ns)
+    if H > 1 and a.steps % H:
+        raise UsageError(f"--steps {a.steps} must be a multiple of --sync-every {H}")
+    k = ns.kill_replica_at
+    if k is not None and not (0 < k < a.steps - 1):
+        raise UsageError(f"--kill-replica-at {k} must be between 1 and --steps - 2")
+    ra = ReplicaArgs(replicas=R, group_size=ns.nproc // R, sync_every=H,
+                     outer_codec=ns.outer_codec, kill_at=k, restart_after=ns.restart_after)
+    ns.node_size = ra.group_size  # a group is one node: everything between them crosses
+    (_, cfg), = configs_from(ns)
+    try:
+        ids, vocab = prepare_tokens(a, CACHE)
+    except (DataError, TokenizerError) as e:
+        raise UsageError(str(e)) from None
+    run_dir = Path(ns.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    if any(run_dir.glob("replica*/metrics.jsonl")):
+        raise UsageError(f"--out {run_dir} already holds a replica run; choose another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokens = run_dir / "tokens.pt"
+    torch.save(ids.to(torch.int32), tokens)
+    (run_dir / "config.json").write_text(json.dumps(
+        {"train": dataclasses.asdict(a), "zeropp": cfg.to_dict(),
+         "replicas": dataclasses.asdict(ra)}, indent=2))
+    mode = f"DiLoCo every {H} steps" if H > 1 else "HSDP (every step)"
+    print(f"zeropp train: {R} replica groups x {ra.group_size} ranks, {mode}, outer codec "
+          f"{ns.outer_codec}, model {a.model}, {a.steps} steps; run directory {run_dir}",
+          flush=True)
+    try:
+        groups = run_replicas(a, cfg, ra, run_dir, tokens, vocab)
+    except RuntimeError as e:
+        print(f"zeropp train failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        tokens.unlink(missing_ok=True)
+    from ..train.report import plot_replicas
+    drew = plot_replicas(groups, run_dir / "loss.png",
+                         f"zeropp + torchft: {R} replicas, {mode}, {ns.outer_codec}")
+    lines = ["| replica | steps logged | committed syncs | min participants | final val loss "
+             "| cross-node MB/step |", "|---|---|---|---|---|---|"]
+    for g, rows in groups.items():
+        syncs = [r for r in rows if r["committed"] is not None]
+        vals = [r["val_loss"] for r in rows if "val_loss" in r]
+        mb = sum(r["cross_node_bytes"] for r in rows) / max(1, len(rows)) / 1e6
+        lines.append(f"| {g} | {len(rows)} | {sum(r['committed'] for r in syncs)}/{len(syncs)} "
+                     f"| {min((r['participants'] for r in syncs), default=0)} | "
+                     f"{vals[-1] if vals else float('nan'):.4f} | {mb:.3f} |")
+    (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines))
+    print(f"Files in {run_dir}/: config.json, replica<g>/metrics.jsonl, summary.md"
+          + (", loss.png" if drew else " (no plot: matplotlib is not installed)"))
     return 0
 
 

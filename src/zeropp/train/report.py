@@ -59,3 +59,39 @@ def plot(curves: dict[str, list[dict]], path: Path, title: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_replicas(groups: dict[int, list[dict]], path: Path, title: str) -> bool:
+    """`zeropp train --replicas`: each group's loss, the participants of every sync
+    and the cross-node MB each step, one panel each."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax, axp, axb) = plt.subplots(3, 1, figsize=(8, 7), sharex=True,
+                                       gridspec_kw={"height_ratios": [3, 1, 1]})
+    for g, rows in groups.items():
+        line, = ax.plot([r["step"] for r in rows], [r["train_loss"] for r in rows], lw=1,
+                        alpha=0.8, label=f"replica {g} train")
+        v = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        if v:
+            ax.plot(*zip(*v), "o--", color=line.get_color(), ms=4, label=f"replica {g} val")
+        p = [(r["step"], r["participants"]) for r in rows if r.get("participants")]
+        if p:
+            axp.step(*zip(*p), where="post", color=line.get_color(), label=f"replica {g}")
+        axb.plot([r["step"] for r in rows], [r["cross_node_bytes"] / 1e6 for r in rows],
+                 lw=1, color=line.get_color())
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    axp.set_ylabel("participants")
+    axb.set_ylabel("cross-node MB")
+    axb.set_xlabel("step")
+    for a in (ax, axp, axb):
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

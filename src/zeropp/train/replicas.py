@@ -1,0 +1,326 @@
+"""`zeropp train --replicas R`: R replica groups that may fail, zeropp inside each,
+torchft across them.
+
+Each replica group is its own torch.distributed world of `group_size` ranks (one
+emulated node) training one model sharded by zeropp. torchft's Manager, one per
+rank, joins the rank to the ranks of the same index in the other groups through
+a lighthouse (started by the launcher, `torchft_lighthouse`) and a process group
+wrapped by `zeropp.ft.wrap`, so what crosses between groups is zeropp's codec:
+- `sync_every` 1: fault-tolerant HSDP. Every step each rank's gradient shards are
+  averaged across the groups (torchft's OptimizerWrapper commits the step or not).
+- `sync_every` H > 1: DiLoCo (torchft's): H inner AdamW steps, then the groups
+  average their pseudo-gradients and an outer Nesterov SGD (lr 0.7, momentum 0.9)
+  moves the shared weights.
+`kill_at` SIGKILLs every rank of the last group at the start of that step; the
+launcher starts it again once a survivor has taken `restart_after` more steps, and
+it heals from a live group (weights, optimizer state, DiLoCo's global weights and
+outer optimizer) before its first committed step. Rank 0 of each group writes
+RUN/replica<g>/metrics.jsonl: loss, participants, committed, cross-node bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import zeropp
+
+from .data import get_batch, split_tokens
+from .loop import TrainArgs, _val_loss, build_model, lr_at
+
+
+@dataclass
+class ReplicaArgs:
+    replicas: int = 2
+    group_size: int = 2           # ranks per replica group (one emulated node)
+    sync_every: int = 1           # H: 1 = HSDP every step, > 1 = DiLoCo
+    outer_codec: str = "2bit"     # zeropp.ft codec between the groups
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    kill_at: Optional[int] = None  # step at whose start the last group is SIGKILLed
+    restart_after: int = 30       # survivor steps before the killed group restarts
+    timeout_s: float = 20.0       # torchft's collective and quorum timeouts
+    digest: bool = False          # log a CRC of each group's weights + optimizer state
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_lighthouse(log: Path, min_replicas: int = 1) -> tuple[subprocess.Popen, str]:
+    """torchft's lighthouse, the membership service, as its own process (its log in `log`)."""
+    exe = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) \
+        or shutil.which("torchft_lighthouse")
+    if exe is None:
+        raise RuntimeError("torchft_lighthouse not found: pip install 'zeropp[ft]'")
+    port = _free_port()
+    proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--quorum_tick_ms", "100",
+                             "--join_timeout_ms", "5000", "--bind", f"[::]:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "ab"),  # noqa: SIM115
+                            env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "info")))
+    deadline = time.time() + 30
+    while time.time() < deadline:  # serving once it accepts a connection
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}") from None
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("torchft_lighthouse did not start listening within 30 s")
+
+
+def _digest(tensors: list[torch.Tensor]) -> int:
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def _opt_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def _group_crc(tensors: list[torch.Tensor]) -> int:
+    """One CRC over every rank's shards of the group (ranks in order)."""
+    mine = torch.tensor([_digest(tensors)], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return zlib.crc32(torch.cat(every).numpy().tobytes())
+
+
+def replica_worker(rank: int, group: int, port: int, lighthouse: str, a: TrainArgs,
+                   cfg: zeropp.Config, ra: ReplicaArgs, run_dir: str, tokens_file: str,
+                   vocab: int, attempt: int) -> None:
+    os.environ.setdefault("RUST_LOG", "error")  # torchft's quorum chatter, every step
+    logging.getLogger("torchft").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.optim import OptimizerWrapper
+    from torchft.process_group import ProcessGroupGloo
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ra.group_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ra.group_size, timeout=timedelta(seconds=300))
+    out = Path(run_dir) / f"replica{group}"
+    ids = torch.load(tokens_file, weights_only=True).long()
+    train_ids, val_ids = split_tokens(ids, a.seq_len)
+    model = build_model(a, vocab)
+    zeropp.shard(model, cfg)
+    inner = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
+                              betas=(0.9, 0.95))
+    params = dict(model.named_parameters())
+
+    def state_dict() -> dict:
+        return {"model": {k: p.detach().clone() for k, p in params.items()},
+                "inner": inner.state_dict()}
+
+    def load_state_dict(sd: dict) -> None:
+        with torch.no_grad():  # in place: zeropp's version counters see the new weights
+            for k, p in params.items():
+                p.copy_(sd["model"][k])
+        inner.load_state_dict(sd["inner"])
+
+    if attempt > 0:  # started early (imports, model) and held until the launcher says go
+        while not (out / "go").exists():
+            time.sleep(0.05)
+    pg = zeropp.ft.wrap(ProcessGroupGloo(timeout=timedelta(seconds=ra.timeout_s)),
+                        ra.outer_codec)
+    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict,
+                      state_dict=state_dict, replica_id=f"replica{group}",
+                      store_addr="127.0.0.1", store_port=port, rank=rank,
+                      world_size=ra.group_size, lighthouse_addr=lighthouse,
+                      timeout=timedelta(seconds=ra.timeout_s),
+                      quorum_timeout=timedelta(seconds=3 * ra.timeout_s),
+                      use_async_quorum=False)
+    H = ra.sync_every
+    diloco = outer = None
+    if H > 1:
+        outer = torch.optim.SGD(model.parameters(), lr=ra.outer_lr,
+                                momentum=ra.outer_momentum, nesterov=True)
+        diloco = DiLoCo(manager, [model], inner, outer, sync_every=H, pin_memory=False)
+        diloco.__enter__()
+        opt = inner
+    else:
+        opt = OptimizerWrapper(manager, inner)
+    if attempt == 0:  # every group's first quorum holds all of them: none starts alone
+        (out / f"ready{rank}").touch()
+        while len(list(Path(run_dir).glob("replica*/ready*"))) < ra.replicas * ra.group_size:
+            time.sleep(0.05)
+    metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
+    try:
+        local = 0  # DiLoCo: inner steps since this process started
+        while True:
+            step = manager.current_step() * H + (local % H if H > 1 else 0)
+            if ra.kill_at is not None and attempt == 0 and group == ra.replicas - 1 \
+                    and step == ra.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # the whole group dies here, every rank
+            t0 = time.perf_counter()
+            zeropp.reset_comm_stats(pg)
+            opt.zero_grad()  # HSDP: OptimizerWrapper starts the step's quorum here (a
+            step = manager.current_step() * H + (local % H if H > 1 else 0)  # healed step)
+            if step >= a.steps:
+                break
+            for g in inner.param_groups:
+                g["lr"] = lr_at(step, a)
+            gen = torch.Generator().manual_seed(a.seed * 100_003 + group * 1009 + rank * 7 + step)
+            x, y = get_batch(train_ids, a.batch, a.seq_len, gen)
+            _, loss = model(x, y)
+            loss.backward()
+            if H == 1:  # the replicas' mean of each gradient shard: zeropp's codec
+                for w in [manager.allreduce(p.grad) for p in model.parameters()]:
+                    w.wait()
+            zeropp.clip_grad_norm_(model, a.clip)
+            before = manager.current_step()
+            opt.step()  # HSDP: commits or not; DiLoCo: every H-th one syncs
+            local += 1
+            synced = H == 1 or local % H == 0
+            committed = manager.current_step() > before
+            if synced and committed:  # a healed replica's sync lands it on the others' step
+                step = manager.current_step() * H - 1
+            if H > 1 and synced:
+                zeropp.refresh(model)  # DiLoCo wrote the weights through .data
+            s = zeropp.comm_stats(pg)
+            v = torch.tensor([loss.item() / ra.group_size, s["inter_node_bytes"]],
+                             dtype=torch.float64)
+            dist.all_reduce(v)
+            row = {"step": step, "train_loss": v[0].item(), "cross_node_bytes": v[1].item(),
+                   "participants": manager.num_participants() if synced else None,
+                   "committed": committed if synced else None,
+                   "manager_step": manager.current_step(), "attempt": attempt,
+                   "step_time": time.perf_counter() - t0}
+            if ra.digest and synced:
+                row["digest"] = _group_crc(list(params.values()) + _opt_tensors(
+                    outer if outer is not None else inner))
+            if (step + 1) % a.eval_every == 0 or step + 1 >= a.steps:
+                if H == 1 or synced:
+                    row["val_loss"] = _val_loss(model, val_ids, a, rank, ra.group_size)
+            if metrics is not None:
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                if step % a.log_every == 0:
+                    print(f"replica {group} step {step:5d} | loss {row['train_loss']:.3f} | "
+                          f"participants {row['participants']} | cross-node "
+                          f"{row['cross_node_bytes'] / 1e6:.3f} MB", flush=True)
+    finally:
+        if metrics is not None:
+            metrics.close()
+        if diloco is not None:
+            diloco.__exit__(None, None, None)
+        manager.shutdown(wait=False)
+        dist.destroy_process_group()
+
+
+def _entry(rank: int, *args) -> None:
+    try:
+        replica_worker(rank, *args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def _start_group(ctx, group: int, lighthouse: str, a, cfg, ra, run_dir, tokens_file, vocab,
+                 attempt: int) -> list:
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, group, port, lighthouse, a, cfg, ra, run_dir,
+                                              tokens_file, vocab, attempt), daemon=True)
+             for r in range(ra.group_size)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _last_step(f: Path) -> int:
+    try:
+        lines = f.read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else -1
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def run_replicas(a: TrainArgs, cfg: zeropp.Config, ra: ReplicaArgs, run_dir: Path,
+                 tokens_file: Path, vocab: int, timeout: float = 3600.0) -> dict:
+    """Start the lighthouse and every replica group; kill and restart one if asked;
+    return each group's metrics rows. Raises RuntimeError naming a group that failed."""
+    ctx = mp.get_context("spawn")
+    lh, addr = start_lighthouse(run_dir / "lighthouse.log")
+    groups: dict[int, list] = {}
+    restarted = ra.kill_at is None
+    try:
+        for g in range(ra.replicas):
+            (run_dir / f"replica{g}").mkdir(parents=True, exist_ok=True)
+            groups[g] = _start_group(ctx, g, addr, a, cfg, ra, str(run_dir), str(tokens_file),
+                                     vocab, 0)
+        deadline = time.time() + timeout
+        victim = ra.replicas - 1
+        go = run_dir / f"replica{victim}" / "go"
+
+        def check() -> None:
+            for g, ps in groups.items():
+                bad = [p.exitcode for p in ps if p.exitcode not in (None, 0)]
+                killed = g == victim and not restarted and all(
+                    p.exitcode == -signal.SIGKILL for p in ps)
+                if bad and not killed:
+                    raise RuntimeError(f"replica group {g} failed (exit codes "
+                                       f"{[p.exitcode for p in ps]}); see its traceback above")
+
+        while any(p.is_alive() for ps in groups.values() for p in ps):
+            if time.time() > deadline:
+                raise RuntimeError(f"replica groups still running after {timeout:.0f} s")
+            check()
+            if not restarted and all(p.exitcode == -signal.SIGKILL for p in groups[victim]):
+                # the new processes start at once and wait, ready, for the survivors' step
+                groups[victim] = _start_group(ctx, victim, addr, a, cfg, ra, str(run_dir),
+                                              str(tokens_file), vocab, 1)
+                restarted = True
+            if restarted and ra.kill_at is not None and not go.exists():
+                survivor = max(_last_step(run_dir / f"replica{g}" / "metrics.jsonl")
+                               for g in range(ra.replicas - 1))
+                if not any(p.is_alive() for g in range(ra.replicas - 1) for p in groups[g]):
+                    print(f"the survivors finished before step {ra.kill_at + ra.restart_after}"
+                          f": replica group {victim} is not restarted", flush=True)
+                    for p in groups[victim]:
+                        p.kill()
+                        p.join()
+                    groups[victim] = []
+                elif survivor >= ra.kill_at + ra.restart_after - 1:
+                    print(f"replica group {victim} rejoins (survivors at step {survivor + 1})",
+                          flush=True)
+                    go.touch()
+            time.sleep(0.2)
+        check()
+    finally:
+        for ps in groups.values():
+            for p in ps:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+        lh.kill()
+        lh.wait()
+    return {g: [json.loads(x) for x in (run_dir / f"replica{g}" / "metrics.jsonl")
+                .read_text().splitlines()] for g in range(ra.replicas)}
