@@ -6,7 +6,7 @@ a worker takes is a short one and both finish together."""
 from pathlib import Path
 
 LONGEST_FIRST = ["fsdp2/test_fsdp2_nd.py", "engine/test_compile.py", "fsdp2/test_fsdp2.py",
-                 "apps/test_cluster.py", "deepspeed/test_deepspeed_api.py",
+                 "apps/test_cluster.py", "apps/test_replicas.py", "deepspeed/test_deepspeed_api.py",
                  "engine/test_zeropp.py", "deepspeed/test_hf_deepspeed.py",
                  "apps/test_train_cli.py", "apps/test_launch.py", "engine/test_gathered.py",
                  "comm/test_kernels.py", "deepspeed/test_hf_trl.py"]

@@ -14,7 +14,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 # Around the core: the front doors and the tools built on the engine.
 NOT_CORE = ("zeropp", "zeropp.__main__")
-NOT_CORE_PACKAGES = ("zeropp.deepspeed", "zeropp.train", "zeropp.bench", "zeropp.cli")
+NOT_CORE_PACKAGES = ("zeropp.deepspeed", "zeropp.train", "zeropp.bench", "zeropp.cli", "zeropp.ft")
 
 
 def _modules() -> dict[str, Path]:
@@ -109,13 +109,14 @@ def test_no_source_file_over_500_lines():
     assert long == {}
 
 
-def test_the_core_stays_within_6050_lines():
+def test_the_core_stays_within_6100_lines():
     """The core a newcomer reads (src/zeropp without the second driver and the layers
-    around it: fsdp2/, deepspeed/, train/, bench/, cli/) at most 6,050 lines."""
+    around it: fsdp2/, deepspeed/, train/, bench/, cli/, ft/) at most 6,100 lines (6,050
+    before the 2-bit codec joined quant.py; issue 63 aims at 5,600)."""
     outside = ("zeropp.fsdp2", *NOT_CORE_PACKAGES)
     lines = sum(len(p.read_text().splitlines()) for m, p in _modules().items()
                 if not m.startswith(outside))
-    assert 3000 < lines <= 6050, lines
+    assert 3000 < lines <= 6100, lines
 
 
 def test_zeropp_fsdp2_is_reachable_after_a_plain_import_zeropp():

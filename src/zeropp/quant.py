@@ -8,18 +8,13 @@ an all-zero block has scale 0 and comes back as exact zeros. Arithmetic is in
 fp32 whatever the input dtype (DeepSpeed's kernels read every input as fp16).
 
 [Note: 2 bits]
-Four levels, no zero: values (2c - 3) * scale for codes c = 0..3, i.e. -3, -1,
-+1, +3 scales (a zero level would leave three and waste a code; error feedback,
-which 2 bits needs, carries what a level misses). The scale is not absmax / 3:
-with so few levels it maps most of a block's values far from their own (a
-block's relative squared error 0.52 on Gaussian values, 20 on Student-t(3));
-rms / 2, the uniform 4-level optimum for a Gaussian, gives 0.12 and 0.33
-(measured over 1000 blocks of 2048), clipping the tails, whose loss error
-feedback sends later. It is capped at absmax / 3 so +3 scales never passes the
-largest value. A value's code is the number of the thresholds -2, 0, +2 scales
-it reaches (>=): comparisons, ties upward. Codes sit four to a byte, element 4i
-in the lowest two bits; blocks are a multiple of 4 elements. An all-zero block
-has scale 0 and decodes to zeros.
+Levels -3, -1, +1, +3 scales, code c for 2c - 3 (no zero level: error feedback,
+which 2 bits needs, carries what a level misses). The scale is min(rms / 2,
+absmax / 3), not absmax / 3, which puts most values far from their level: a
+block's relative squared error 0.12 against 0.52 on Gaussian values, 0.33
+against 20 on Student-t(3) (1000 blocks of 2048). A code counts the thresholds
+-2, 0, +2 scales its value reaches (ties upward); four codes a byte, element 4i
+lowest; blocks a multiple of 4. An all-zero block decodes to zeros.
 """
 
 from __future__ import annotations
@@ -231,10 +226,8 @@ def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor) -> torch.Tensor:
 
 
 def round_blocks2(xc: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """round_blocks at 2 bits (see [Note: 2 bits]): each row's scale, min(rms / 2,
-    absmax / 3) (returned), and into `v` its values' levels -3, -1, +1 or +3. A
-    non-finite block's levels are -3 (code 0); it decodes to non-finite values by
-    its scale."""
+    """round_blocks at 2 bits ([Note: 2 bits]): the scales, and each value's level in
+    `v`; a non-finite block's are -3 (code 0), decoding to non-finite values."""
     absmax = absmax_rows(xc)
     rms = torch.linalg.vector_norm(xc, dim=1).div_(math.sqrt(xc.shape[1]))
     # x^2 past fp32's range makes rms inf while absmax is finite: the cap then holds

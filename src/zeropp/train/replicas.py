@@ -161,7 +161,10 @@ def replica_worker(rank: int, group: int, port: int, lighthouse: str, a: TrainAr
     if H > 1:
         outer = torch.optim.SGD(model.parameters(), lr=ra.outer_lr,
                                 momentum=ra.outer_momentum, nesterov=True)
-        diloco = DiLoCo(manager, [model], inner, outer, sync_every=H, pin_memory=False)
+        # one flat buffer per sync (torchft's bucketization): every value quantized, not
+        # each small tensor sent exact
+        diloco = DiLoCo(manager, [model], inner, outer, sync_every=H, pin_memory=False,
+                        use_bucketization=True)
         diloco.__enter__()
         opt = inner
     else:
@@ -292,6 +295,10 @@ def run_replicas(a: TrainArgs, cfg: zeropp.Config, ra: ReplicaArgs, run_dir: Pat
         while any(p.is_alive() for ps in groups.values() for p in ps):
             if time.time() > deadline:
                 raise RuntimeError(f"replica groups still running after {timeout:.0f} s")
+            if not restarted and any(p.exitcode == -signal.SIGKILL for p in groups[victim]):
+                for p in groups[victim]:  # its ranks kill themselves one by one: the node
+                    p.kill()              # is gone as soon as the first has
+                    p.join()
             check()
             if not restarted and all(p.exitcode == -signal.SIGKILL for p in groups[victim]):
                 # the new processes start at once and wait, ready, for the survivors' step
