@@ -73,16 +73,22 @@ def plot_replicas(groups: dict[int, list[dict]], path: Path, title: str) -> bool
     fig, (ax, axp, axb) = plt.subplots(3, 1, figsize=(8, 7), sharex=True,
                                        gridspec_kw={"height_ratios": [3, 1, 1]})
     for g, rows in groups.items():
-        line, = ax.plot([r["step"] for r in rows], [r["train_loss"] for r in rows], lw=1,
-                        alpha=0.8, label=f"replica {g} train")
-        v = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-        if v:
-            ax.plot(*zip(*v), "o--", color=line.get_color(), ms=4, label=f"replica {g} val")
-        p = [(r["step"], r["participants"]) for r in rows if r.get("participants")]
-        if p:
-            axp.step(*zip(*p), where="post", color=line.get_color(), label=f"replica {g}")
-        axb.plot([r["step"] for r in rows], [r["cross_node_bytes"] / 1e6 for r in rows],
-                 lw=1, color=line.get_color())
+        color = f"C{g}"
+        for k in sorted({r["attempt"] for r in rows}):  # a restarted group: from its heal on
+            seg = [r for r in rows if r["attempt"] == k]
+            first = next((i for i, r in enumerate(seg) if r["committed"]), 0) if k else 0
+            seg = seg[first:]
+            label = f"replica {g}" if k == 0 else None
+            ax.plot([r["step"] for r in seg], [r["train_loss"] for r in seg], lw=1, alpha=0.8,
+                    color=color, label=label and f"{label} train")
+            v = [(r["step"], r["val_loss"]) for r in seg if "val_loss" in r]
+            if v:
+                ax.plot(*zip(*v), "o", color=color, ms=4, label=label and f"{label} val")
+            p = [(r["step"], r["participants"]) for r in seg if r.get("participants")]
+            if p:
+                axp.step(*zip(*p), where="post", color=color, label=label)
+            axb.plot([r["step"] for r in seg], [r["cross_node_bytes"] / 1e6 for r in seg],
+                     lw=1, color=color)
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
     ax.legend(fontsize=8)
