@@ -4,7 +4,9 @@ Each node is a namespace `<prefix><i>` with one veth `cl0` (address
 10.77.0.<i+1>) plugged into a bridge in a switch namespace `<prefix>sw`. Both
 directions of every node's link are capped with `tbf` at `rate`; traffic
 between the ranks of one node stays on that namespace's loopback, unshaped.
-The interface byte counters of `cl0` (read inside the namespace) are the
+With a `delay`, `cl0` is a TUN device instead and `relay.py`, a userspace
+switch, holds each packet for the delay (the kernel here has no netem). The
+interface byte counters of `cl0` (read inside the namespace) are the
 ground truth for what crossed nodes. Needs root and `ip netns` (iproute2);
 `available()` says why not otherwise.
 
@@ -20,10 +22,12 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Optional
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
+_DELAY = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
 MAX_NODES = 253  # 10.77.0.1 .. 10.77.0.253 on one /24
 
 
@@ -37,6 +41,38 @@ def parse_rate(rate: str) -> str:
         raise ValueError(f"unparsable link rate {rate!r}; use a number followed by bit, kbit, "
                          "mbit or gbit, e.g. 100mbit or 1gbit")
     return rate.strip().lower()
+
+
+def parse_delay(delay) -> float:
+    """A one-way link delay such as 50ms (or seconds as a number), in seconds."""
+    if isinstance(delay, (int, float)) and not isinstance(delay, bool) and 0 <= delay < 10:
+        return float(delay)
+    m = _DELAY.match(delay.strip().lower()) if isinstance(delay, str) else None
+    if m is None:
+        raise ValueError(f"unparsable link delay {delay!r}; use a number followed by us, ms "
+                         "or s, e.g. 50ms")
+    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
+
+
+def enter_netns(name: str, hostname: Optional[str] = None) -> None:
+    """Move the calling thread, and every thread it starts from now on, into network
+    namespace `name` (what `ip netns exec` does for a new process). `hostname`: also
+    a UTS namespace of its own whose host name is that (the node's address), for code
+    that advertises `socket.gethostname()` to its peers, as torchft's stores do."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise ClusterError(f"cannot enter network namespace {name}: "
+                               f"{os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+    if hostname is not None:
+        if libc.unshare(0x04000000) != 0 or libc.sethostname(  # CLONE_NEWUTS
+                hostname.encode(), len(hostname)) != 0:
+            raise ClusterError(f"cannot give node {name} the host name {hostname}: "
+                               f"{os.strerror(ctypes.get_errno())}")
 
 
 def available() -> tuple[bool, str]:
@@ -82,14 +118,18 @@ def leftovers(prefix: str) -> list[str]:
 
 
 class Cluster:
-    def __init__(self, nodes: int, rate: Optional[str] = "100mbit", prefix: str = "zpp") -> None:
-        """`rate` None: unshaped links (veth speed; a compute baseline)."""
+    def __init__(self, nodes: int, rate: Optional[str] = "100mbit", prefix: str = "zpp",
+                 delay=0.0) -> None:
+        """`rate` None: unshaped links (veth speed; a compute baseline). `delay`: each
+        packet's one-way delay between two nodes (e.g. "50ms": a 100 ms round trip)."""
         if not isinstance(nodes, int) or not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"nodes={nodes!r} is invalid; the emulated subnet holds 1 to "
                              f"{MAX_NODES} nodes")
         self.nodes, self.prefix = nodes, prefix
         self.rate = None if rate is None else parse_rate(rate)
         self.switch = f"{prefix}sw"
+        self.delay = parse_delay(delay)
+        self.relay: Optional[subprocess.Popen] = None
 
     def ns(self, i: int) -> str:
         return f"{self.prefix}{i}"
@@ -104,6 +144,9 @@ class Cluster:
             raise ClusterError(why)
         self.teardown()  # a killed run's namespaces must not break this one
         try:
+            if self.delay > 0:
+                self._tun_links()
+                return self
             _ip("netns", "add", self.switch)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
             _ip("-n", self.switch, "link", "set", "br0", "up")
@@ -124,10 +167,39 @@ class Cluster:
             raise
         return self
 
+    def _tun_links(self) -> None:
+        for i in range(self.nodes):
+            ns = self.ns(i)
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "tuntap", "add", "dev", "cl0", "mode", "tun")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", "cl0", "up")
+            _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "cl0")
+            if self.rate is not None:
+                _tc(ns, "cl0", self.rate)  # uplink; the relay serializes the downlink
+        rate = float("inf") if self.rate is None else rate_bytes_per_s(self.rate)
+        self.relay = subprocess.Popen(
+            [sys.executable, "-m", "zeropp.bench.relay", self.prefix, str(self.nodes),
+             repr(self.delay), repr(rate)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True)
+        if self.relay.stdout.readline().strip() != "ready":
+            self.relay.kill()
+            self.relay.wait()
+            raise ClusterError("the link relay (zeropp.bench.relay) did not start; its error "
+                               "is above")
+
     def __exit__(self, *exc) -> None:
         self.teardown()
 
     def teardown(self) -> None:
+        if self.relay is not None:
+            self.relay.stdin.close()  # its signal to stop
+            try:
+                self.relay.wait(5)
+            except subprocess.TimeoutExpired:
+                self.relay.kill()
+                self.relay.wait()
+            self.relay = None
         for name in leftovers(self.prefix):
             for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True,
                                       text=True).stdout.split():

@@ -82,6 +82,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="with --replicas: SIGKILL the last group at STEP, restart it "
                         "--restart-after steps later; it heals from a live group")
     g.add_argument("--restart-after", type=int, default=30)
+    g.add_argument("--link", default=None, metavar="RATE",
+                   help="with --replicas: each group on an emulated node (a network namespace; "
+                        "root), the links between them at RATE, e.g. 10mbit")
+    g.add_argument("--link-delay", default="0ms", metavar="DELAY",
+                   help="with --link: each packet's one-way delay between nodes, e.g. 50ms "
+                        "(a 100 ms round trip)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save-every", type=int, default=d.save_every,
                    help=f"steps between checkpoints in RUN/checkpoints (0: only the last; "
@@ -313,6 +319,16 @@ def run_replica_train(ns: argparse.Namespace) -> int:
     a = train_args_from(ns)
     if H > 1 and a.steps % H:
         raise UsageError(f"--steps {a.steps} must be a multiple of --sync-every {H}")
+    cluster = None
+    if ns.link is not None:
+        from ..bench.cluster import Cluster, available
+        ok, why = available()
+        if not ok:
+            raise UsageError(f"--link needs the emulated cluster: {why}")
+        try:
+            cluster = Cluster(R, ns.link, prefix="zppr", delay=ns.link_delay)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     k = ns.kill_replica_at
     if k is not None and not (0 < k < a.steps - 1):
         raise UsageError(f"--kill-replica-at {k} must be between 1 and --steps - 2")
@@ -338,7 +354,11 @@ def run_replica_train(ns: argparse.Namespace) -> int:
           f"{ns.outer_codec}, model {a.model}, {a.steps} steps; run directory {run_dir}",
           flush=True)
     try:
-        groups = run_replicas(a, cfg, ra, run_dir, tokens, vocab)
+        if cluster is None:
+            groups = run_replicas(a, cfg, ra, run_dir, tokens, vocab)
+        else:
+            with cluster:
+                groups = run_replicas(a, cfg, ra, run_dir, tokens, vocab, cluster=cluster)
     except RuntimeError as e:
         print(f"zeropp train failed: {e}", file=sys.stderr, flush=True)
         return 1

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 import zeropp
 
+from ..bench.cluster import enter_netns
 from .data import get_batch, split_tokens
 from .loop import TrainArgs, _val_loss, build_model, lr_at
 
@@ -67,27 +68,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_lighthouse(log: Path, min_replicas: int = 1) -> tuple[subprocess.Popen, str]:
-    """torchft's lighthouse, the membership service, as its own process (its log in `log`)."""
+def start_lighthouse(log: Path, min_replicas: int = 1, netns: Optional[str] = None,
+                     host: str = "127.0.0.1") -> tuple[subprocess.Popen, str]:
+    """torchft's lighthouse, the membership service, as its own process (its log in
+    `log`); inside network namespace `netns` (an emulated node at `host`) when given."""
     exe = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) \
         or shutil.which("torchft_lighthouse")
     if exe is None:
         raise RuntimeError("torchft_lighthouse not found: pip install 'zeropp[ft]'")
     port = _free_port()
-    proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--quorum_tick_ms", "100",
-                             "--join_timeout_ms", "5000", "--bind", f"[::]:{port}"],
+    where = [] if netns is None else ["ip", "netns", "exec", netns]
+    proc = subprocess.Popen([*where, exe, "--min_replicas", str(min_replicas),
+                             "--quorum_tick_ms", "100", "--join_timeout_ms", "5000",
+                             "--bind", f"[::]:{port}"],
                             stdout=subprocess.DEVNULL, stderr=open(log, "ab"),  # noqa: SIM115
                             env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "info")))
+    probe = [*where, "bash", "-c", f"exec 3<>/dev/tcp/{host}/{port}"]
     deadline = time.time() + 30
     while time.time() < deadline:  # serving once it accepts a connection
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}") from None
-            time.sleep(0.1)
+        if subprocess.run(probe, capture_output=True).returncode == 0:
+            return proc, f"http://{host}:{port}"
+        if proc.poll() is not None:
+            raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}")
+        time.sleep(0.1)
     proc.kill()
+    proc.wait()
     raise RuntimeError("torchft_lighthouse did not start listening within 30 s")
 
 
@@ -110,9 +115,9 @@ def _group_crc(tensors: list[torch.Tensor]) -> int:
     return zlib.crc32(torch.cat(every).numpy().tobytes())
 
 
-def replica_worker(rank: int, group: int, port: int, lighthouse: str, a: TrainArgs,
-                   cfg: zeropp.Config, ra: ReplicaArgs, run_dir: str, tokens_file: str,
-                   vocab: int, attempt: int) -> None:
+def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
+                   a: TrainArgs, cfg: zeropp.Config, ra: ReplicaArgs, run_dir: str,
+                   tokens_file: str, vocab: int, attempt: int) -> None:
     os.environ.setdefault("RUST_LOG", "error")  # torchft's quorum chatter, every step
     logging.getLogger("torchft").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -123,7 +128,7 @@ def replica_worker(rank: int, group: int, port: int, lighthouse: str, a: TrainAr
 
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ra.group_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=ra.group_size, timeout=timedelta(seconds=300))
     out = Path(run_dir) / f"replica{group}"
     ids = torch.load(tokens_file, weights_only=True).long()
@@ -151,7 +156,7 @@ def replica_worker(rank: int, group: int, port: int, lighthouse: str, a: TrainAr
                         ra.outer_codec)
     manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict,
                       state_dict=state_dict, replica_id=f"replica{group}",
-                      store_addr="127.0.0.1", store_port=port, rank=rank,
+                      store_addr=host, store_port=port, rank=rank, hostname=host,
                       world_size=ra.group_size, lighthouse_addr=lighthouse,
                       timeout=timedelta(seconds=ra.timeout_s),
                       quorum_timeout=timedelta(seconds=3 * ra.timeout_s),
@@ -237,8 +242,11 @@ def replica_worker(rank: int, group: int, port: int, lighthouse: str, a: TrainAr
         dist.destroy_process_group()
 
 
-def _entry(rank: int, *args) -> None:
+def _entry(rank: int, netns: Optional[str], *args) -> None:
     try:
+        if netns is not None:  # an emulated node: gloo and torchft on its link
+            enter_netns(netns, hostname=args[1])
+            os.environ["GLOO_SOCKET_IFNAME"] = "cl0"
         replica_worker(rank, *args)
     except BaseException:
         traceback.print_exc()
@@ -248,10 +256,13 @@ def _entry(rank: int, *args) -> None:
 
 
 def _start_group(ctx, group: int, lighthouse: str, a, cfg, ra, run_dir, tokens_file, vocab,
-                 attempt: int) -> list:
+                 attempt: int, cluster=None) -> list:
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, group, port, lighthouse, a, cfg, ra, run_dir,
-                                              tokens_file, vocab, attempt), daemon=True)
+    netns, host = (None, "127.0.0.1") if cluster is None else (cluster.ns(group),
+                                                               cluster.addr(group))
+    procs = [ctx.Process(target=_entry, args=(r, netns, group, host, port, lighthouse, a, cfg,
+                                              ra, run_dir, tokens_file, vocab, attempt),
+                         daemon=True)
              for r in range(ra.group_size)]
     for p in procs:
         p.start()
@@ -267,18 +278,25 @@ def _last_step(f: Path) -> int:
 
 
 def run_replicas(a: TrainArgs, cfg: zeropp.Config, ra: ReplicaArgs, run_dir: Path,
-                 tokens_file: Path, vocab: int, timeout: float = 3600.0) -> dict:
+                 tokens_file: Path, vocab: int, timeout: float = 3600.0, cluster=None) -> dict:
     """Start the lighthouse and every replica group; kill and restart one if asked;
-    return each group's metrics rows. Raises RuntimeError naming a group that failed."""
+    return each group's metrics rows. Raises RuntimeError naming a group that failed.
+    `cluster` (an entered `zeropp.bench.cluster.Cluster` of `replicas` nodes): group g
+    runs on node g, the lighthouse on node 0, everything between groups on the links."""
     ctx = mp.get_context("spawn")
-    lh, addr = start_lighthouse(run_dir / "lighthouse.log")
+    if cluster is not None and cluster.nodes != ra.replicas:
+        raise ValueError(f"the cluster has {cluster.nodes} nodes for {ra.replicas} replica "
+                         "groups; give one node per group")
+    lh, addr = start_lighthouse(run_dir / "lighthouse.log",
+                                netns=None if cluster is None else cluster.ns(0),
+                                host="127.0.0.1" if cluster is None else cluster.addr(0))
     groups: dict[int, list] = {}
     restarted = ra.kill_at is None
     try:
         for g in range(ra.replicas):
             (run_dir / f"replica{g}").mkdir(parents=True, exist_ok=True)
             groups[g] = _start_group(ctx, g, addr, a, cfg, ra, str(run_dir), str(tokens_file),
-                                     vocab, 0)
+                                     vocab, 0, cluster)
         deadline = time.time() + timeout
         victim = ra.replicas - 1
         go = run_dir / f"replica{victim}" / "go"
@@ -303,7 +321,7 @@ def run_replicas(a: TrainArgs, cfg: zeropp.Config, ra: ReplicaArgs, run_dir: Pat
             if not restarted and all(p.exitcode == -signal.SIGKILL for p in groups[victim]):
                 # the new processes start at once and wait, ready, for the survivors' step
                 groups[victim] = _start_group(ctx, victim, addr, a, cfg, ra, str(run_dir),
-                                              str(tokens_file), vocab, 1)
+                                              str(tokens_file), vocab, 1, cluster)
                 restarted = True
             if restarted and ra.kill_at is not None and not go.exists():
                 survivor = max(_last_step(run_dir / f"replica{g}" / "metrics.jsonl")
