@@ -277,13 +277,13 @@ def _task_losses(runs: dict, steps: int):
 
 
 def test_each_technique_and_all_three_reach_zero3_loss_within_3pct():
-    """100 steps of the counting task at W=4 (2 nodes x 2): the mean loss of the
+    """60 steps of the counting task at W=4 (2 nodes x 2): the mean loss of the
     last 10 steps of each configuration within 3% of ZeRO-3's (fp32), and all
     three with bf16 compute within 3% too. (hpZ alone gives ZeRO-3's bits: see
     test_hpz_alone_trains_bit_identically_to_zero3.)"""
     runs = {k: v for k, v in CONFIGS.items() if k != "hpz"}
     runs["zeropp-bf16"] = dict(CONFIGS["zeropp"], param_dtype=torch.bfloat16)
-    curves = spawn(_task_losses, 4, 2, args=(runs, 100), timeout=400)[0]
+    curves = spawn(_task_losses, 4, 2, args=(runs, 60), timeout=400)[0]
     final = {name: sum(c[-10:]) / 10 for name, c in curves.items()}
     for name, c in curves.items():
         assert c[-1] < 0.5 * c[0], (name, c[0], c[-1])  # it learnt

@@ -15,7 +15,7 @@ import zeropp
 from zeropp.cli.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
-STEPS = 40
+STEPS = 25
 NODE_STEPS = 10  # reshard_after_forward at the node size: against zeropp's first 10 steps
 
 
@@ -100,7 +100,7 @@ def test_every_rank_computes_with_the_same_weights(runs):
 
 
 @pytest.mark.parametrize("preset", ["zeropp", "zeropp-plus"])
-def test_reaches_98pct_of_stock_fsdp2s_loss_drop_in_40_steps(runs, preset):
+def test_reaches_98pct_of_stock_fsdp2s_loss_drop_in_25_steps(runs, preset):
     assert_loss_drop(runs[0][preset]["losses"], runs[0]["stock"]["losses"])
 
 

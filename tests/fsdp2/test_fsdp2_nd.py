@@ -44,7 +44,7 @@ from torch import nn
 from zeropp.cli.launch import spawn
 from zeropp.train.model import GPT, GPTConfig
 
-STEPS = 30
+STEPS = 20
 HOOKED = 8  # steps of the HSDP run with a user's hook (its losses against the first 8)
 
 
