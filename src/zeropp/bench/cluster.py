@@ -18,6 +18,7 @@ and waited for.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -130,6 +131,9 @@ class Cluster:
         self.switch = f"{prefix}sw"
         self.delay = parse_delay(delay)
         self.relay: Optional[subprocess.Popen] = None
+        # with a delay, after the cluster is torn down: (src node, dst node, sport, dport,
+        # IP bytes, TCP payload bytes) of every flow the relay carried
+        self.flows: list[tuple[int, int, int, int, int, int]] = []
 
     def ns(self, i: int) -> str:
         return f"{self.prefix}{i}"
@@ -188,15 +192,23 @@ class Cluster:
             raise ClusterError("the link relay (zeropp.bench.relay) did not start; its error "
                                "is above")
 
+    def flow_bytes(self) -> list[tuple[int, int, int, int, int, int]]:
+        """With a delay: the flows the relay has carried so far (see `flows`)."""
+        if self.relay is None:
+            raise ClusterError("flow_bytes needs a cluster with a delay (the relay counts)")
+        self.relay.stdin.write("\n")
+        self.relay.stdin.flush()
+        return [tuple(f) for f in json.loads(self.relay.stdout.readline())]
+
     def __exit__(self, *exc) -> None:
         self.teardown()
 
     def teardown(self) -> None:
         if self.relay is not None:
-            self.relay.stdin.close()  # its signal to stop
-            try:
-                self.relay.wait(5)
-            except subprocess.TimeoutExpired:
+            try:  # stdin closing is its signal to stop; it answers with its flows
+                out, _ = self.relay.communicate(timeout=10)
+                self.flows = [tuple(f) for f in json.loads(out.splitlines()[-1])]
+            except (subprocess.TimeoutExpired, ValueError, IndexError):
                 self.relay.kill()
                 self.relay.wait()
             self.relay = None

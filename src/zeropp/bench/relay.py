@@ -9,7 +9,9 @@ short drop-tail queue as tbf's `latency 20ms`). A constant delay and a FIFO per
 destination keep every TCP stream in order.
 
 Run by `Cluster` as `python -m zeropp.bench.relay PREFIX NODES DELAY_S RATE_BYTES_S`;
-it prints `ready` once it holds every node's TUN and runs until stdin closes.
+it prints `ready` once it holds every node's TUN, the bytes it has carried per flow as
+one JSON line for each line it reads on stdin, and stops when stdin closes (printing
+them once more).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import heapq
+import json
 import math
 import os
 import select
@@ -29,7 +32,8 @@ from .cluster import enter_netns
 TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
 CLONE_NEWNET = 0x40000000
-QUEUE_S = 0.02  # downlink queue bound, as `tbf ... latency 20ms`
+QUEUE_S = 0.02    # downlink queue bound beyond its burst, as `tbf ... latency 20ms`
+BURST = 65536     # bytes, as the uplink's `tbf ... burst 65536`: what it may let through at once
 
 
 def open_tun(netns: str, dev: str = "cl0") -> int:
@@ -45,19 +49,25 @@ def open_tun(netns: str, dev: str = "cl0") -> int:
     return fd
 
 
-def relay(fds: list[int], delay: float, rate: float, stop_fd: int) -> None:
-    """Forward IPv4 packets between the nodes' TUNs (node i is 10.77.0.<i+1>)."""
+def relay(fds: list[int], delay: float, rate: float, stop_fd: int, flows: dict) -> None:
+    """Forward IPv4 packets between the nodes' TUNs (node i is 10.77.0.<i+1>), adding
+    each packet's bytes and TCP payload bytes to `flows[(source node, destination node,
+    sport, dport)]` (ports 0 for anything but TCP)."""
     poller = select.poll()
     for fd in fds + [stop_fd]:
         poller.register(fd, select.POLLIN)
     due: list = []           # (deliver at, sequence, destination, packet)
     free_at = [0.0] * len(fds)
     seq = 0
+    queue_s = QUEUE_S + BURST / rate
     while True:
         wait_ms = 1000 if not due else max(0, math.ceil((due[0][0] - time.monotonic()) * 1000))
         for fd, _ in poller.poll(wait_ms):
             if fd == stop_fd:
-                return
+                if not os.read(stop_fd, 4096):
+                    return  # stdin closed: stop
+                print(json.dumps([[*k, *v] for k, v in flows.items()]), flush=True)
+                continue
             while True:
                 try:
                     pkt = os.read(fd, 65536)
@@ -70,8 +80,15 @@ def relay(fds: list[int], delay: float, rate: float, stop_fd: int) -> None:
                     continue
                 now = time.monotonic()
                 start = max(now, free_at[dst])
-                if start - now > QUEUE_S:
+                if start - now > queue_s:
                     continue  # the downlink's queue is full: dropped, TCP backs off
+                ihl = (pkt[0] & 0x0F) * 4
+                tcp = pkt[9] == 6 and len(pkt) >= ihl + 20
+                ports = struct.unpack_from("!HH", pkt, ihl) if tcp else (0, 0)
+                key = (pkt[15] - 1, dst, *ports)
+                f = flows.setdefault(key, [0, 0])  # what is delivered (drops and
+                f[0] += len(pkt)                   # retransmissions: once)
+                f[1] += len(pkt) - ihl - (pkt[ihl + 12] >> 4) * 4 if tcp else 0
                 free_at[dst] = start + len(pkt) / rate
                 heapq.heappush(due, (free_at[dst] + delay, seq, dst, pkt))
                 seq += 1
@@ -88,7 +105,9 @@ def main(argv: list[str]) -> None:
     prefix, nodes, delay, rate = argv[0], int(argv[1]), float(argv[2]), float(argv[3])
     fds = [open_tun(f"{prefix}{i}") for i in range(nodes)]
     print("ready", flush=True)
-    relay(fds, delay, rate, sys.stdin.fileno())
+    flows: dict = {}
+    relay(fds, delay, rate, sys.stdin.fileno(), flows)
+    print(json.dumps([[*k, *v] for k, v in flows.items()]), flush=True)
 
 
 if __name__ == "__main__":

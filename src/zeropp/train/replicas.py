@@ -178,6 +178,8 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
         (out / f"ready{rank}").touch()
         while len(list(Path(run_dir).glob("replica*/ready*"))) < ra.replicas * ra.group_size:
             time.sleep(0.05)
+        time.sleep(1.0)  # every Manager's heartbeats reach the lighthouse (over a link
+        # with delay too) before any asks for a quorum, which would otherwise hold one
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     try:
         local = 0  # DiLoCo: inner steps since this process started
@@ -198,9 +200,12 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
             x, y = get_batch(train_ids, a.batch, a.seq_len, gen)
             _, loss = model(x, y)
             loss.backward()
-            if H == 1:  # the replicas' mean of each gradient shard: zeropp's codec
-                for w in [manager.allreduce(p.grad) for p in model.parameters()]:
-                    w.wait()
+            if H == 1:  # the replicas' mean of the gradient shards, as one flat buffer
+                grads = [p.grad for p in model.parameters()]  # (DDP's bucket: one round
+                flat = torch.cat([g.reshape(-1) for g in grads])  # trip, not one a tensor)
+                manager.allreduce(flat).wait()
+                for g, v in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(v.view_as(g))
             zeropp.clip_grad_norm_(model, a.clip)
             before = manager.current_step()
             opt.step()  # HSDP: commits or not; DiLoCo: every H-th one syncs
@@ -219,7 +224,7 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
                    "participants": manager.num_participants() if synced else None,
                    "committed": committed if synced else None,
                    "manager_step": manager.current_step(), "attempt": attempt,
-                   "step_time": time.perf_counter() - t0}
+                   "step_time": time.perf_counter() - t0, "wall": time.time()}
             if ra.digest and synced:
                 row["digest"] = _group_crc(list(params.values()) + _opt_tensors(
                     outer if outer is not None else inner))
@@ -290,6 +295,7 @@ def run_replicas(a: TrainArgs, cfg: zeropp.Config, ra: ReplicaArgs, run_dir: Pat
     lh, addr = start_lighthouse(run_dir / "lighthouse.log",
                                 netns=None if cluster is None else cluster.ns(0),
                                 host="127.0.0.1" if cluster is None else cluster.addr(0))
+    (run_dir / "lighthouse.txt").write_text(addr + "\n")
     groups: dict[int, list] = {}
     restarted = ra.kill_at is None
     try:
