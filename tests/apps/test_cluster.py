@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from cases import cli_error_line
 
-from zeropp.bench.cluster import Cluster, available, leftovers, parse_rate
+from zeropp.bench.cluster import Cluster, available, leftovers, parse_delay, parse_rate
 from zeropp.bench.run import phase_bound
 
 OK, WHY = available()
@@ -27,6 +27,56 @@ def test_unparsable_rate_is_one_clear_error(bad):
 
 def test_rates_tc_understands_pass():
     assert parse_rate("100mbit") == "100mbit" and parse_rate("1.5Gbit") == "1.5gbit"
+
+
+@pytest.mark.parametrize("bad", ["50", "fast", "-5ms", "50 msec", -1, True])
+def test_unparsable_delay_is_one_clear_error(bad):
+    with pytest.raises(ValueError, match="unparsable link delay"):
+        parse_delay(bad)
+
+
+def test_delays_parse_to_seconds():
+    assert parse_delay("50ms") == 0.05 and parse_delay("250us") == 0.00025
+    assert parse_delay(0) == 0.0
+
+
+_ECHO = """import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("10.77.0.2", 5599)); s.listen(); c, _ = s.accept(); n = 0
+while True:
+    b = c.recv(1 << 16)
+    if not b: break
+    n += len(b)
+    if len(b) == 1: c.sendall(b)  # a ping: answer it
+print(n)"""
+_PING = """import socket, time
+s = socket.create_connection(("10.77.0.2", 5599), timeout=10)
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(5):
+    t = time.perf_counter(); s.sendall(b"p"); s.recv(1); rtts.append(time.perf_counter() - t)
+s.sendall(bytes(1_000_000)); s.close(); print(sorted(rtts)[2])"""
+
+
+@pytest.mark.skipif(not OK, reason=f"no emulated cluster here: {WHY}")
+def test_a_link_with_delay_holds_each_packet_and_counts_the_payload_it_carries():
+    """delay 20ms one way: a TCP ping's median round trip is 40 to 50 ms (it was ~0.05
+    ms unshaped); the relay counts exactly the 1,000,005 bytes of TCP payload node 0
+    sent node 1 on that connection; nothing is left behind."""
+    with Cluster(2, "100mbit", prefix="zppdly", delay="20ms") as c:
+        echo = c.popen(1, [sys.executable, "-c", _ECHO], stdout=subprocess.PIPE, text=True)
+        ping = None
+        for _ in range(50):  # until the echo server listens
+            ping = c.popen(0, [sys.executable, "-c", _PING], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+            if ping.wait(60) == 0:
+                break
+        rtt = float(ping.stdout.read())
+        assert echo.communicate(timeout=60)[0].strip() == "1000005"
+    assert 0.040 <= rtt < 0.050, rtt
+    sent = [f for f in c.flows if f[0] == 0 and f[3] == 5599]
+    assert sum(f[5] for f in sent) == 1_000_005, sent
+    assert leftovers("zppdly") == []
 
 
 def test_more_nodes_than_the_subnet_holds_is_rejected():
