@@ -78,6 +78,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "H > 1 = DiLoCo, an outer Nesterov step every H inner steps")
     g.add_argument("--outer-codec", default="2bit", choices=["fp32", "int8", "int4", "2bit"],
                    help="with --replicas: what crosses between the groups (zeropp.ft.wrap)")
+    g.add_argument("--fragments", type=int, default=1,
+                   help="with --sync-every H: Streaming DiLoCo, the model in F fragments, one "
+                        "synced every H/F steps (F divides H)")
     g.add_argument("--kill-replica-at", type=int, default=None, metavar="STEP",
                    help="with --replicas: SIGKILL the last group at STEP, restart it "
                         "--restart-after steps later; it heals from a live group")
@@ -313,12 +316,24 @@ def run_replica_train(ns: argparse.Namespace) -> int:
         raise UsageError(f"--replicas {R} must be at least 2 and divide --nproc {ns.nproc}")
     if H < 1:
         raise UsageError(f"--sync-every must be at least 1, got {H}")
+    if ns.fragments < 1 or H % ns.fragments:
+        raise UsageError(f"--fragments {ns.fragments} must be at least 1 and divide "
+                         f"--sync-every {H}")
     if ns.compare or ns.resume or ns.max_restarts:
         raise UsageError("--replicas keeps the run going through failures itself; it does not "
                          "take --compare, --resume or --max-restarts")
     a = train_args_from(ns)
-    if H > 1 and a.steps % H:
-        raise UsageError(f"--steps {a.steps} must be a multiple of --sync-every {H}")
+    units = PRESETS[a.model]["n_layer"] + 1 if a.model in PRESETS else None
+    if ns.fragments > 1 and (a.hf_model or units is None or ns.fragments > units):
+        raise UsageError(f"--fragments {ns.fragments}: the fragments are zeropp's units, a "
+                         f"block each plus the embeddings and head ({units or '?'} for "
+                         f"--model {a.model}); give at most that many, and no --hf-model")
+    if H > 1 and a.steps % H:  # end on a sync, where every group holds the same weights
+        rounded = -(-a.steps // H) * H
+        print(f"zeropp train: --steps {a.steps} is not a multiple of --sync-every {H}; "
+              f"running {rounded} ({rounded // H} rounds) so that the run ends on a sync",
+              flush=True)
+        a.steps = rounded
     cluster = None
     if ns.link is not None:
         from ..bench.cluster import Cluster, available
@@ -333,7 +348,8 @@ def run_replica_train(ns: argparse.Namespace) -> int:
     if k is not None and not (0 < k < a.steps - 1):
         raise UsageError(f"--kill-replica-at {k} must be between 1 and --steps - 2")
     ra = ReplicaArgs(replicas=R, group_size=ns.nproc // R, sync_every=H,
-                     outer_codec=ns.outer_codec, kill_at=k, restart_after=ns.restart_after)
+                     outer_codec=ns.outer_codec, kill_at=k, restart_after=ns.restart_after,
+                     fragments=ns.fragments)
     ns.node_size = ra.group_size  # a group is one node: everything between them crosses
     (_, cfg), = configs_from(ns)
     try:
@@ -349,7 +365,8 @@ def run_replica_train(ns: argparse.Namespace) -> int:
     (run_dir / "config.json").write_text(json.dumps(
         {"train": dataclasses.asdict(a), "zeropp": cfg.to_dict(),
          "replicas": dataclasses.asdict(ra)}, indent=2))
-    mode = f"DiLoCo every {H} steps" if H > 1 else "HSDP (every step)"
+    mode = "HSDP (every step)" if H == 1 else f"DiLoCo every {H} steps" + (
+        f" in {ns.fragments} fragments (Streaming)" if ns.fragments > 1 else "")
     print(f"zeropp train: {R} replica groups x {ra.group_size} ranks, {mode}, outer codec "
           f"{ns.outer_codec}, model {a.model}, {a.steps} steps; run directory {run_dir}",
           flush=True)

@@ -60,6 +60,7 @@ class ReplicaArgs:
     restart_after: int = 30       # survivor steps before the killed group restarts
     timeout_s: float = 20.0       # torchft's collective and quorum timeouts
     digest: bool = False          # log a CRC of each group's weights + optimizer state
+    fragments: int = 1            # > 1: Streaming DiLoCo, one fragment synced every H/F steps
 
 
 def _free_port() -> int:
@@ -101,6 +102,26 @@ def _digest(tensors: list[torch.Tensor]) -> int:
     for t in tensors:
         crc = zlib.crc32(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(), crc)
     return crc
+
+
+def _fragments(params: list[torch.Tensor], n: int) -> list[torch.nn.Module]:
+    """`params` in order as `n` contiguous fragments of about equal size (Streaming
+    DiLoCo's; n = 1: the whole model), each a module holding its parameters."""
+    if not 1 <= n <= len(params):
+        raise ValueError(f"fragments={n} is invalid: the model has {len(params)} sharded "
+                         "parameters to split")
+    total, starts, acc = sum(p.numel() for p in params), [0], 0
+    for i, p in enumerate(params[:-1]):
+        acc += p.numel()
+        need = n - len(starts)
+        if need and (acc >= total * len(starts) / n or len(params) - i - 1 == need):
+            starts.append(i + 1)
+    mods = []
+    for a, b in zip(starts, [*starts[1:], len(params)]):
+        m = torch.nn.Module()
+        m.params = torch.nn.ParameterList(params[a:b])
+        mods.append(m)
+    return mods
 
 
 def _opt_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -162,13 +183,15 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
                       quorum_timeout=timedelta(seconds=3 * ra.timeout_s),
                       use_async_quorum=False)
     H = ra.sync_every
+    P = H // ra.fragments  # steps between syncs: of the whole model, or of one fragment
     diloco = outer = None
     if H > 1:
-        outer = torch.optim.SGD(model.parameters(), lr=ra.outer_lr,
-                                momentum=ra.outer_momentum, nesterov=True)
+        frags = _fragments(list(model.parameters()), ra.fragments)
+        outer = [torch.optim.SGD(f.parameters(), lr=ra.outer_lr, momentum=ra.outer_momentum,
+                                 nesterov=True) for f in frags]
         # one flat buffer per sync (torchft's bucketization): every value quantized, not
         # each small tensor sent exact
-        diloco = DiLoCo(manager, [model], inner, outer, sync_every=H, pin_memory=False,
+        diloco = DiLoCo(manager, frags, inner, outer, sync_every=H, pin_memory=False,
                         use_bucketization=True)
         diloco.__enter__()
         opt = inner
@@ -183,15 +206,16 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     try:
         local = 0  # DiLoCo: inner steps since this process started
+        last_sync = {"cross_node_bytes": 0.0}
         while True:
-            step = manager.current_step() * H + (local % H if H > 1 else 0)
+            step = manager.current_step() * P + local % P
             if ra.kill_at is not None and attempt == 0 and group == ra.replicas - 1 \
                     and step == ra.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)  # the whole group dies here, every rank
             t0 = time.perf_counter()
             zeropp.reset_comm_stats(pg)
             opt.zero_grad()  # HSDP: OptimizerWrapper starts the step's quorum here (a
-            step = manager.current_step() * H + (local % H if H > 1 else 0)  # healed step)
+            step = manager.current_step() * P + local % P  # (a healed step)
             if step >= a.steps:
                 break
             for g in inner.param_groups:
@@ -210,10 +234,10 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
             before = manager.current_step()
             opt.step()  # HSDP: commits or not; DiLoCo: every H-th one syncs
             local += 1
-            synced = H == 1 or local % H == 0
+            synced = local % P == 0
             committed = manager.current_step() > before
             if synced and committed:  # a healed replica's sync lands it on the others' step
-                step = manager.current_step() * H - 1
+                step = manager.current_step() * P - 1
             if H > 1 and synced:
                 zeropp.refresh(model)  # DiLoCo wrote the weights through .data
             s = zeropp.comm_stats(pg)
@@ -226,18 +250,23 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
                    "manager_step": manager.current_step(), "attempt": attempt,
                    "step_time": time.perf_counter() - t0, "wall": time.time()}
             if ra.digest and synced:
-                row["digest"] = _group_crc(list(params.values()) + _opt_tensors(
-                    outer if outer is not None else inner))
-            if (step + 1) % a.eval_every == 0 or step + 1 >= a.steps:
-                if H == 1 or synced:
-                    row["val_loss"] = _val_loss(model, val_ids, a, rank, ra.group_size)
+                row["digest"] = _group_crc(list(params.values()) + [
+                    t for o in (outer or [inner]) for t in _opt_tensors(o)])
+            # at the first sync at or after each eval point (DiLoCo's weights are the
+            # groups' common ones only there), and at the end
+            crossed = (step + 1) // a.eval_every > (step + 1 - P) // a.eval_every
+            if synced and (crossed or step + 1 >= a.steps):
+                row["val_loss"] = _val_loss(model, val_ids, a, rank, ra.group_size)
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
+                if synced:
+                    last_sync = row
                 if step % a.log_every == 0:
                     print(f"replica {group} step {step:5d} | loss {row['train_loss']:.3f} | "
-                          f"participants {row['participants']} | cross-node "
-                          f"{row['cross_node_bytes'] / 1e6:.3f} MB", flush=True)
+                          f"participants {manager.num_participants()} | cross-node "
+                          f"{last_sync['cross_node_bytes'] / 1e6:.3f} MB at the last sync",
+                          flush=True)
     finally:
         if metrics is not None:
             metrics.close()
