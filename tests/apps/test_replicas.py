@@ -152,3 +152,28 @@ def test_replica_groups_on_two_emulated_nodes_sync_across_a_link_with_delay(tmp_
     for g, rows in groups.items():
         counted = sum(r["cross_node_bytes"] for r in rows)
         assert 0 < counted <= sum(f[5] for f in c.flows if f[0] == g), (g, counted)
+
+
+def test_fsdp2_with_zeropp_inside_groups_composes_with_torchtitans_replica_hook(tmp_path):
+    """FSDP2 in each group (a block each, then the root), the groups' mean by the all-reduce
+    hook torchtitan's fault-tolerant HSDP sets (dist.all_reduce on torchft's managed
+    group), fp32 between the groups. With zeropp.fsdp2.install(zero3) the 8 steps' losses
+    of both groups are stock FSDP2's exactly (the hook runs on zeropp's reduce-scatter
+    output, as on FSDP2's), and the groups' weights are equal bit for bit every step."""
+    a = TrainArgs(steps=8, batch=4, seq_len=32, model="tiny", eval_every=10**9,
+                  log_every=10**9, warmup=5)
+    ids, vocab = prepare_tokens(a, Path.home() / ".cache" / "zeropp")
+    torch.save(ids.to(torch.int32), tmp_path / "tokens.pt")
+    losses = {}
+    for driver in ("stock-fsdp2", "fsdp2"):
+        ra = ReplicaArgs(replicas=2, group_size=2, sync_every=1, outer_codec="fp32",
+                         digest=True, timeout_s=10, driver=driver)
+        (tmp_path / driver).mkdir()
+        groups = run_replicas(a, named("zero3", 2), ra, tmp_path / driver,
+                              tmp_path / "tokens.pt", vocab, timeout=240)
+        assert [r["digest"] for r in groups[0]] == [r["digest"] for r in groups[1]]
+        assert all(r["committed"] and r["participants"] == 2 for g in groups.values()
+                   for r in g)
+        losses[driver] = [[r["train_loss"] for r in g] for g in groups.values()]
+    assert losses["fsdp2"] == losses["stock-fsdp2"]
+    assert len(losses["fsdp2"][0]) == 8 and losses["fsdp2"][0][-1] < losses["fsdp2"][0][0]

@@ -78,6 +78,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "H > 1 = DiLoCo, an outer Nesterov step every H inner steps")
     g.add_argument("--outer-codec", default="2bit", choices=["fp32", "int8", "int4", "2bit"],
                    help="with --replicas: what crosses between the groups (zeropp.ft.wrap)")
+    g.add_argument("--inside", default="engine", choices=["engine", "fsdp2", "stock-fsdp2"],
+                   help="with --replicas: what shards each group: zeropp's engine, FSDP2 with "
+                        "zeropp.fsdp2.install, or stock FSDP2 (FSDP2: the groups' mean by "
+                        "torchtitan's all-reduce hook; --sync-every 1, no --kill-replica-at)")
     g.add_argument("--fragments", type=int, default=1,
                    help="with --sync-every H: Streaming DiLoCo, the model in F fragments, one "
                         "synced every H/F steps (F divides H)")
@@ -316,6 +320,10 @@ def run_replica_train(ns: argparse.Namespace) -> int:
         raise UsageError(f"--replicas {R} must be at least 2 and divide --nproc {ns.nproc}")
     if H < 1:
         raise UsageError(f"--sync-every must be at least 1, got {H}")
+    if ns.inside != "engine" and (H != 1 or ns.kill_replica_at is not None):
+        raise UsageError(f"--inside {ns.inside} runs HSDP (--sync-every 1) without "
+                         "--kill-replica-at: DiLoCo over DTensors and healing FSDP2's "
+                         "optimizer state are not written")
     if ns.fragments < 1 or H % ns.fragments:
         raise UsageError(f"--fragments {ns.fragments} must be at least 1 and divide "
                          f"--sync-every {H}")
@@ -349,7 +357,7 @@ def run_replica_train(ns: argparse.Namespace) -> int:
         raise UsageError(f"--kill-replica-at {k} must be between 1 and --steps - 2")
     ra = ReplicaArgs(replicas=R, group_size=ns.nproc // R, sync_every=H,
                      outer_codec=ns.outer_codec, kill_at=k, restart_after=ns.restart_after,
-                     fragments=ns.fragments)
+                     fragments=ns.fragments, driver=ns.inside)
     ns.node_size = ra.group_size  # a group is one node: everything between them crosses
     (_, cfg), = configs_from(ns)
     try:

@@ -61,6 +61,9 @@ class ReplicaArgs:
     timeout_s: float = 20.0       # torchft's collective and quorum timeouts
     digest: bool = False          # log a CRC of each group's weights + optimizer state
     fragments: int = 1            # > 1: Streaming DiLoCo, one fragment synced every H/F steps
+    driver: str = "engine"        # inside a group: "engine" (zeropp.shard), "fsdp2" (FSDP2 +
+    # zeropp.fsdp2.install) or "stock-fsdp2"; FSDP2's reduce-scatter output is averaged
+    # across the groups by torchtitan's hook (H = 1 only)
 
 
 def _free_port() -> int:
@@ -97,11 +100,47 @@ def start_lighthouse(log: Path, min_replicas: int = 1, netns: Optional[str] = No
     raise RuntimeError("torchft_lighthouse did not start listening within 30 s")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
+
+
 def _digest(tensors: list[torch.Tensor]) -> int:
     crc = 0
     for t in tensors:
-        crc = zlib.crc32(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        crc = zlib.crc32(_local(t).detach().reshape(-1).contiguous().view(torch.uint8)
+                         .numpy().tobytes(), crc)
     return crc
+
+
+def _fully_shard(model: torch.nn.Module, size: int, cfg: Optional[zeropp.Config]) -> None:
+    """FSDP2 over the group (a block each, then the root); zeropp's comms on it if
+    `cfg`, stock FSDP2's otherwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (size,))
+    for block in model.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if cfg is not None:
+        import zeropp.fsdp2
+        zeropp.fsdp2.install(model, cfg)
+
+
+def _replica_mean_hook(model: torch.nn.Module, manager) -> None:
+    """torchtitan's fault-tolerant HSDP, as it writes it (torchtitan/experiments/torchft/
+    manager.py): every FSDP module's reduce-scatter output is averaged across the
+    replica groups by an all-reduce hook on torchft's managed group."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchft.process_group import ManagedProcessGroup
+    replicate = ManagedProcessGroup(manager)
+    replicate.register("dp_replicate")
+
+    def all_reduce_hook(output: torch.Tensor) -> None:
+        dist.all_reduce(output, group=replicate, op=dist.ReduceOp.AVG)
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_all_reduce_hook(all_reduce_hook)
 
 
 def _fragments(params: list[torch.Tensor], n: int) -> list[torch.nn.Module]:
@@ -155,16 +194,24 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
     ids = torch.load(tokens_file, weights_only=True).long()
     train_ids, val_ids = split_tokens(ids, a.seq_len)
     model = build_model(a, vocab)
-    zeropp.shard(model, cfg)
+    if ra.driver == "engine":
+        zeropp.shard(model, cfg)
+    else:
+        _fully_shard(model, ra.group_size, cfg if ra.driver == "fsdp2" else None)
     inner = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
                               betas=(0.9, 0.95))
     params = dict(model.named_parameters())
 
     def state_dict() -> dict:
+        if ra.driver != "engine":  # torchft's transport sends plain tensors
+            return {"model": {k: _local(p).detach().clone() for k, p in params.items()}}
         return {"model": {k: p.detach().clone() for k, p in params.items()},
                 "inner": inner.state_dict()}
 
     def load_state_dict(sd: dict) -> None:
+        if ra.driver != "engine":
+            raise NotImplementedError("healing an FSDP2 replica group is not written: "
+                                      "its optimizer state is DTensors")
         with torch.no_grad():  # in place: zeropp's version counters see the new weights
             for k, p in params.items():
                 p.copy_(sd["model"][k])
@@ -181,7 +228,10 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
                       world_size=ra.group_size, lighthouse_addr=lighthouse,
                       timeout=timedelta(seconds=ra.timeout_s),
                       quorum_timeout=timedelta(seconds=3 * ra.timeout_s),
-                      use_async_quorum=False)
+                      use_async_quorum=False,
+                      init_sync=ra.driver == "engine")  # FSDP2: the same seed, the same init
+    if ra.driver != "engine":
+        _replica_mean_hook(model, manager)
     H = ra.sync_every
     P = H // ra.fragments  # steps between syncs: of the whole model, or of one fragment
     diloco = outer = None
@@ -224,13 +274,17 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
             x, y = get_batch(train_ids, a.batch, a.seq_len, gen)
             _, loss = model(x, y)
             loss.backward()
-            if H == 1:  # the replicas' mean of the gradient shards, as one flat buffer
-                grads = [p.grad for p in model.parameters()]  # (DDP's bucket: one round
-                flat = torch.cat([g.reshape(-1) for g in grads])  # trip, not one a tensor)
+            if H == 1 and ra.driver == "engine":  # the replicas' mean of the gradient
+                # shards as one flat buffer (FSDP2: the hook does it)
+                grads = [p.grad for p in model.parameters()]  # (as DDP's bucket: one
+                flat = torch.cat([g.reshape(-1) for g in grads])  # round trip, not many)
                 manager.allreduce(flat).wait()
                 for g, v in zip(grads, flat.split([g.numel() for g in grads])):
                     g.copy_(v.view_as(g))
-            zeropp.clip_grad_norm_(model, a.clip)
+            if ra.driver == "engine":
+                zeropp.clip_grad_norm_(model, a.clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
             before = manager.current_step()
             opt.step()  # HSDP: commits or not; DiLoCo: every H-th one syncs
             local += 1
