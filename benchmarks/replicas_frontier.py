@@ -30,15 +30,15 @@ ORDER = [(1, "fp32"), (32, "2bit"), (32, "fp32"), (1, "2bit"), (8, "2bit"), (128
 BASE = (1, "fp32")  # stock HSDP
 
 
-def run_dir(out: Path, H: int, codec: str, seed: int) -> Path:
-    return out / f"H{H}-{codec}" / f"seed{seed}"
+def run_dir(out: Path, H: int, codec: str, seed: int, tag: str = "") -> Path:
+    return out / f"H{H}-{codec}{tag}" / f"seed{seed}"
 
 
-def command(d: Path, H: int, codec: str, seed: int, model: str) -> list[str]:
+def command(d: Path, H: int, codec: str, seed: int, model: str, extra: list) -> list[str]:
     return [sys.executable, "-m", "zeropp", "train", "--replicas", "2", "--nproc", "4",
             "--model", model, "--steps", str(STEPS), "--sync-every", str(H), "--outer-codec",
             codec, "--seed", str(seed), "--eval-every", "32", "--log-every", "256",
-            "--out", str(d)]
+            "--out", str(d), *extra]
 
 
 def do_run(a: argparse.Namespace) -> None:
@@ -47,7 +47,7 @@ def do_run(a: argparse.Namespace) -> None:
     todo.sort(key=lambda t: (0 if t[:2] in a.first else 1 if t[2] == a.seeds[0] else 2,
                              a.seeds.index(t[2]), ORDER.index(t[:2])))
     for H, codec, seed in todo:
-        d = run_dir(a.out, H, codec, seed)
+        d = run_dir(a.out, H, codec, seed, a.tag)
         if (d / "summary.md").exists():
             continue
         while (a.out / "PAUSE").exists():  # another measurement wants the CPU to itself
@@ -56,7 +56,7 @@ def do_run(a: argparse.Namespace) -> None:
         d.parent.mkdir(parents=True, exist_ok=True)
         print(f"H={H} {codec} seed {seed}", flush=True)
         with open(d.parent / f"seed{seed}.log", "w") as log:
-            r = subprocess.run(command(d, H, codec, seed, a.model), stdout=log,
+            r = subprocess.run(command(d, H, codec, seed, a.model, a.extra.split()), stdout=log,
                                stderr=subprocess.STDOUT)
         if r.returncode != 0:
             print(f"  failed ({r.returncode}); see {d.parent / f'seed{seed}.log'}", flush=True)
@@ -74,17 +74,20 @@ def bytes_per_step(d: Path) -> float:
 
 
 def load(out: Path) -> dict:
+    """{(H, codec, tag): {seed: run directory}} of every finished run under `out`."""
     runs = {}
-    for H, codec in ORDER:
-        for d in sorted((out / f"H{H}-{codec}").glob("seed*")):
-            if (d / "summary.md").exists():
-                runs.setdefault((H, codec), {})[int(d.name[4:])] = d
-    return runs
+    for d in sorted(out.glob("H*-*/seed*")):
+        if (d / "summary.md").exists():
+            H, rest = d.parent.name[1:].split("-", 1)
+            codec, _, tag = rest.partition("-")
+            runs.setdefault((int(H), codec, tag), {})[int(d.name[4:])] = d
+    return dict(sorted(runs.items(), key=lambda kv: (kv[0][1] != "fp32", kv[0][1],
+                                                      kv[0][0], kv[0][2])))
 
 
 def do_report(a: argparse.Namespace) -> None:
     runs = load(a.out)
-    base = runs.get(BASE, {})
+    base = runs.get((*BASE, ""), {})
     lines = ["### Replicas over slow links: validation loss against cross-node bytes", "",
              f"Command: `python benchmarks/replicas_frontier.py run --out {a.out}` (each run "
              f"`zeropp train --replicas 2 --nproc 4 --model {a.model} --steps {STEPS} "
@@ -96,18 +99,20 @@ def do_report(a: argparse.Namespace) -> None:
              "| cross-node bytes/step | vs stock HSDP |", "|---|---|---|---|---|---|---|---|"]
     b0 = statistics.mean(bytes_per_step(d) for d in base.values()) if base else None
     points = []
-    for (H, codec), by_seed in runs.items():
+    for (H, codec, tag), by_seed in runs.items():
         finals = {s: curve(d)[-1][1] for s, d in by_seed.items()}
         gaps = [100 * (v / curve(base[s])[-1][1] - 1) for s, v in finals.items() if s in base]
         bps = statistics.mean(bytes_per_step(d) for d in by_seed.values())
         sd = statistics.stdev(finals.values()) if len(finals) > 1 else 0.0
         mean = statistics.mean(finals.values())
-        name = "fp32 (torchft's own)" if codec == "fp32" and H > 1 else codec
+        name = ("fp32 (torchft's own)" if codec == "fp32" and H > 1 else codec) + (
+            f", {a.tags.get(tag, tag)}" if tag else "")
         lines.append(f"| {H} | {name} | {len(finals)} | {mean:.4f} ± {sd:.4f} | "
                      + (f"{statistics.mean(gaps):+.2f}% | {min(gaps):+.2f}% .. {max(gaps):+.2f}%"
                         if gaps else " | ") + f" | {bps:,.0f} | "
                      + (f"1/{b0 / bps:.1f}" if b0 and bps else "") + " |")
-        points.append((H, codec, bps, mean, sd))
+        if not tag:
+            points.append((H, codec, bps, mean, sd))
     report(lines, a.write)
     plot(points, a.out / "frontier.png")
 
@@ -147,8 +152,12 @@ def main() -> None:
     p.add_argument("--only", default="", help="H:codec,... (default: every pair)")
     p.add_argument("--first", default="1:fp32,32:2bit,32:fp32",
                    help="pairs whose every seed runs before the other pairs' later seeds")
+    p.add_argument("--tag", default="", help="run directories H<H>-<codec><tag>, e.g. -olr1")
+    p.add_argument("--extra", default="", help="more `zeropp train` options for these runs")
     p.add_argument("--write", action="store_true")
     a = p.parse_args()
+    a.tags = {"olr1m0": "outer lr 1, no momentum (averaging)",
+              "olr04": "outer lr 0.4, Nesterov 0.9"}
     pairs = lambda s: [(int(x.split(":")[0]), x.split(":")[1]) for x in s.split(",") if x]  # noqa: E731
     a.seeds = [int(s) for s in a.seeds.split(",")]
     a.only = pairs(a.only) or ORDER

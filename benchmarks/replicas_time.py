@@ -11,7 +11,7 @@ relay carried from node to node (its flows, IP headers included; the lighthouse'
 membership traffic counted apart) against what zeropp's accounting says the groups sent.
 
     python benchmarks/replicas_frontier.py run --out runs/frontier     # the curves
-    python benchmarks/replicas_time.py --curves runs/frontier --write
+    python benchmarks/replicas_time.py --curves runs/frontier --timings runs/time.json --write
 """
 
 from __future__ import annotations
@@ -39,29 +39,36 @@ METHODS = [("stock HSDP", 1, "fp32"), ("HSDP, zeropp 2bit", 1, "2bit"),
 TARGET_STEP = 512
 
 
-def timed(H: int, codec: str, a: argparse.Namespace, tokens: Path, vocab: int) -> dict:
-    """One method on the shaped cluster: seconds per step over whole rounds after the
-    first, and the wire bytes against the accounting over the whole run."""
+def timed(H: int, codec: str, a: argparse.Namespace, tokens: Path, vocab: int,
+          shaped: bool = True) -> dict:
+    """One method on the cluster: seconds per step over whole rounds after the first;
+    shaped, also the wire bytes against the accounting over those steps. Unshaped
+    (veth links, no delay): the method's compute time per step here."""
     rounds = a.rounds if H > 1 else 1
     warm = H if H > 1 else a.hsdp_warm
     steps = warm + (H * rounds if H > 1 else a.hsdp_steps)
     t = TrainArgs(model=a.model, steps=steps, eval_every=10**9, log_every=10**9, seed=0)
     ra = ReplicaArgs(replicas=2, group_size=2, sync_every=H, outer_codec=codec)
     with tempfile.TemporaryDirectory() as d:
-        cluster = Cluster(2, a.rate, prefix="zpptime", delay=a.delay)
+        cluster = Cluster(2, a.rate if shaped else None, prefix="zpptime",
+                          delay=a.delay if shaped else 0)
         snaps: dict = {}
         with cluster:
             watch = threading.Thread(target=_snapshots, daemon=True,
                                      args=(cluster, Path(d) / "replica0" / "metrics.jsonl",
                                            (warm - 1, steps - 1), snaps))
-            watch.start()
+            if shaped:
+                watch.start()
             groups = run_replicas(t, named("zeropp-plus", 2), ra, Path(d), tokens, vocab,
                                   timeout=3600, cluster=cluster)
-            watch.join(10)
+            if shaped:
+                watch.join(10)
         lh_port = int((Path(d) / "lighthouse.txt").read_text().strip().rsplit(":", 1)[1])
     wall = {r["step"]: r["wall"] for r in groups[0]}
     n = steps - warm
     out = {"H": H, "codec": codec, "s_per_step": (wall[steps - 1] - wall[warm - 1]) / n}
+    if not shaped:
+        return out
     for g in (0, 1):  # bytes from node g to the other, in the timed window, per step
         flows = {f[:4]: list(f[4:]) for f in snaps[steps - 1] if f[0] == g}
         for f in snaps[warm - 1]:
@@ -114,49 +121,74 @@ def main() -> None:
     p.add_argument("--hsdp-steps", type=int, default=12, help="timed HSDP steps")
     p.add_argument("--hsdp-warm", type=int, default=4)
     p.add_argument("--only", default="", help="comma-separated method numbers (0-3)")
+    p.add_argument("--compute-baseline", action="store_true",
+                   help="also time each method on unshaped links right after (its compute "
+                        "here), and report the link's share of each step")
+    p.add_argument("--timings", type=Path, default=None,
+                   help="a JSON file: written with the timings, or read instead of timing if "
+                        "it exists (to report again as more curves finish)")
     p.add_argument("--write", action="store_true")
     a = p.parse_args()
     methods = [METHODS[int(i)] for i in a.only.split(",")] if a.only else METHODS
-    t = TrainArgs(model=a.model)
-    ids, vocab = prepare_tokens(t, Path.home() / ".cache" / "zeropp")
-    with tempfile.TemporaryDirectory() as d:
-        tokens = Path(d) / "tokens.pt"
-        torch.save(ids.to(torch.int32), tokens)
-        rows = []
-        for name, H, codec in methods:
-            print(f"timing {name} on {a.rate} + {a.delay}", file=sys.stderr, flush=True)
-            rows.append((name, timed(H, codec, a, tokens, vocab)))
+    if a.timings is not None and a.timings.exists():  # measured before: the report only
+        rows = [tuple(r) for r in json.loads(a.timings.read_text())]
+    else:
+        t = TrainArgs(model=a.model)
+        ids, vocab = prepare_tokens(t, Path.home() / ".cache" / "zeropp")
+        with tempfile.TemporaryDirectory() as d:
+            tokens = Path(d) / "tokens.pt"
+            torch.save(ids.to(torch.int32), tokens)
+            rows = []
+            for name, H, codec in methods:
+                print(f"timing {name} on {a.rate} + {a.delay}", file=sys.stderr, flush=True)
+                r = timed(H, codec, a, tokens, vocab)
+                if a.compute_baseline:  # right after, on unshaped links
+                    r["compute_s_per_step"] = timed(H, codec, a, tokens, vocab,
+                                                    shaped=False)["s_per_step"]
+                rows.append((name, r))
+        if a.timings is not None:
+            a.timings.write_text(json.dumps(rows, indent=1))
     need = {name: steps_to_target(a.curves, H, codec) for name, H, codec in methods}
     mean_need = {k: statistics.mean(v) if v and None not in v else None for k, v in need.items()}
     secs = {name: r["s_per_step"] * mean_need[name] if mean_need[name] else None
             for name, r in rows}
     base, ft = secs.get("stock HSDP"), secs.get("torchft DiLoCo (fp32)")
+    link = {name: max(r["s_per_step"] - r["compute_s_per_step"], 0.0) * mean_need[name]
+            if "compute_s_per_step" in r and mean_need[name] else None for name, r in rows}
+    lbase, lft = link.get("stock HSDP"), link.get("torchft DiLoCo (fp32)")
     lines = [f"### Time to stock HSDP's validation loss at step {TARGET_STEP}, {a.rate} with "
              f"{a.delay} one-way between 2 nodes", "",
              f"Command: `python benchmarks/replicas_time.py --curves {a.curves} --rate {a.rate} "
              f"--delay {a.delay}` (model {a.model}, 2 replica groups x 2 ranks, zeropp-plus "
              "inside each; steps needed from the frontier runs' curves, per seed, mean; seconds "
              f"per step over {a.rounds} DiLoCo rounds after a first, or {a.hsdp_steps} HSDP "
-             f"steps after {a.hsdp_warm}, every method timed in this one invocation). "
+             f"steps after {a.hsdp_warm}, every method timed in this one invocation; "
+             "compute: the same steps on unshaped links right after, the link's seconds the "
+             "difference). "
              "Accounting: what zeropp counted replica group 0 sending per timed step; wire: "
              "what the link relay carried from node 0 to node 1 in the same steps, as TCP "
              "payload and as IP packets (headers and acks included), the lighthouse's "
              "membership traffic (node 1's) apart.", "",
-             "| method | s/step on the link | steps to target (per seed) | time to target | "
-             "vs stock HSDP | vs torchft DiLoCo | accounting B/step | wire payload B/step | "
-             "payload / accounting | wire IP B/step | lighthouse IP B/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | s/step on the link | compute s/step (unshaped) | steps to target (per "
+             "seed) | time to target | vs stock HSDP | vs torchft DiLoCo | link's seconds to "
+             "target (step - compute) | vs stock HSDP | vs torchft DiLoCo | accounting B/step "
+             "| wire payload B/step | payload / accounting | wire IP B/step | lighthouse IP "
+             "B/step |", "|" + "---|" * 15]
     for name, r in rows:
         s = secs[name]
-        cells = [name, f"{r['s_per_step']:.3f}", str(need[name] or "no curve"),
+        ls = link[name]
+        cells = [name, f"{r['s_per_step']:.3f}", f"{r.get('compute_s_per_step', 0):.3f}",
+                 str(need[name] or "no curve"),
                  f"{s:,.0f} s" if s else "", f"{base / s:.1f}x" if s and base else "",
-                 f"{ft / s:.1f}x" if s and ft else "", f"{r['acct0']:,.0f}",
+                 f"{ft / s:.1f}x" if s and ft else "",
+                 f"{ls:,.1f} s" if ls is not None else "",
+                 f"{lbase / ls:.0f}x" if ls and lbase else "",
+                 f"{lft / ls:.1f}x" if ls and lft else "", f"{r['acct0']:,.0f}",
                  f"{r['payload0']:,.0f}",
                  f"{r['payload0'] / r['acct0']:.3f}" if r["acct0"] else "",
                  f"{r['wire0']:,.0f}", f"{r['lighthouse1']:,.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     report(lines, a.write)
-    print(json.dumps(rows, indent=1), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="with --replicas: what shards each group: zeropp's engine, FSDP2 with "
                         "zeropp.fsdp2.install, or stock FSDP2 (FSDP2: the groups' mean by "
                         "torchtitan's all-reduce hook; --sync-every 1, no --kill-replica-at)")
+    g.add_argument("--outer-lr", type=float, default=0.7,
+                   help="with --sync-every H > 1: the outer Nesterov SGD's learning rate")
+    g.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="with --sync-every H > 1: its momentum (0: plain averaging at lr 1)")
     g.add_argument("--fragments", type=int, default=1,
                    help="with --sync-every H: Streaming DiLoCo, the model in F fragments, one "
                         "synced every H/F steps (F divides H)")
@@ -357,7 +361,8 @@ def run_replica_train(ns: argparse.Namespace) -> int:
         raise UsageError(f"--kill-replica-at {k} must be between 1 and --steps - 2")
     ra = ReplicaArgs(replicas=R, group_size=ns.nproc // R, sync_every=H,
                      outer_codec=ns.outer_codec, kill_at=k, restart_after=ns.restart_after,
-                     fragments=ns.fragments, driver=ns.inside)
+                     fragments=ns.fragments, driver=ns.inside, outer_lr=ns.outer_lr,
+                     outer_momentum=ns.outer_momentum)
     ns.node_size = ra.group_size  # a group is one node: everything between them crosses
     (_, cfg), = configs_from(ns)
     try:

@@ -238,7 +238,7 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
     if H > 1:
         frags = _fragments(list(model.parameters()), ra.fragments)
         outer = [torch.optim.SGD(f.parameters(), lr=ra.outer_lr, momentum=ra.outer_momentum,
-                                 nesterov=True) for f in frags]
+                                 nesterov=ra.outer_momentum > 0) for f in frags]
         # one flat buffer per sync (torchft's bucketization): every value quantized, not
         # each small tensor sent exact
         diloco = DiLoCo(manager, frags, inner, outer, sync_every=H, pin_memory=False,
