@@ -15,6 +15,7 @@ import torch.distributed as dist
 pytest.importorskip("torchft")
 
 import zeropp  # noqa: E402
+from cases import cli_error_line  # noqa: E402
 from zeropp.bench.cluster import Cluster, available  # noqa: E402
 from zeropp.cli.launch import spawn  # noqa: E402
 from zeropp.config import named  # noqa: E402
@@ -89,6 +90,18 @@ def test_wrap_names_what_is_wrong():
         zeropp.ft.wrap(ProcessGroupGloo(), "3bit")
     with pytest.raises(ValueError, match="multiple of 16"):
         zeropp.ft.wrap(ProcessGroupGloo(), "2bit", block_size=100)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--replicas", "3"], "--replicas 3 must be at least 2 and divide --nproc 4"),
+    (["--replicas", "2", "--sync-every", "8", "--fragments", "3"], "--fragments 3 must be"),
+    (["--replicas", "2", "--sync-every", "8", "--fragments", "8"], "at most that many"),
+    (["--replicas", "2", "--inside", "fsdp2", "--sync-every", "4"], "runs HSDP (--sync-every 1)"),
+    (["--replicas", "2", "--link", "fast"], "unparsable link rate 'fast'"),
+    (["--replicas", "2", "--link", "10mbit", "--link-delay", "soon"], "unparsable link delay"),
+])
+def test_replica_options_that_cannot_run_are_one_line_each(args, says, capsys):
+    assert says in cli_error_line(["train", "--model", "tiny", *args], capsys)
 
 
 def _run(tmp: Path, H: int, steps: int, kill, back: int, cluster=None) -> dict:
