@@ -35,7 +35,8 @@ from zeropp.train.replicas import ReplicaArgs, run_replicas
 
 # (name, H, codec); H=1 is HSDP every step, H>1 DiLoCo
 METHODS = [("stock HSDP", 1, "fp32"), ("HSDP, zeropp 2bit", 1, "2bit"),
-           ("torchft DiLoCo (fp32)", 32, "fp32"), ("zeropp DiLoCo, 2bit", 32, "2bit")]
+           ("torchft DiLoCo (fp32)", 32, "fp32"), ("zeropp DiLoCo, 2bit", 32, "2bit"),
+           ("zeropp DiLoCo, int4", 32, "int4")]
 TARGET_STEP = 512
 
 
@@ -120,7 +121,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="timed DiLoCo rounds after the first")
     p.add_argument("--hsdp-steps", type=int, default=12, help="timed HSDP steps")
     p.add_argument("--hsdp-warm", type=int, default=4)
-    p.add_argument("--only", default="", help="comma-separated method numbers (0-3)")
+    p.add_argument("--only", default="", help="comma-separated method numbers (0-4)")
     p.add_argument("--compute-baseline", action="store_true",
                    help="also time each method on unshaped links right after (its compute "
                         "here), and report the link's share of each step")
