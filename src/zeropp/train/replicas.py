@@ -12,8 +12,9 @@ wrapped by `zeropp.ft.wrap`, so what crosses between groups is zeropp's codec:
   average their pseudo-gradients and an outer Nesterov SGD (lr 0.7, momentum 0.9)
   moves the shared weights.
 `kill_at` SIGKILLs every rank of the last group at the start of that step; the
-launcher starts it again once a survivor has taken `restart_after` more steps, and
-it heals from a live group (weights, optimizer state, DiLoCo's global weights and
+launcher starts it again once a survivor has taken `restart_after` more steps (the
+survivors wait there until its Managers are up, so that a loaded machine's slow start
+cannot let them finish alone), and it heals from a live group (weights, optimizer state, DiLoCo's global weights and
 outer optimizer) before its first committed step. Rank 0 of each group writes
 RUN/replica<g>/metrics.jsonl: loss, participants, committed, cross-node bytes.
 """
@@ -232,6 +233,9 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
                       init_sync=ra.driver == "engine")  # FSDP2: the same seed, the same init
     if ra.driver != "engine":
         _replica_mean_hook(model, manager)
+    victim = Path(run_dir) / f"replica{ra.replicas - 1}"
+    if attempt > 0:  # heartbeating: the survivors' next quorum waits (the join timeout)
+        (out / f"joined{rank}").touch()  # for its first one
     H = ra.sync_every
     P = H // ra.fragments  # steps between syncs: of the whole model, or of one fragment
     diloco = outer = None
@@ -251,8 +255,9 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
         (out / f"ready{rank}").touch()
         while len(list(Path(run_dir).glob("replica*/ready*"))) < ra.replicas * ra.group_size:
             time.sleep(0.05)
-        time.sleep(1.0)  # every Manager's heartbeats reach the lighthouse (over a link
-        # with delay too) before any asks for a quorum, which would otherwise hold one
+        time.sleep(0.5)  # the last Manager's heartbeats (every 100 ms) reach the
+        # lighthouse, over a link with delay too, before any group asks for a quorum,
+        # which would otherwise hold that group alone
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     try:
         local = 0  # DiLoCo: inner steps since this process started
@@ -262,6 +267,14 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
             if ra.kill_at is not None and attempt == 0 and group == ra.replicas - 1 \
                     and step == ra.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)  # the whole group dies here, every rank
+            if ra.kill_at is not None and group != ra.replicas - 1 and (victim / "go").exists():
+                # the restart happens at this step: survivors wait for its Managers to be
+                # up (then the lighthouse holds their quorum for its first request),
+                # however long a loaded machine takes to start them
+                deadline = time.time() + 120
+                while len(list(victim.glob("joined*"))) < ra.group_size \
+                        and time.time() < deadline:
+                    time.sleep(0.02)
             t0 = time.perf_counter()
             zeropp.reset_comm_stats(pg)
             opt.zero_grad()  # HSDP: OptimizerWrapper starts the step's quorum here (a
