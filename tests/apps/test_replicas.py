@@ -186,3 +186,20 @@ def test_fsdp2_with_zeropp_inside_groups_composes_with_torchtitans_replica_hook(
     assert groups[0][-1]["train_loss"] < groups[0][0]["train_loss"]
     sent = groups[0][-1]["cross_node_bytes"]  # 2 bits a value + scales, both ranks' shards
     assert 0 < sent < 0.1 * 4 * sum(p.numel() for p in build_model(a, vocab).parameters())
+
+
+def test_streaming_fragments_split_the_units_in_order_into_about_equal_parts():
+    """Streaming DiLoCo's fragments (train/replicas.py): every parameter once, in
+    order, no fragment empty, none above its share by more than one unit; more
+    fragments than units is one clear error."""
+    from zeropp.train.replicas import _fragments
+    sizes = [24960, 198656, 198656, 198656, 198656, 7]
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    for n in (1, 2, 3, 6):
+        frags = [list(f.parameters()) for f in _fragments(params, n)]
+        assert len(frags) == n and all(frags)
+        assert [id(p) for f in frags for p in f] == [id(p) for p in params]
+        share = sum(sizes) / n
+        assert all(sum(p.numel() for p in f) < share + max(sizes) for f in frags)
+    with pytest.raises(ValueError, match="fragments=7 is invalid: the model has 6"):
+        _fragments(params, 7)
