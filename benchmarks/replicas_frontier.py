@@ -107,8 +107,11 @@ def do_report(a: argparse.Namespace) -> None:
         mean = statistics.mean(finals.values())
         name = ("fp32 (torchft's own)" if codec == "fp32" and H > 1 else codec) + (
             f", {a.tags.get(tag, tag)}" if tag else "")
-        lines.append(f"| {H} | {name} | {len(finals)} | {mean:.4f} ± {sd:.4f} | "
-                     + (f"{statistics.mean(gaps):+.2f}% | {min(gaps):+.2f}% .. {max(gaps):+.2f}%"
+        many = len(finals) > 1
+        lines.append(f"| {H} | {name} | {len(finals)} | {mean:.4f}"
+                     + (f" ± {sd:.4f}" if many else "") + " | "
+                     + (f"{statistics.mean(gaps):+.2f}% | "
+                        + (f"{min(gaps):+.2f}% .. {max(gaps):+.2f}%" if many else "")
                         if gaps else " | ") + f" | {bps:,.0f} | "
                      + (f"1/{b0 / bps:.1f}" if b0 and bps else "") + " |")
         if not tag:
