@@ -132,7 +132,7 @@ def plot(points: list, path: Path) -> None:
         pts = sorted(p for p in points if p[1] == codec)
         if pts:
             ax.errorbar([p[2] for p in pts], [p[3] for p in pts], yerr=[p[4] for p in pts],
-                        marker=marker, label=codec, capsize=3)
+                        marker=marker, linestyle="none", label=codec, capsize=3)
             for H, _, x, y, _ in pts:
                 ax.annotate(f"H={H}", (x, y), textcoords="offset points", xytext=(4, 4),
                             fontsize=7)
