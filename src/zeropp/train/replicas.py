@@ -60,6 +60,8 @@ class ReplicaArgs:
     kill_at: Optional[int] = None  # step at whose start the last group is SIGKILLed
     restart_after: int = 30       # survivor steps before the killed group restarts
     timeout_s: float = 20.0       # torchft's collective and quorum timeouts
+    lighthouse_timeout_ms: int = 5000  # a group silent this long is dead; a quorum waits
+    # this long for a heartbeating group to ask
     digest: bool = False          # log a CRC of each group's weights + optimizer state
     fragments: int = 1            # > 1: Streaming DiLoCo, one fragment synced every H/F steps
     driver: str = "engine"        # inside a group: "engine" (zeropp.shard), "fsdp2" (FSDP2 +
@@ -74,7 +76,8 @@ def _free_port() -> int:
 
 
 def start_lighthouse(log: Path, min_replicas: int = 1, netns: Optional[str] = None,
-                     host: str = "127.0.0.1") -> tuple[subprocess.Popen, str]:
+                     host: str = "127.0.0.1",
+                     timeout_ms: int = 5000) -> tuple[subprocess.Popen, str]:
     """torchft's lighthouse, the membership service, as its own process (its log in
     `log`); inside network namespace `netns` (an emulated node at `host`) when given."""
     exe = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) \
@@ -84,7 +87,8 @@ def start_lighthouse(log: Path, min_replicas: int = 1, netns: Optional[str] = No
     port = _free_port()
     where = [] if netns is None else ["ip", "netns", "exec", netns]
     proc = subprocess.Popen([*where, exe, "--min_replicas", str(min_replicas),
-                             "--quorum_tick_ms", "100", "--join_timeout_ms", "5000",
+                             "--quorum_tick_ms", "100", "--join_timeout_ms", str(timeout_ms),
+                             "--heartbeat_timeout_ms", str(timeout_ms),
                              "--bind", f"[::]:{port}"],
                             stdout=subprocess.DEVNULL, stderr=open(log, "ab"),  # noqa: SIM115
                             env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "info")))
@@ -390,7 +394,8 @@ def run_replicas(a: TrainArgs, cfg: zeropp.Config, ra: ReplicaArgs, run_dir: Pat
                          "groups; give one node per group")
     lh, addr = start_lighthouse(run_dir / "lighthouse.log",
                                 netns=None if cluster is None else cluster.ns(0),
-                                host="127.0.0.1" if cluster is None else cluster.addr(0))
+                                host="127.0.0.1" if cluster is None else cluster.addr(0),
+                                timeout_ms=ra.lighthouse_timeout_ms)
     (run_dir / "lighthouse.txt").write_text(addr + "\n")
     groups: dict[int, list] = {}
     restarted = ra.kill_at is None
