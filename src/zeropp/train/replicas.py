@@ -14,8 +14,8 @@ wrapped by `zeropp.ft.wrap`, so what crosses between groups is zeropp's codec:
 `kill_at` SIGKILLs every rank of the last group at the start of that step; the
 launcher starts it again once a survivor has taken `restart_after` more steps (the
 survivors wait there until its Managers are up, so that a loaded machine's slow start
-cannot let them finish alone), and it heals from a live group (weights, optimizer state, DiLoCo's global weights and
-outer optimizer) before its first committed step. Rank 0 of each group writes
+cannot let them finish alone), and it heals from a live group (weights, optimizer
+state, DiLoCo's global weights and outer optimizer) before its first committed step. Rank 0 of each group writes
 RUN/replica<g>/metrics.jsonl: loss, participants, committed, cross-node bytes.
 """
 
@@ -266,12 +266,13 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
     try:
         local = 0  # DiLoCo: inner steps since this process started
         last_sync = {"cross_node_bytes": 0.0}
+        waiting = ra.kill_at is not None and group != ra.replicas - 1  # for a restart
         while True:
             step = manager.current_step() * P + local % P
             if ra.kill_at is not None and attempt == 0 and group == ra.replicas - 1 \
                     and step == ra.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)  # the whole group dies here, every rank
-            if ra.kill_at is not None and group != ra.replicas - 1 and (victim / "go").exists():
+            if waiting and (victim / "go").exists():
                 # the restart happens at this step: survivors wait for its Managers to be
                 # up (then the lighthouse holds their quorum for its first request),
                 # however long a loaded machine takes to start them
@@ -279,6 +280,7 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
                 while len(list(victim.glob("joined*"))) < ra.group_size \
                         and time.time() < deadline:
                     time.sleep(0.02)
+                waiting = False
             t0 = time.perf_counter()
             zeropp.reset_comm_stats(pg)
             opt.zero_grad()  # HSDP: OptimizerWrapper starts the step's quorum here (a
