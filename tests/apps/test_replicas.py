@@ -113,7 +113,7 @@ def _run(tmp: Path, H: int, steps: int, kill, back: int, cluster=None) -> dict:
     torch.save(ids.to(torch.int32), tokens)
     ra = ReplicaArgs(replicas=2, group_size=2, sync_every=H, outer_codec="2bit", kill_at=kill,
                      restart_after=back, digest=True, timeout_s=10,
-                     lighthouse_timeout_ms=2000)  # the dead group is let go sooner
+                     lighthouse_timeout_ms=3000)  # the dead group is let go sooner
     return run_replicas(a, named("zeropp-plus", 2), ra, tmp, tokens, vocab, timeout=240,
                         cluster=cluster)
 

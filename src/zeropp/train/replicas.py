@@ -281,6 +281,8 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
                         and time.time() < deadline:
                     time.sleep(0.02)
                 waiting = False
+            if step >= a.steps:  # done: no quorum for a step that will not run (a rank
+                break            # leaving one would close its Manager's server under its peer)
             t0 = time.perf_counter()
             zeropp.reset_comm_stats(pg)
             opt.zero_grad()  # HSDP: OptimizerWrapper starts the step's quorum here (a
@@ -340,6 +342,7 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
                           f"participants {manager.num_participants()} | cross-node "
                           f"{last_sync['cross_node_bytes'] / 1e6:.3f} MB at the last sync",
                           flush=True)
+        dist.barrier()  # the group's ranks leave together: rank 0 serves their Manager RPCs
     finally:
         if metrics is not None:
             metrics.close()
