@@ -30,6 +30,8 @@ from typing import Optional
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 _DELAY = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
 MAX_NODES = 253  # 10.77.0.1 .. 10.77.0.253 on one /24
+BURST, LATENCY_S = 65536, 0.02  # every link's tbf: bytes let through at once, queue bound
+CLONE_NEWNET, CLONE_NEWUTS = 0x40000000, 0x04000000
 
 
 class ClusterError(RuntimeError):
@@ -64,13 +66,13 @@ def enter_netns(name: str, hostname: Optional[str] = None) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
     try:
-        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+        if libc.setns(fd, CLONE_NEWNET) != 0:
             raise ClusterError(f"cannot enter network namespace {name}: "
                                f"{os.strerror(ctypes.get_errno())}")
     finally:
         os.close(fd)
     if hostname is not None:
-        if libc.unshare(0x04000000) != 0 or libc.sethostname(  # CLONE_NEWUTS
+        if libc.unshare(CLONE_NEWUTS) != 0 or libc.sethostname(
                 hostname.encode(), len(hostname)) != 0:
             raise ClusterError(f"cannot give node {name} the host name {hostname}: "
                                f"{os.strerror(ctypes.get_errno())}")
@@ -98,7 +100,7 @@ def _ip(*args: str) -> None:
 
 def _tc(ns: str, dev: str, rate: str) -> None:
     r = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                        "burst", "65536", "latency", "20ms"], capture_output=True, text=True)
+                        "burst", str(BURST), "latency", f"{LATENCY_S * 1000:g}ms"], capture_output=True, text=True)
     if r.returncode != 0:
         raise ClusterError(f"tc tbf {rate} on {ns}/{dev} failed: {r.stderr.strip()}")
 

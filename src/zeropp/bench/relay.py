@@ -27,13 +27,10 @@ import struct
 import sys
 import time
 
-from .cluster import enter_netns
+from .cluster import BURST, CLONE_NEWNET, LATENCY_S, enter_netns
 
 TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
-CLONE_NEWNET = 0x40000000
-QUEUE_S = 0.02    # downlink queue bound beyond its burst, as `tbf ... latency 20ms`
-BURST = 65536     # bytes, as the uplink's `tbf ... burst 65536`: what it may let through at once
 
 
 def open_tun(netns: str, dev: str = "cl0") -> int:
@@ -59,7 +56,7 @@ def relay(fds: list[int], delay: float, rate: float, stop_fd: int, flows: dict) 
     due: list = []           # (deliver at, sequence, destination, packet)
     free_at = [0.0] * len(fds)
     seq = 0
-    queue_s = QUEUE_S + BURST / rate
+    queue_s = LATENCY_S + BURST / rate  # the downlink's queue bound, as the uplink's tbf
     while True:
         wait_ms = 1000 if not due else max(0, math.ceil((due[0][0] - time.monotonic()) * 1000))
         for fd, _ in poller.poll(wait_ms):
