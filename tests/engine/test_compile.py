@@ -1,28 +1,22 @@
 """torch.compile on a zeropp-sharded model: `torch.compile(model)` after `shard`
 gives the eager losses within 1e-4 relative over 12 steps (fp32) and compiles no
-frame after the first step; `fullgraph=True` is refused with zeropp's reason; HF
-`Trainer(torch_compile=True)` with a DeepSpeed config trains through
-`engine.compile()`. A plain torch LM and HF GPT-2, each at W=2 (zero3) and W=4 as
-2x2 (zeropp-plus)."""
+frame after the first step; `fullgraph=True` is refused with zeropp's reason (HF
+`Trainer(torch_compile=True)` with a DeepSpeed config trains through `engine.compile()`:
+tests/deepspeed/test_hf_deepspeed.py). A plain torch LM and HF GPT-2 at W=2 (zero3);
+GPT-2 at W=4 as 2x2 (zeropp-plus: every technique's collective beside the compiled
+blocks)."""
 
 from __future__ import annotations
-
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from cases import failed_run, fit, random_batches
+from cases import fit, random_batches
 from torch import nn
 
 import zeropp
 from zeropp.cli.launch import spawn
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 
 
@@ -99,10 +93,9 @@ def _world2() -> dict:
             "fullgraph": _fullgraph_refusal()}
 
 
-def _world4() -> dict:
+def _world4() -> tuple:
     torch.set_num_threads(1)
-    return {"lm": (_losses(LM, "zeropp-plus", False), _losses(LM, "zeropp-plus", True)),
-            "gpt2": (_losses(_gpt2, "zeropp-plus", False), _losses(_gpt2, "zeropp-plus", True))}
+    return _losses(_gpt2, "zeropp-plus", False), _losses(_gpt2, "zeropp-plus", True)
 
 
 def _check(eager: tuple, compiled: tuple, tol: float = 1e-4) -> None:
@@ -135,38 +128,13 @@ def test_fullgraph_is_refused_with_zeropps_reason(world2):
 
 def test_compiled_zeropp_plus_at_w4_as_2x2_gives_the_eager_losses_and_compiles_once():
     pytest.importorskip("transformers")
-    for r in spawn(_world4, 4, 2, timeout=400):
+    for (a, fa), (b, fb) in spawn(_world4, 4, 2, timeout=400):
         # Compiled kernels round in their own order (fused layer norms, softmax); under
         # qwZ and qgZ a last-bit difference can flip a code, and flips compound. How fast
         # depends on the CPU's vector width: on an Intel machine GPT-2's gap grew from
-        # 1e-7 at step 5 to 5e-5..1.1e-4 by step 12, the LM's stayed under 1e-4; on an AMD
-        # EPYC (2026-12-06) the LM's was 1.4e-6 at step 9, 1.1e-5 at 10, 2.8e-4 at 11 and
-        # 1.8e-3 at 12, GPT-2's 1.1e-5 at 9 and 8.2e-5 at 12. So 1e-4 over the first 9
-        # steps (the same function, compiled), 1e-2 over all 12 (no drift of its own).
-        for model in ("lm", "gpt2"):
-            (a, fa), (b, fb) = r[model]
-            _check((a[:9], fa), (b[:9], fb[:9]))
-            _check((a, fa), (b, fb), tol=1e-2)
-
-
-def test_hf_trainer_with_torch_compile_trains_through_engine_compile(tmp_path):
-    """Under `zeropp launch` (its preloading server starts the two ranks faster than
-    torchrun's fresh interpreters; tests/deepspeed/test_hf_deepspeed.py runs the example under both),
-    with `torch_compile_backend="aot_eager"`: dynamo and AOT autograd over zeropp's
-    units as with inductor, without inductor's C++ build (33 s of a cold cache against
-    11; inductor under zeropp: the tests above; this run with inductor gives the same
-    4 losses, as recorded in docs/notebook.md)."""
-    pytest.importorskip("transformers")
-    r = subprocess.run([sys.executable, "-m", "zeropp", "launch", "--nproc", "2",
-                        "--node-size", "2", "--timeout", "400", "--as-deepspeed", "--preload",
-                        "torch.distributed.tensor,transformers,accelerate",
-                        str(ROOT / "examples" / "hf" / "trainer_lm.py"), "--out",
-                        str(tmp_path / "run"), "--node-size", "2", "--steps", "4",
-                        "--torch-compile", "aot_eager"], capture_output=True, text=True,
-                       timeout=420,
-                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                      "HF_HUB_OFFLINE": "1"})
-    assert r.returncode == 0, failed_run(r.stdout, r.stderr, 4000)
-    assert r.stdout.count("compiled True") == 2, r.stdout[-2000:]
-    losses = [float(x) for x in re.findall(r"'loss': '([0-9.]+)'", r.stdout)]
-    assert len(losses) == 4 and losses[-1] < losses[0], losses
+        # 1e-7 at step 5 to 5e-5..1.1e-4 by step 12; on an AMD EPYC (2026-12-06) it was
+        # 1.1e-5 at step 9 and 8.2e-5 at 12 (the plain LM's reached 1.8e-3 by 12). So 1e-4
+        # over the first 9 steps (the same function, compiled), 1e-2 over all 12 (no
+        # drift of its own).
+        _check((a[:9], fa), (b[:9], fb[:9]))
+        _check((a, fa), (b, fb), tol=1e-2)
