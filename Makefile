@@ -30,8 +30,9 @@ demo: $(STAMP)
 
 # Two pytest workers, one test file each at a time (a file's tests share its spawned
 # worlds): a single worker leaves a core idle while a launcher imports or a world starts.
+# Files go out longest first, in tests/conftest.py's order.
 test: $(STAMP)
-	$(VPY) -m pytest -q -n 2 --dist loadfile
+	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(VPY) benchmarks/loopback.py --configs zero3,qwz,hpz,qgz,zeropp,zeropp-plus,fsdp2
