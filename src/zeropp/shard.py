@@ -332,7 +332,10 @@ def refresh(model: nn.Module) -> None:
     secondaries (and qWD's copies) would otherwise keep the old weights (qWD:
     until deltas caught up). Optimizer steps, checkpoint loads, `load_state_dict`
     and in-place ops on the parameters are detected without it. Call it on
-    every rank."""
+    every rank. Also for a model under `zeropp.fsdp2.install`."""
+    fsdp2 = getattr(model, "_zeropp_fsdp2", None)
+    if fsdp2 is not None:
+        return fsdp2.refresh()
     st = get_state(model)
     for f in st.flats:
         f.weights.invalidate()

@@ -67,9 +67,41 @@ def _refusals() -> list[str]:
     return out
 
 
+def _refresh() -> dict:
+    """zeropp-plus (hpZ secondaries, qWD's copies): 3 steps, a forward (the gathers
+    catch up), then every block's weights zeroed on each rank's shard, and a forward:
+    written behind the version counters (through an alias of the storage) the forward
+    keeps the weights it had ("stale"), then after `zeropp.refresh` it gathers the
+    zeros ("fresh"); "seen": the same zeroing as an in-place op, which the version
+    counters see, on a second model trained alike. (The root's weights stay gathered
+    between forwards under FSDP2 itself: only the blocks'.)"""
+    import zeropp.fsdp2
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(99))
+    out = {}
+    for seen in (False, True):
+        model = zeropp.fsdp2.install(_fsdp2_gpt(), "zeropp-plus", node_size=2)
+        fit(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+            random_batches(3, 256, (2, 32), dist.get_rank()))
+        shards = [p._local_tensor for p in model.h.parameters()]
+        with torch.no_grad():
+            model(x, x)
+            for t in shards:
+                alias = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(),
+                                                           t.storage_offset(), t.shape,
+                                                           t.stride())
+                (t if seen else alias).zero_()
+            if seen:
+                out["seen"] = model(x, x)[1].item()
+            else:
+                out["stale"] = model(x, x)[1].item()
+                zeropp.refresh(model)
+                out["fresh"] = model(x, x)[1].item()
+    return out
+
+
 def _work() -> dict:
     torch.set_num_threads(1)
-    return {"stock": _train(None), "zero3": _train("zero3"), "zeropp": _train("zeropp"),
+    return {"refresh": _refresh(), "stock": _train(None), "zero3": _train("zero3"), "zeropp": _train("zeropp"),
             "zeropp-plus": _train("zeropp-plus"),
             "zeropp-node": _train("zeropp", reshard=2, steps=NODE_STEPS),
             "stock-bf16": _train(None, bf16=True, steps=8),
@@ -135,6 +167,17 @@ def test_unsupported_setups_are_refused_in_one_line(runs):
     assert "reshard_after_forward=int other than the group's ranks per node" in int_reshard
     assert "\n" not in int_reshard
     assert "no FSDP module" in no_fsdp and "\n" not in no_fsdp
+
+
+def test_comm_stats_count_the_optimizer_steps(runs):
+    assert [r[p]["stats"]["steps"] for r in runs for p in ("zero3", "zeropp-plus")] == \
+        [STEPS] * 8
+    assert runs[0]["zeropp-node"]["stats"]["steps"] == NODE_STEPS
+
+
+def test_refresh_sends_weights_written_behind_the_version_counters_in_full(runs):
+    for r in runs:
+        assert r["refresh"]["fresh"] == r["refresh"]["seen"] != r["refresh"]["stale"], r
 
 
 def test_zeropp_plus_moves_weights_across_nodes_as_deltas_after_the_first_gather(runs):

@@ -50,7 +50,12 @@ class Installed:
         self.params: set[int] = set()
         self.comms: list[tuple[str, WeightGather, GradReduce]] = []
         self.failures = Failures()  # a failed collective drops every secondary (comms.py)
-        self.failures.drop = lambda: [g.invalidate() for _, g, _ in self.comms]
+        self.failures.drop = self.refresh
+
+    def refresh(self) -> None:
+        """The next gather of every module is a full one (`zeropp.refresh`)."""
+        for _, gather, _ in self.comms:
+            gather.invalidate()
 
 
 def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
@@ -84,6 +89,7 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
 
     def after(gathers: list) -> None:  # hpZ's secondaries go stale; qWD's take a delta
         inst.steps += 1
+        inst.stats.steps += 1
         for g in gathers:
             g.after_step()
     step_hooks(model, select, before, after)  # removed when the model dies
