@@ -99,9 +99,48 @@ def _refresh() -> dict:
     return out
 
 
+def _in_flight() -> dict:
+    """zeropp-plus, one forward and backward, the blocks' forward prefetch set as
+    torchtitan sets it: how many of zeropp's gathers were in flight (issued, not yet
+    waited for by FSDP2's copy-out) when a block's forward had run, and when a
+    block's gradients came to be reduced (its backward had run)."""
+    import zeropp.fsdp2
+    from zeropp.fsdp2 import comms
+    model = zeropp.fsdp2.install(_fsdp2_gpt(), "zeropp-plus", node_size=2)
+    for a, b in zip(model.h, model.h[1:]):
+        a.set_modules_to_forward_prefetch([b])
+    live, seen = [0], {"forward": [], "backward": []}
+    issue, wait, reduce = comms.WeightGather._issue, comms._Finish.wait, comms.GradReduce.__call__
+
+    def issued(*args, **kwargs):
+        live[0] += 1
+        return issue(*args, **kwargs)
+
+    def waited(self, *args):
+        live[0] -= 1
+        return wait(self, *args)
+
+    def reduced(*args, **kwargs):
+        seen["backward"].append(live[0])
+        return reduce(*args, **kwargs)
+    hooks = [blk.register_forward_hook(lambda *_: seen["forward"].append(live[0]))
+             for blk in model.h]
+    comms.WeightGather._issue, comms._Finish.wait = issued, waited
+    comms.GradReduce.__call__ = reduced
+    try:
+        x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+        model(x, x)[1].backward()
+    finally:
+        comms.WeightGather._issue, comms._Finish.wait = issue, wait
+        comms.GradReduce.__call__ = reduce
+        for h in hooks:
+            h.remove()
+    return {**seen, "left": live[0]}
+
+
 def _work() -> dict:
     torch.set_num_threads(1)
-    return {"refresh": _refresh(), "stock": _train(None), "zero3": _train("zero3"), "zeropp": _train("zeropp"),
+    return {"refresh": _refresh(), "in_flight": _in_flight(), "stock": _train(None), "zero3": _train("zero3"), "zeropp": _train("zeropp"),
             "zeropp-plus": _train("zeropp-plus"),
             "zeropp-node": _train("zeropp", reshard=2, steps=NODE_STEPS),
             "stock-bf16": _train(None, bf16=True, steps=8),
@@ -178,6 +217,16 @@ def test_comm_stats_count_the_optimizer_steps(runs):
 def test_refresh_sends_weights_written_behind_the_version_counters_in_full(runs):
     for r in runs:
         assert r["refresh"]["fresh"] == r["refresh"]["seen"] != r["refresh"]["stale"], r
+
+
+def test_gathers_are_waited_for_in_fsdp2s_copy_out_so_they_overlap_compute(runs):
+    """Each gather returns a work FSDP2 waits on just before the module runs: the
+    next block's gather (the forward prefetch; the backward's own) is in flight while
+    a block computes, for every block but the last one each way; all are waited for."""
+    for r in runs:
+        assert r["in_flight"]["forward"] == [1, 1, 1, 0], r["in_flight"]
+        assert r["in_flight"]["backward"] == [1, 1, 1, 0, 0], r["in_flight"]
+        assert r["in_flight"]["left"] == 0
 
 
 def test_zeropp_plus_moves_weights_across_nodes_as_deltas_after_the_first_gather(runs):

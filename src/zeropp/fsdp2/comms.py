@@ -15,7 +15,9 @@ Only the output's contents are contracted; what travels is up to the comm:
   grads/qgz.py's two hops, the route zeropp's own engine runs, with the
   module's own error-feedback state. Either returns the mean, scaled for the
   op FSDP2 asks for (AVG, SUM, PREMUL_SUM's factor).
-Both are synchronous (they return None; FSDP2 then records its event).
+The gather returns a work whose `wait` (FSDP2's, in its copy-out) completes it, so
+FSDP2's prefetch of another module's gather goes out before this one is waited for;
+the reduction is synchronous (FSDP2 reads its output as soon as it returns).
 
 [Note: a module with several parameter groups]
 torchtitan shards an MoE block with per-parameter meshes (`shard_placement_fn`:
@@ -103,6 +105,22 @@ class Failures:
             raise
 
 
+class _Finish(dist.Work):
+    """What a gather returns to FSDP2, which waits on it in its copy-out (before the
+    module runs): `wait` completes zeropp's gather there, so the collectives issued
+    meanwhile (FSDP2's prefetch of the next module) overlap this one."""
+
+    def __init__(self, complete: Callable[[], None]) -> None:
+        super().__init__()
+        self._complete: Optional[Callable[[], None]] = complete
+
+    def wait(self, timeout: Any = None) -> bool:
+        complete, self._complete = self._complete, None
+        if complete is not None:
+            complete()
+        return True
+
+
 class WeightGather(_Buffers, AllGather):
     """zero3: FSDP2's own all-gather, counted. Otherwise each region of the module's
     chunk (regions.py: one per kind of parameter, the whole chunk on a 1-D mesh) goes
@@ -132,24 +150,31 @@ class WeightGather(_Buffers, AllGather):
         return self.paths[kind]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, async_op: bool = False) -> None:
-        with self.failures.guard(f"the all-gather of module {self.label}"):
-            self._gather(output_tensor, input_tensor, group)
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work:
+        what = f"the all-gather of module {self.label}"
+        with self.failures.guard(what):
+            finish = self._issue(output_tensor, input_tensor, group)
 
-    def _gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                group: dist.ProcessGroup) -> None:
+        def complete() -> None:
+            with self.failures.guard(what):
+                self.comm.unit = self.label
+                finish()
+        return _Finish(complete)
+
+    def _issue(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+               group: dist.ProcessGroup) -> Callable[[], None]:
+        """Start the module's gather; return what completes it into `output_tensor`."""
         self.comm.unit = self.label
         if (group.size() == self.comm.topo.node_size < self.comm.topo.world_size
                 and dist.get_process_group_ranks(group) == _global(self.comm, "intra_node")):
             # reshard_after_forward=node size: the backward's gather of FSDP2's own
             # post-forward shard (of the weights this comm gathered), inside the node
-            self.comm.all_gather(output_tensor, input_tensor, op="all_gather/fsdp2/post_forward",
-                                 group="intra_node").wait()
-            return None
+            return self.comm.all_gather(output_tensor, input_tensor,
+                                        op="all_gather/fsdp2/post_forward",
+                                        group="intra_node").wait
         _check_group(self.comm, group, "an all-gather")
         if self.plain:
-            self.comm.all_gather(output_tensor, input_tensor, op="all_gather/fsdp2").wait()
-            return None
+            return self.comm.all_gather(output_tensor, input_tensor, op="all_gather/fsdp2").wait
         if output_tensor.dtype == torch.uint8:
             raise NotImplementedError(
                 f"zeropp.fsdp2: module {self.label} mixes parameter dtypes (FSDP2 gathers them "
@@ -164,10 +189,12 @@ class WeightGather(_Buffers, AllGather):
             full = torch.empty(path.spec.padded_numel, dtype=output_tensor.dtype,
                                device=input_tensor.device)
             started.append((region, path, path.issue(self.comm, "fsdp2", shard.view(-1), full)))
-        for region, path, gather in started:
-            path.finish(gather)
-            region.put(gather.full.view(w, -1), output_tensor.view(w, c))
-        return None
+
+        def finish() -> None:
+            for region, path, gather in started:
+                path.finish(gather)
+                region.put(gather.full.view(w, -1), output_tensor.view(w, c))
+        return finish
 
     def before_step(self) -> None:
         for path in self.paths.values():
