@@ -169,3 +169,17 @@ def test_unit_types_choose_the_units():
     x = torch.randint(0, 64, (2, 8))
     losses = [m(x, x)[1] for m in (auto, by_type, linears)]
     assert losses[0] == losses[1] == losses[2]
+
+
+def test_in_backward_is_true_only_while_autograd_runs_a_backward_on_this_thread():
+    """unit_hooks._in_backward rests on torch's private `_current_graph_task_id` (-1
+    outside a backward): a forward under a backward's checkpoint recompute must be told
+    from a user's forward. Pinned here so a torch upgrade that changes it fails loudly."""
+    from zeropp.unit_hooks import _in_backward
+    seen = []
+    x = torch.ones(3, requires_grad=True)
+    y = (x * 2).sum()
+    assert not _in_backward()
+    x.register_hook(lambda g: seen.append(_in_backward()))
+    y.backward()
+    assert seen == [True] and not _in_backward()
