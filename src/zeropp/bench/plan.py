@@ -30,7 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import qwd
 from ..config import NAMED, is_named
+from ..quant import QTensor
 from ..stats import ring_send
 
 
@@ -86,28 +88,31 @@ def volumes(p: float, w: int, n: int, param_bytes: int, reduce_bytes: int, block
     stats.ring_send, the accounting's own rule."""
     d = w // n
     m = p * param_bytes
-    scales8 = 4 / block_size             # fp32 scale per block, per value
-    gather = p * (1 + scales8) if qwz else m   # INT8 payload + scales, or full width
+    # Bytes per value on the wire, as the codecs lay them out (a block's codes and its
+    # fp32 scale; qWD's 4-bit deltas also a step byte per block, four blocks to a word)
+    int8, int4 = (QTensor.wire_bytes(block_size, b, block_size) / block_size for b in (8, 4))
+    delta = qwd.wire_bytes(4 * block_size, block_size) / (4 * block_size)
+    gather = p * int8 if qwz else m      # qwZ's INT8 blocks, or full width
     cross = n > 1
     fwd = ring_send(gather, w) if cross else 0.0
     bwd = 0.0 if (hpz or not cross) else ring_send(gather, w)
     if qgz:  # INT4 values, (N-1)/N of them leave the node
-        grad = ring_send(p * (0.5 + scales8), n)
+        grad = ring_send(p * int4, n)
     else:
         grad = ring_send(p * reduce_bytes, w) if cross else 0.0
     intra = 0.0
     if hpz:  # backward gather among the D GPUs of the node
         intra += ring_send(gather, d)
     if qgz and d > 1:  # first hop: INT4 all-to-all inside the node
-        intra += ring_send(p * (0.5 + scales8), d)
-    secondary = (p / d) * (1 + scales8) if (hpz and qwz) else (m / d if hpz else 0.0)
+        intra += ring_send(p * int4, d)
+    secondary = (p / d) * int8 if (hpz and qwz) else (m / d if hpz else 0.0)
     intra_fwd = 0.0  # the part of `intra` the forward moves
-    if plus:  # qWD: INT4 code deltas across (+ a scale and a step byte per block); both
-        # gathers inside, from the copies, which are INT8 blocks like ZeRO++'s secondary
-        fwd = ring_send(p * (0.5 + scales8 + 1 / block_size), n) if cross else 0.0
-        intra_fwd = ring_send(p * (1 + scales8), d)
+    if plus:  # qWD's deltas across; both gathers inside, from the copies, which are
+        # INT8 blocks like ZeRO++'s secondary
+        fwd = ring_send(p * delta, n) if cross else 0.0
+        intra_fwd = ring_send(p * int8, d)
         intra = 3 * intra_fwd                       # + the backward's and the 8-bit gradient hop
-        secondary = p / d * (1 + scales8)
+        secondary = p / d * int8
     return {"fwd": fwd, "bwd": bwd, "grad": grad, "cross": fwd + bwd + grad,
             "intra": intra, "intra_fwd": intra_fwd, "secondary": secondary}
 
