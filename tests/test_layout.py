@@ -119,17 +119,42 @@ def test_the_core_stays_within_6100_lines():
     assert 3000 < lines <= 6100, lines
 
 
-def test_zeropp_fsdp2_is_reachable_after_a_plain_import_zeropp():
-    """As the README writes it: `import zeropp`, then `zeropp.fsdp2.install(...)`. The
-    subpackage loads on first access (torch.distributed.fsdp is a slow import)."""
-    code = ("import sys, zeropp\n"
-            "assert 'zeropp.fsdp2' not in sys.modules\n"
-            "assert callable(zeropp.fsdp2.install)\n"
-            "from zeropp import fsdp2\n"
-            "assert fsdp2 is zeropp.fsdp2 is sys.modules['zeropp.fsdp2']\n"
-            "assert not hasattr(zeropp, 'no_such_name')\n")
+def _fresh_python(code: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=240, env=env)
     assert r.returncode == 0, r.stderr
+
+
+def test_zeropp_fsdp2_is_reachable_after_a_plain_import_zeropp():
+    """As the README writes it: `import zeropp`, then `zeropp.fsdp2.install(...)`. The
+    subpackage loads on first access (torch.distributed.fsdp is a slow import)."""
+    _fresh_python("import sys, zeropp\n"
+                  "assert 'zeropp.fsdp2' not in sys.modules\n"
+                  "assert callable(zeropp.fsdp2.install)\n"
+                  "from zeropp import fsdp2\n"
+                  "assert fsdp2 is zeropp.fsdp2 is sys.modules['zeropp.fsdp2']\n"
+                  "assert not hasattr(zeropp, 'no_such_name')\n")
+
+
+def test_import_zeropp_loads_no_deepspeed_front_door_module_until_one_is_used():
+    """`import zeropp` and a plain `zeropp.shard` load no `zeropp.deepspeed` module, and
+    the model carries no `ds_*` attribute; `import zeropp as deepspeed` still gives
+    DeepSpeed's names (each loads the front door), `from zeropp.accelerator import ...`
+    works and `zeropp.zero` is the front door's module itself."""
+    _fresh_python(
+        "import sys, torch, zeropp\n"
+        "front = lambda: sorted(m for m in sys.modules if m.startswith('zeropp.deepspeed'))\n"
+        "assert front() == [], front()\n"
+        "m = zeropp.shard(torch.nn.Sequential(torch.nn.Linear(4, 4)))\n"
+        "assert front() == [] and not any(hasattr(p, 'ds_status') for p in m.parameters())\n"
+        "cfg = zeropp.Config.from_deepspeed({'zero_optimization': {'stage': 3}})\n"
+        "assert isinstance(cfg, zeropp.Config) and 'zeropp.deepspeed.zero_config' in front()\n"
+        "import zeropp as deepspeed\n"
+        "assert callable(deepspeed.initialize)\n"
+        "from zeropp.accelerator import get_accelerator\n"
+        "import zeropp.zero\n"
+        "assert zeropp.zero is sys.modules['zeropp.deepspeed.zero'] is deepspeed.zero\n"
+        "assert get_accelerator() is deepspeed.get_accelerator()\n"
+        "assert callable(deepspeed.install_as_deepspeed) and deepspeed.comm.get_rank\n")

@@ -6,30 +6,29 @@ DeepSpeed scripts run on it with `import zeropp as deepspeed` (`initialize`,
 Hugging Face's Trainer, accelerate and TRL after `zeropp.install_as_deepspeed()`."""
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 from typing import Any
 
+from . import config as _config
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from .checkpoint_files import CheckpointError
 from .config import Config
-from .deepspeed import (
-    DeepSpeedConfigError,
-    DeepSpeedEngine,
-    accelerator,
-    add_config_arguments,
-    comm,
-    get_accelerator,
-    init_distributed,
-    initialize,
-    zero,
-)
-from .deepspeed.alias import install_as_deepspeed
 from .deferred import deferred_init
 from .gathered import gathered
 from .memory import memory_stats
 from .optim import clip_grad_norm_
 from .shard import comm_stats, refresh, reset_comm_stats, shard
 from .topology import Topology, get_topology
+
+# The DeepSpeed front door (zeropp/deepspeed/) is imported on the first use of a name
+# (None: the module of that name); `import zeropp` loads the engine only.
+_FRONT_DOOR = {"initialize": "compat", "init_distributed": "compat", "zero": None,
+               "add_config_arguments": "compat", "DeepSpeedEngine": "engine", "comm": None,
+               "DeepSpeedConfigError": "config", "get_accelerator": "accelerator",
+               "install_as_deepspeed": "alias", "accelerator": None, "lr_schedules": None}
+_SUBMODULES = ("zero", "comm", "accelerator")  # `from zeropp.accelerator import ...` too
 
 __all__ = ["Config", "Topology", "get_topology", "shard", "clip_grad_norm_", "comm_stats",
            "reset_comm_stats", "refresh", "gathered", "full_state_dict", "save_checkpoint",
@@ -39,16 +38,37 @@ __all__ = ["Config", "Topology", "get_topology", "shard", "clip_grad_norm_", "co
            "DeepSpeedConfigError"]
 __version__ = "0.1.0"
 
-# `from zeropp.accelerator import get_accelerator` (as scripts write it for deepspeed):
-# the modules live in zeropp/deepspeed/, importable under these names too.
-for _m in (zero, comm, accelerator):
-    sys.modules.setdefault(f"{__name__}.{_m.__name__.rsplit('.', 1)[1]}", _m)
-
 
 def __getattr__(name: str) -> Any:
-    """`zeropp.fsdp2` and `zeropp.ft` after a plain `import zeropp`, imported on first
-    use: fsdp2 imports torch.distributed.fsdp, a slow import that nothing else in zeropp
-    needs; ft is for torchft's users."""
-    if name in ("fsdp2", "ft"):  # ft: torchft's process groups, imported on use
+    """The front door's names, imported on first use; `zeropp.fsdp2` (torch's FSDP2 is a
+    slow import nothing else needs) and `zeropp.ft` (torchft's users') likewise."""
+    if name in _FRONT_DOOR:
+        where = _FRONT_DOOR[name]
+        module = importlib.import_module(f"{__name__}.deepspeed.{where or name}")
+        return module if where is None else getattr(module, name)
+    if name in ("fsdp2", "ft"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Aliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`import zeropp.zero` (.comm, .accelerator): the front door's module itself."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname.startswith(f"{__name__}.") and fullname[len(__name__) + 1:] in _SUBMODULES:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        return importlib.import_module(f"{__name__}.deepspeed.{spec.name.rpartition('.')[2]}")
+
+    def exec_module(self, module: Any) -> None:
+        pass
+
+
+if not any(isinstance(f, _Aliases) for f in sys.meta_path):
+    sys.meta_path.append(_Aliases())
+
+
+_config._DEEPSPEED[:] = _config._DEEPSPEED or [lambda *a, **k: importlib.import_module(
+    f"{__name__}.deepspeed.zero_config").zero_config(*a, **k)]  # Config.from_deepspeed

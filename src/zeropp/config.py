@@ -162,8 +162,8 @@ class Config:
 
 
 # The DeepSpeed front door's parser of a ds_config.json's ZeRO section
-# (zeropp/deepspeed/zero_config.py), registered when it is imported (`import
-# zeropp` does): DeepSpeed JSON is read in one place, outside the core.
+# (zeropp/deepspeed/zero_config.py; `import zeropp` registers a stand-in that imports
+# it on first use): DeepSpeed JSON is read in one place, outside the core.
 _DEEPSPEED: list = []
 
 

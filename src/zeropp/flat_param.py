@@ -111,21 +111,27 @@ _MOVES = {State.FREED: {State.GATHERING, State.SHAPED},
           State.GATHERED: {State.FREED}}
 
 
-class FlatParam:
-    # Functions a front door adds (the DeepSpeed one: its `ds_*` attributes):
-    # `on_tensor(t, flat, info, kind)` for every tensor zeropp hands out for original
-    # parameters ("attribute": a module attribute; "master": the master shard, info
-    # None; "placeholder": a state dict's 0-element entry); `on_status(flat,
-    # available)` when the full weights become available or are freed.
-    on_tensor: list[Callable[[torch.Tensor, FlatParam, Optional[ParamInfo], str], None]] = []
-    on_status: list[Callable[[FlatParam, bool], None]] = []
+# owner_of's table: id(tensor) -> (the tensor, its FlatParam), both weakly (tensors
+# compare elementwise), for every master shard and module attribute zeropp hands out.
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
+
+def owner_of(t: Any) -> Optional[FlatParam]:
+    """The FlatParam whose master shard or module attribute `t` is, or None."""
+    entry = _OWNERS.get(id(t))
+    return entry[1]() if entry is not None and entry[0]() is t else None
+
+
+class FlatParam:
     def __init__(self, params: list[tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
                  *, topo: Topology, cfg: Config, compute_dtype: torch.dtype,
                  trainable: bool, name: str = "_zeropp_flat0", param_group: int = -1,
                  sync: Optional[Callable[[torch.Tensor], None]] = None,
                  persistent: bool = False) -> None:
         self.name = name  # as registered on its unit's module, e.g. "blocks.0._zeropp_flat0"
+        # What a front door adds to the tensors zeropp hands out (the DeepSpeed one: its
+        # `ds_*` attributes), set per model by `set_hooks`.
+        self.hooks: Any = None
         self.param_group = param_group  # index into shard()'s param_groups (-1: in none)
         self.unit: Any = None  # the Unit that gathers it (set by the Unit)
         self.meter: Any = None  # its model's meter.GatherMeter (set by the Unit)
@@ -201,10 +207,10 @@ class FlatParam:
         self.weights = WeightPath(spec, topo, dataclasses.replace(
             cfg, hpz_partition_size=1, weight_delta=False) if persistent else cfg,
             trainable=trainable, version=lambda: self.version)
-        for hook in FlatParam.on_tensor:
-            hook(self.primary_shard, self, None, "master")
-            for t, info in zip(self.params, self.infos):
-                hook(t, self, info, "attribute")
+        for t in (self.primary_shard, *self.params):
+            key = id(t)
+            _OWNERS[key] = (weakref.ref(t, lambda _r, k=key: _OWNERS.pop(k, None)),
+                            weakref.ref(self))
         # How its gradient is reduced (grads/): ZeRO-3's ring or qgZ's two hops.
         self.reduce_route = route_for(cfg, block=self.block) if trainable else None
 
@@ -294,9 +300,19 @@ class FlatParam:
             self.meter.freed(self)
         self._move(State.FREED)
 
+    def set_hooks(self, hooks: Any) -> None:
+        """`hooks.on_tensor(t, flat, info, kind)` for each tensor it hands out ("master",
+        info None; "attribute"; later "placeholder": a state dict's 0-element entry) and
+        `hooks.on_status(flat, available)` at each gather and free (and now)."""
+        self.hooks = hooks
+        hooks.on_tensor(self.primary_shard, self, None, "master")
+        for t, info in zip(self.params, self.infos):
+            hooks.on_tensor(t, self, info, "attribute")
+        hooks.on_status(self, self.gathered)
+
     def _status(self, available: bool) -> None:
-        for hook in FlatParam.on_status:
-            hook(self, available)
+        if self.hooks is not None:
+            self.hooks.on_status(self, available)
 
     def _attach(self, to_views: bool) -> None:
         """The module attributes show their views of `full`, or 0 elements."""

@@ -276,6 +276,10 @@ def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
     model._zeropp_state = state
     state.root_ref = weakref.ref(model)
     _step_hooks(state)
+    hooks = getattr(model, "_zeropp_tensor_hooks", None)  # a front door's (FlatParam.set_hooks)
+    if hooks is not None:
+        for f in state.flats:
+            f.set_hooks(hooks)
     return model
 
 

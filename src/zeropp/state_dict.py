@@ -95,8 +95,8 @@ def _value(f: FlatParam, i: int, keep_vars: bool) -> torch.Tensor:
         return t if keep_vars else t.detach().clone()
     info = f.infos[i]
     placeholder = torch.empty(0, dtype=f.compute_dtype, device=t.device)
-    for hook in FlatParam.on_tensor:
-        hook(placeholder, f, info, "placeholder")
+    if f.hooks is not None:
+        f.hooks.on_tensor(placeholder, f, info, "placeholder")
     return placeholder
 
 

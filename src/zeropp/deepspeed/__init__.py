@@ -16,6 +16,8 @@ accelerate and TRL after `zeropp.install_as_deepspeed()` (alias.py).
   accelerator.py   get_accelerator(): CUDA or CPU
   comm.py          deepspeed.comm over torch.distributed, init_distributed
   alias.py         install_as_deepspeed(): `import deepspeed` answers with these
+  grad_sync.py     engine.no_sync() / coalesce_grad_reduction() (coalesce.py: one
+                   reduction per unit for several backwards)
 """
 
 from . import accelerator, comm, lr_schedules, zero

@@ -40,7 +40,7 @@ from ..shard import get_state, shard
 from . import config as ds_config
 from . import lr_schedules, utils
 from .alias import installed
-from .attributes import ZeroParamStatus, owner_of
+from .attributes import ZeroParamStatus, attach, owner_of
 from .comm import init_distributed
 from .engine import DeepSpeedEngine
 from .parameters import expose_original_parameters, master_shards
@@ -166,7 +166,9 @@ class _ParameterOffload:
 
 def _zero3_attributes(module: nn.Module, opt: Any) -> None:
     """The ZeRO-3 attributes libraries touch on the optimizer, the master shards
-    and the root module (see _ParameterOffload)."""
+    and the root module (see _ParameterOffload), and the model's own parameters'
+    `ds_*` (attributes.py)."""
+    attach(module)
     if opt is not None:
         opt.parameter_offload = _ParameterOffload(module)
     for f in get_state(module).flats:  # the master shards: partitioned, always

@@ -1,6 +1,6 @@
 """The engine's gradient-synchronization contexts under DeepSpeed's names:
 `coalesce_grad_reduction()` (the backwards of one optimizer step reduce once,
-at the block's exit; the mechanism is zeropp.coalesce) and `no_sync()`, which
+at the block's exit; the mechanism is coalesce.py) and `no_sync()`, which
 DeepSpeed refuses under ZeRO-2/3 and so does zeropp (ZeRO-3 only)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..coalesce import coalesced_reduction
+from .coalesce import coalesced_reduction
 from .errors import EngineAssertionError
 
 

@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .flat_param import FlatParam
-from .shard import get_state
+from ..flat_param import FlatParam
+from ..shard import get_state
 
 
 class HeldGradients:
