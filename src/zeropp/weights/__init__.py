@@ -100,7 +100,7 @@ class Gather:
     """A gather under way: its route and first collective, and where it lands."""
 
     route: Route
-    op: str
+    phase: str                    # "forward", "backward", "fsdp2", ...: its ops' labels
     comm: Comm
     pending: Pending
     out: torch.Tensor             # the first collective's output
@@ -149,7 +149,7 @@ class WeightPath:
             pending, out = hierarchical.issue(spec, comm, f"{op}/inter", shard, full)
         else:
             pending, out = world.issue(spec, comm, op, shard, full)
-        return Gather(route, op, comm, pending, out, full, shard, version)
+        return Gather(route, phase, comm, pending, out, full, shard, version)
 
     def finish(self, gather: Gather) -> None:
         """Wait for `gather`'s first collective, run its second stage, leave the weights in
@@ -167,17 +167,16 @@ class WeightPath:
         if gather.route is Route.DELTA and sec.pieces is None:
             # The copies were dropped while the delta was in flight (zeropp.refresh, a
             # load): every rank did the same, so every rank gathers in full instead.
-            phase = gather.op.removeprefix("all_gather/")
-            return self.finish(self.issue(gather.comm, phase, gather.shard, gather.full))
+            return self.finish(self.issue(gather.comm, gather.phase, gather.shard, gather.full))
         if gather.route is Route.HIER:
             if sec is not None:
                 sec.set(gather.out, gather.version)  # stage 1's output is the secondary
-            mine, op, group = gather.out, f"{gather.op}/intra", "intra_node"
+            mine, op, group = gather.out, f"all_gather/{gather.phase}/intra", "intra_node"
         else:
             delta.finish(spec, gather.out, sec.pieces.view(spec.world_size // sec.p, -1),
                          self.outer_index)
             sec.applied(gather.version)
-            mine, op, group = sec.pieces, f"{gather.op}/hpz", "hpz"
+            mine, op, group = sec.pieces, f"all_gather/{gather.phase}/hpz", "hpz"
         pending, out = hpz.issue(spec, gather.comm, mine, op, group)
         pending.wait()
         hpz.finish(spec, out, gather.full, len(gather.comm.ranks[group]))
