@@ -22,8 +22,9 @@ MB = 1 << 20
 
 
 class _Custom(nn.Module):
-    """Init that is not reset_parameters: trunc_normal_ (uniform_, erfinv_, mul_,
-    add_, clamp_ in place), a partial write, a parameter made from real values."""
+    """Init that is not reset_parameters: trunc_normal_ (in torch 2.13 normal_, then
+    rejection sampling that reads its draws: recorded whole, still deferred), a
+    partial write, a parameter made from real values."""
 
     def __init__(self) -> None:
         super().__init__()
