@@ -28,7 +28,6 @@ _FRONT_DOOR = {"initialize": "compat", "init_distributed": "compat", "zero": Non
                "add_config_arguments": "compat", "DeepSpeedEngine": "engine", "comm": None,
                "DeepSpeedConfigError": "config", "get_accelerator": "accelerator",
                "install_as_deepspeed": "alias", "accelerator": None, "lr_schedules": None}
-_SUBMODULES = ("zero", "comm", "accelerator")  # `from zeropp.accelerator import ...` too
 
 __all__ = ["Config", "Topology", "get_topology", "shard", "clip_grad_norm_", "comm_stats",
            "reset_comm_stats", "refresh", "gathered", "full_state_dict", "save_checkpoint",
@@ -52,10 +51,11 @@ def __getattr__(name: str) -> Any:
 
 
 class _Aliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """`import zeropp.zero` (.comm, .accelerator): the front door's module itself."""
+    """`import zeropp.zero` (each None of _FRONT_DOOR): the front door's module itself."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname.startswith(f"{__name__}.") and fullname[len(__name__) + 1:] in _SUBMODULES:
+        sub = fullname[len(__name__) + 1:] if fullname.startswith(f"{__name__}.") else ""
+        if sub in _FRONT_DOOR and _FRONT_DOOR[sub] is None:
             return importlib.util.spec_from_loader(fullname, self)
         return None
 
