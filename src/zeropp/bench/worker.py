@@ -77,6 +77,11 @@ def build(name: str, a, node_size: int, nodes: int):
         for block in model.h:
             fully_shard(block, mp_policy=mp, mesh=mesh)
         fully_shard(model, mp_policy=mp, mesh=mesh)
+        # Each block's gather goes out while the one before it computes (stock and
+        # zeropp's comms alike): on the CPU, FSDP2 prefetches forward only when told.
+        blocks = list(model.h)
+        for m, nxt in zip([model, *blocks], blocks):
+            m.set_modules_to_forward_prefetch([nxt])
         if preset:  # zeropp's comms under stock FSDP2
             from zeropp.fsdp2 import install
             install(model, named(preset, node_size))
