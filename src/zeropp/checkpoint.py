@@ -55,7 +55,6 @@ from .checkpoint_files import (
 )
 from .collectives import Comm
 from .config import Config
-from .driver import comm_state, load_comm_state
 from .flat_param import FlatParam
 from .guards import agree, all_gather_bytes
 from .quant import dequantize_pieces, quantize
@@ -163,7 +162,7 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
     # are not copied first; buffers and user tensors are, as they may share storage.
     for f in st.flats:
         tensors[f"model/{f.name}"] = f.primary_shard.detach().cpu()
-        for k, v in comm_state(f.weights, f.grad_codec).items():
+        for k, v in f.buffer.state().items():
             tensors[f"engine/{f.name}/{k}"] = v
     buffers = _buffers(model)
     if rank == 0:
@@ -444,8 +443,7 @@ def _apply(plan: dict, st: ShardState, model: nn.Module,
         for f in st.flats:
             f.primary_shard.copy_(plan["shards"][f.name])  # bumps the version counter
             f.primary_shard.grad = None  # gradients of the replaced weights mean nothing
-            load_comm_state(f.weights, f.grad_codec, plan["engine"].get(f.name, {}),
-                            f.primary_shard.device)
+            f.buffer.load_state(plan["engine"].get(f.name, {}), f.primary_shard.device)
         bufs = _buffers(model)
         for n, t in plan["buffers"].items():
             bufs[n].copy_(t)

@@ -33,6 +33,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from . import master_shard
 from .config import _is_int
 from .flat_param import FlatParam
 from .guards import first_failure, in_one_line
@@ -130,7 +131,7 @@ def gathered(model: nn.Module, *, writable: bool = False,
                 else:
                     peer_error = first_failure(error, "zeropp.gathered")
                 for f in snapshots:
-                    f.weights.invalidate()
+                    f.buffer.invalidate()
         finally:
             snapshots.clear()
             _release(pinned, chosen)
@@ -217,7 +218,7 @@ def _write_back(st: ShardState, snapshots: dict[FlatParam, torch.Tensor],
             changed = _bits(mine) != _bits(before[lo:lo + f.shard_numel])
             changed[f.shard_valid:] = False  # padding stays zero
             if changed.any():
-                f.write_shard(mine, changed)
+                master_shard.write_shard(f, mine, changed)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

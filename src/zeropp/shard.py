@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from .buffer import ShardedBuffer, held_params, make_comm, step_hooks
 from .collectives import Comm
 from .config import Config
 from .deferred import defer_meta, paused, show_module
-from .driver import held_params, make_comm, step_hooks
 from .flat_param import FlatParam
 from .grads.pipeline import ReducePipeline
 from .guards import check_same_model, forget_parameters
@@ -78,7 +78,7 @@ class ShardState:
         for u in self.units:
             u.free()
             for f in u.flats:  # a gradient an aborted backward left behind
-                f.drop_grad()
+                f.grads.drop()
                 if f.stale:  # persistent, and its master shard was written since
                     f.free(let_go=True, force=True)
         self.reducer.drain()  # an interrupted backward's reductions (raises a failure once)
@@ -147,14 +147,14 @@ class ShardState:
             # step) is reduced now, in unit order on every rank (flat_param's note).
             for u in self.units:
                 for f in u.flats:
-                    if f.trainable and f.end_backward():
+                    if f.trainable and f.grads.end_backward():
                         u.reduce(f)
             self.reducer.drain()  # gradients are complete when backward returns
             release_scratch()  # qgZ's temporaries: reused within the backward only
         finally:
             for u in self.units:
                 for f in u.flats:
-                    f.needs_reduce = False
+                    f.grads.needs_reduce = False
                 u.free()
                 for f in u.flats:
                     f.settle()
@@ -162,32 +162,27 @@ class ShardState:
 
 
 def _step_hooks(state: ShardState) -> None:
-    """Around any optimizer step that updates this model's master shards (driver.py):
-    before, a shard changed since its hpZ copy was made current, not by a step,
-    needs a full refresh; after, count the step, drop the hpZ secondaries of the
-    updated shards (qWD: mark a delta due) and gather the persistent ones again."""
-    def select(opt: torch.optim.Optimizer) -> list[FlatParam]:
+    """Around any optimizer step that updates this model's master shards (buffer.py):
+    before, the reductions are complete; after, the step is counted and the persistent
+    flats it updated are gathered again."""
+    def select(opt: torch.optim.Optimizer) -> list[ShardedBuffer]:
         st, held = state_ref(), held_params(opt)
-        return [] if st is None else [f for f in st.flats if id(f.primary_shard) in held]
+        return [] if st is None else [f.buffer for f in st.flats if id(f.primary_shard) in held]
 
-    def before(flats: list[FlatParam]) -> None:
+    def before(buffers: list[ShardedBuffer]) -> None:
         st = state_ref()
         if st.gathered_depth:
             raise RuntimeError("zeropp: optimizer.step() inside zeropp.gathered(): the "
                                "gathered weights would go stale; step after the context")
         st.reducer.drain()  # no-op after a backward: it drained already
-        for f in flats:
-            f.weights.before_step()
 
-    def after(flats: list[FlatParam]) -> None:
+    def after(buffers: list[ShardedBuffer]) -> None:
         st = state_ref()
-        st.stats.steps += 1
         st.optimizer_steps += 1
-        for f in flats:
-            f.weights.after_step()
-        st.regather_persistent(flats)
+        mine = {id(b) for b in buffers}
+        st.regather_persistent([f for f in st.flats if id(f.buffer) in mine])
     state_ref = weakref.ref(state)
-    step_hooks(state, select, before, after)
+    step_hooks(state, state.stats, select, before, after)
 
 
 def shard(model: nn.Module, cfg: Optional[Config] = None, *,
@@ -342,7 +337,7 @@ def refresh(model: nn.Module) -> None:
         return fsdp2.refresh()
     st = get_state(model)
     for f in st.flats:
-        f.weights.invalidate()
+        f.buffer.invalidate()
     st.regather_persistent([f for f in st.flats if f.gathered])
 
 

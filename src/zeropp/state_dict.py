@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import master_shard
 from .flat_param import FlatParam
 
 FLAT_PREFIX = "_zeropp_flat"
@@ -130,10 +131,10 @@ def _load(entries: list, module: nn.Module, sd: dict, prefix: str, local_metadat
                 if f.gathered and (f.unit.pins or not f.persistent):
                     f.params[i].copy_(v)  # the gathered weights; the context's exit decides
                 else:
-                    f.write_param(i, v)
+                    master_shard.write_param(f, i, v)
                     touched.add(f)
     for f in touched:
-        f.weights.invalidate()
+        f.buffer.invalidate()
     if touched:  # (every rank loads the same keys)
         next(iter(touched)).unit.state.regather_persistent(list(touched))
 

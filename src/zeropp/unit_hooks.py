@@ -14,6 +14,7 @@ Per unit and iteration:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,7 +43,7 @@ class Unit:
         self.backward_reads_weights = type(module).forward not in _WEIGHTLESS_BACKWARD
         self.pins = 0  # zeropp.gathered() contexts holding the full weights resident
         for f in flats:
-            f.on_grad_ready = self._flat_grad_ready
+            f.grads.on_ready = functools.partial(self._flat_grad_ready, f)
             f.unit, f.meter = self, state.meter
 
     def __repr__(self) -> str:
@@ -135,11 +136,11 @@ class Unit:
         st = self.state
         st.begin_backward()
         self.reduce(flat)
-        if not any(f.needs_reduce for f in self.flats):
+        if not any(f.grads.needs_reduce for f in self.flats):
             self.free()
 
     def reduce(self, flat: FlatParam) -> None:
-        g = flat.take_grad()
+        g = flat.grads.take()
         if self.state.held is not None:  # inside coalesced_reduction: reduced at its exit
             self.state.held.add(flat, g)
         else:
@@ -148,9 +149,9 @@ class Unit:
     def submit_reduce(self, flat: FlatParam, g: torch.Tensor) -> None:
         st = self.state
         st.stats.count_unit(self.label, "reduce_scatter")
-        route = flat.reduce_route
+        route = flat.buffer.route
         st.reducer.submit(self.label, g, lambda comm: route.first(comm, g),
-                          lambda comm, state: flat.accumulate_grad(route.second(comm, state)))
+                          lambda comm, state: flat.grads.accumulate(route.second(comm, state)))
 
 
 class _PostBackward(torch.autograd.Function):

@@ -128,7 +128,7 @@ def _load_over_live_secondaries(kw: dict, path: str, dirty: bool) -> list[float]
         _steps(model, opt, gen, 3)
         x = torch.randint(0, 64, (2, 16), generator=gen)
         loss_of("gpt", model, x, x).backward()
-        assert any(f.weights.secondary_bytes for f in model._zeropp_state.flats)
+        assert any(f.buffer.secondary_bytes for f in model._zeropp_state.flats)
     zeropp.load_checkpoint(path, model, opt, data_gen=gen)
     return _steps(model, opt, gen, 3)
 

@@ -253,7 +253,7 @@ def _semantics() -> dict:
     # flat, then two clean backwards agree.
     for f in st.flats:
         if f.trainable:
-            f.grad, f.arrived = torch.ones(f.padded_numel), {0}
+            f.grads.grad, f.grads.arrived = torch.ones(f.padded_numel), {0}
             f.params[-1].grad = torch.ones(f.params[-1].shape)
     grads = []
     for _ in range(2):

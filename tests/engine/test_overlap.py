@@ -20,7 +20,7 @@ import zeropp
 from zeropp.cli.launch import spawn
 from zeropp.collectives import CollectiveError
 from zeropp.config import named
-from zeropp.flat_param import FlatParam
+from zeropp.flat_grad import FlatGrad
 from zeropp.train.loop import TrainArgs, train_worker
 
 
@@ -64,7 +64,7 @@ def _rank1_stalls_in_backward(timeout: float, tmp: str) -> str:
     model = zeropp.shard(build("gpt"), named("zeropp", 2, collective_timeout=timeout))
     caught = [Path(tmp, f"caught{r}") for r in (0, 2, 3)]
     if dist.get_rank() == 1:  # stops inside its first gradient hook, mid-backward
-        real = FlatParam.take_grad
+        real = FlatGrad.take
 
         def stall(self):
             # until every other rank has failed (a file each), or timeout + 4 s at most
@@ -72,7 +72,7 @@ def _rank1_stalls_in_backward(timeout: float, tmp: str) -> str:
             while not all(p.exists() for p in caught) and time.monotonic() < end:
                 time.sleep(0.05)
             return real(self)
-        FlatParam.take_grad = stall
+        FlatGrad.take = stall
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     t0 = time.monotonic()
     try:
@@ -102,15 +102,15 @@ def _killed_mid_backward(a: TrainArgs, cfg, run_dir: str, tokens: str, vocab: in
     gradient hook of the first backward after checkpoint `after` is the latest."""
     latest = Path(run_dir) / "checkpoints" / "latest"
     if dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-        real, armed = FlatParam.take_grad, threading.Event()
+        real, armed = FlatGrad.take, threading.Event()
 
-        def take_grad(self):
+        def take(self):
             if not armed.is_set() and latest.exists() and latest.read_text().strip() == after:
                 armed.set()
             elif armed.is_set():  # the second hook of that backward: others are reducing
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(self)
-        FlatParam.take_grad = take_grad
+        FlatGrad.take = take
     return train_worker(a, cfg, run_dir, tokens, vocab)
 
 

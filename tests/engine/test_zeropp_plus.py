@@ -166,13 +166,13 @@ def _delta_protocol(steps: int):
     worst, exact, blocks, mirrors_equal, routes = 0.0, 0, 0, True, set()
     for step in range(steps):
         if step:  # before this forward's gather: the copy and the delta it will receive
-            prev = [f.weights.secondary.pieces.view(world // d, -1)[rank // d].clone()
+            prev = [f.buffer.weights.secondary.pieces.view(world // d, -1)[rank // d].clone()
                     for f in flats]
-            routes |= {f.weights.route() for f in flats}
+            routes |= {f.buffer.weights.route() for f in flats}
         x = torch.randint(0, 64, (2, 16), generator=g)
         loss_of("gpt", model, x, x.roll(1, dims=1)).backward()
         for i, f in enumerate(flats):
-            copy = f.weights.secondary.pieces.view(world // d, -1)
+            copy = f.buffer.weights.secondary.pieces.view(world // d, -1)
             master = f.primary_shard.detach()
             if step:  # INT8 copies: qwZ's INT8 of the master, up to k/2 (qwd.py)
                 (s0, c0), (s1, c1) = (_int8_codes(buf, f.block) for buf in (prev[i],

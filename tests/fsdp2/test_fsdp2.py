@@ -278,7 +278,7 @@ def _gather_fails_on_rank_0() -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batches = [_step_batch(s) for s in range(3)]
     _steps(model, opt, batches[:1])
-    paths = [p for _, g, _ in model._zeropp_fsdp2.comms for p in g.paths.values()]
+    paths = [b.weights for _, bufs, _ in model._zeropp_fsdp2.comms for b in bufs.values()]
     loss = model(batches[1], batches[1])[1]
     held = sum(p.secondary.pieces is not None for p in paths)  # the forward kept them
     if dist.get_rank() == 0:  # the backward's first gather from the secondaries fails here
@@ -321,8 +321,8 @@ def test_a_failed_gather_drops_every_secondary_on_every_rank_and_refuses_what_fo
 def _reduce_at_two_sizes() -> list[bool]:
     from torch.distributed.fsdp import fully_shard
 
-    from zeropp.driver import make_comm
-    from zeropp.fsdp2.comms import Failures, GradReduce
+    from zeropp.buffer import make_comm
+    from zeropp.fsdp2.comms import Buffers, Failures, GradReduce
     from zeropp.fsdp2.regions import Kinds
     from zeropp.stats import CommStats
     from zeropp.topology import get_topology
@@ -336,11 +336,12 @@ def _reduce_at_two_sizes() -> list[bool]:
         out = torch.empty(c)
         red(out, g, dist.group.WORLD, dist.ReduceOp.AVG)
         return out.numpy().tobytes()
-    kept = GradReduce(comm, cfg, "kept", Kinds(group, "kept"), Failures())
+    def made(label: str) -> GradReduce:
+        return GradReduce(comm, cfg, label, Buffers(comm, cfg, lambda: ()), Kinds(group, label),
+                          Failures())
+    kept = made("kept")
     # each call against a route made for its size alone (a fresh one, no residual yet)
-    return [reduce(kept, c) == reduce(GradReduce(comm, cfg, "fresh", Kinds(group, "fresh"),
-                                                 Failures()), c)
-            for c in (3000, 5000, 3000)]
+    return [reduce(kept, c) == reduce(made("fresh"), c) for c in (3000, 5000, 3000)]
 
 
 def test_a_reduction_at_another_size_runs_a_route_of_its_own_layout():

@@ -8,7 +8,7 @@ or `zeropp.shard` of a model built under `zero.Init`) gets `HOOKS` on each of it
 flat buffers (`FlatParam.set_hooks`), which the engine calls for every tensor it
 hands out in place of an original parameter and when a unit's full weights become
 available or are freed. A model sharded by plain `zeropp.shard` carries none.
-Which flat buffer a tensor belongs to is the core's (`flat_param.owner_of`).
+Which flat buffer a tensor belongs to is the core's (`flat_views.owner_of`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..flat_param import FlatParam, ParamInfo, owner_of
+from ..flat_param import FlatParam
+from ..flat_views import ParamInfo, owner_of
 from ..shard import get_state
 
 __all__ = ["ZeroParamStatus", "HOOKS", "attach", "owner_of"]

@@ -43,7 +43,7 @@ class HeldGradients:
         self.grads: dict[FlatParam, torch.Tensor] = {}
 
     def add(self, flat: FlatParam, g: torch.Tensor) -> None:
-        """Add `g` (the flat's own buffer, from take_grad) to the flat's held gradient."""
+        """Add `g` (the flat's own buffer, from FlatGrad.take) to the flat's held gradient."""
         held = self.grads.get(flat)
         if held is None:
             self.grads[flat] = g.to(torch.promote_types(g.dtype, torch.float32))

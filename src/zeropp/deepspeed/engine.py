@@ -364,8 +364,8 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
             if not u.pins:
                 for f in u.flats:
                     f.free(let_go=True, force=True)  # (a persistent flat)
-                    if not f.weights.delta:  # (qWD's copies are kept across steps)
-                        f.weights.invalidate()
+                    if not f.buffer.weights.delta:  # (qWD's copies are kept across steps)
+                        f.buffer.invalidate()
 
     def destroy(self) -> None:
         """DeepSpeed frees the engine's buffers here (Trainer and accelerate call it

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import master_shard
 from ..checkpoint import gather_master
 from ..flat_param import FlatParam
 from .attributes import owner_of
@@ -154,8 +155,8 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the parameter's fp32 master value to the full `value` (the same on
     every rank; call it on every rank)."""
     f, i = _locate(param)
-    f.write_range(_full_span(f, i, value)[0], value)
-    f.weights.invalidate()
+    master_shard.write_range(f, _full_span(f, i, value)[0], value)
+    f.buffer.invalidate()
 
 
 def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -223,7 +224,7 @@ def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
                          "stored as INT8 (quantized_nontrainable_weights); set it whole with "
                          "safe_set_full_fp32_param")
     _set_local(f, i, f.primary_shard, value)
-    f.weights.invalidate()
+    f.buffer.invalidate()
 
 
 def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:

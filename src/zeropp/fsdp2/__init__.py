@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -28,14 +29,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
+from ..buffer import held_params, make_comm, step_hooks, version_of
 from ..collectives import Comm
 from ..config import Config
-from ..driver import comm_state as comm_state_of
-from ..driver import comm_state_file, held_params, make_comm, step_hooks
-from ..driver import load_comm_state as load_comm_state_of
 from ..stats import CommStats
 from ..topology import Topology, get_topology
-from .comms import Failures, GradReduce, WeightGather, attach
+from .comms import Buffers, Failures, GradReduce, WeightGather, attach
 from .groups import group_topology, solo_group
 from .regions import Kinds
 from .replicate import ReplicaMean, take_over
@@ -43,19 +42,20 @@ from .replicate import ReplicaMean, take_over
 
 class Installed:
     """What `install` leaves on the model (`model._zeropp_fsdp2`): the Config, the
-    byte accounting, and the optimizer steps seen (hpZ's secondaries go stale)."""
+    byte accounting, each FSDP parameter group's comms and ShardedBuffers, and the
+    optimizer steps seen (hpZ's secondaries go stale)."""
 
     def __init__(self, cfg: Config, stats: CommStats) -> None:
         self.cfg, self.stats, self.steps = cfg, stats, 0
         self.params: set[int] = set()
-        self.comms: list[tuple[str, WeightGather, GradReduce]] = []
+        self.comms: list[tuple[str, Buffers, GradReduce]] = []
         self.failures = Failures()  # a failed collective drops every secondary (comms.py)
         self.failures.drop = self.refresh
 
     def refresh(self) -> None:
         """The next gather of every module is a full one (`zeropp.refresh`)."""
-        for _, gather, _ in self.comms:
-            gather.invalidate()
+        for _, buffers, _ in self.comms:
+            buffers.invalidate()
 
 
 def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
@@ -78,21 +78,12 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
             label = (name or "<root>") + (f"#{i}" if i else "")
             _install_group(m, group, label, cfg, topo, inst, comms)
 
-    gathers = [g for _, g, _ in inst.comms]
+    def select(opt: Any) -> list[Buffers]:
+        return [b for _, b, _ in inst.comms] if held_params(opt) & inst.params else []
 
-    def select(opt: Any) -> list:
-        return gathers if held_params(opt) & inst.params else []
-
-    def before(gathers: list) -> None:  # a secondary made stale by anything but a step
-        for g in gathers:
-            g.before_step()
-
-    def after(gathers: list) -> None:  # hpZ's secondaries go stale; qWD's take a delta
+    def after(buffers: list) -> None:  # before their secondaries go stale: the versions
         inst.steps += 1
-        inst.stats.steps += 1
-        for g in gathers:
-            g.after_step()
-    step_hooks(model, select, before, after)  # removed when the model dies
+    step_hooks(model, inst.stats, select, after=after)  # removed when the model dies
     model._zeropp_fsdp2 = inst
     return model
 
@@ -109,15 +100,17 @@ def _install_group(m: FSDPModule, group: Any, label: str, cfg: Config, topo: Top
     sharded = [fp.sharded_param for fp in group.fsdp_params]
     inst.params |= {id(p) for p in sharded}
     kinds = Kinds(group, label)
-    gather = WeightGather(comm, gcfg, label, _version(inst, sharded), kinds, inst.failures)
-    reduce = GradReduce(comm, gcfg, label, kinds, inst.failures)
+    locals_ = [getattr(p, "_local_tensor", p) for p in sharded]
+    buffers = Buffers(comm, gcfg, version_of(locals_, lambda: inst.steps))
+    gather = WeightGather(comm, gcfg, label, buffers, kinds, inst.failures)
+    reduce = GradReduce(comm, gcfg, label, buffers, kinds, inst.failures)
     if hsdp and cfg.quantized_gradients:
         rcomm, _ = _group_comm(group.mesh_info.replicate_process_group, cfg, topo, inst,
                                comms, replicas=True)
         if rcomm.topo.num_nodes > 1:  # replicas inside a node: FSDP2's own all-reduce
             reduce.replica = ReplicaMean(rcomm, cfg, label, group, kinds, inst.failures)
             take_over(m, group, reduce.replica, solo_group())
-    inst.comms.append((label, gather, reduce))
+    inst.comms.append((label, buffers, reduce))
     attach(m, group, "_all_gather_comm", gather, "set_custom_all_gather")
     attach(m, group, "_reduce_scatter_comm", reduce, "set_custom_reduce_scatter")
 
@@ -156,16 +149,6 @@ def _sub_comm(sub: Topology, cfg: Config, inst: Installed, replicas: bool
     return make_comm(gcfg, sub, inst.stats), gcfg
 
 
-def _version(inst: Installed, sharded: list) -> Any:
-    """What a module's weights are now: the optimizer steps seen and each sharded
-    tensor's version counter and storage (in-place writes, loads, replacement)."""
-    locals_ = [getattr(p, "_local_tensor", p) for p in sharded]
-
-    def version() -> tuple:
-        return (inst.steps, *((t._version, t.data_ptr()) for t in locals_))
-    return version
-
-
 def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     """This rank's comm state an exact resume needs, per FSDP module: qWD's
     copies (and whether a delta is due), qgZ's error-feedback residuals (HSDP: those
@@ -174,32 +157,21 @@ def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     Different on every rank: save it per rank beside the model and optimizer's
     DCP checkpoint (`save_comm_state`)."""
     out = {}
-    for label, gather, reduce in _installed(model).comms:
-        rep = reduce.replica.routes if reduce.replica is not None else {}
-        s: dict[str, Any] = {}
-        for kind in {*gather.paths, *reduce.routes, *rep}:
-            path, route = gather.paths.get(kind), reduce.routes.get(kind)
-            mine = comm_state_of(path, route and route.codec)
-            if path is not None:
-                mine["numel"] = gather.numels[kind]
-            if route is not None:
-                mine["grad_block"] = route.block
-            if kind in rep:  # HSDP: the replicas' hop residuals
-                mine.update({f"replica/{k}": v for k, v in rep[kind].codec.state().items()})
-                mine["replica_block"] = rep[kind].block
-            s.update({_prefix(kind) + k: v for k, v in mine.items()})
-        out[label] = s
+    for label, buffers, reduce in _installed(model).comms:
+        out[label] = buffers.state()
+        if reduce.replica is not None:  # HSDP: the replicas' hop residuals
+            out[label].update(reduce.replica.buffers.state("replica/"))
     return out
 
 
-def _prefix(kind: str) -> str:
-    return f"{kind}|" if kind else ""
+def _file(directory: Union[str, os.PathLike], rank: int) -> Path:
+    return Path(directory) / f"zeropp_rank{rank}.pt"
 
 
 def save_comm_state(model: nn.Module, directory: Union[str, os.PathLike]) -> None:
     """`comm_state(model)` into this rank's file in `directory` (e.g. the DCP
     checkpoint's own directory); every rank."""
-    path = comm_state_file(directory, dist.get_rank())
+    path = _file(directory, dist.get_rank())
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(comm_state(model), path)
 
@@ -210,27 +182,12 @@ def load_comm_state(model: nn.Module,
     the model's sharded weights were loaded (DCP): the copies stand for the weights
     as they are at this call."""
     if not isinstance(state, dict):
-        state = torch.load(comm_state_file(state, dist.get_rank()), weights_only=True)
+        state = torch.load(_file(state, dist.get_rank()), weights_only=True)
     device = next(model.parameters()).device
-    for label, gather, reduce in _installed(model).comms:
-        saved, rep = state.get(label, {}), reduce.replica
-        kinds = {k.rpartition("|")[0] for k in saved} | {*gather.paths, *reduce.routes}
-        for kind in kinds | (set(rep.routes) if rep is not None else set()):
-            s = {k.removeprefix(_prefix(kind)): v for k, v in saved.items()
-                 if k.rpartition("|")[0] == kind}
-            if "numel" in s and not gather.plain:
-                gather.make_path(kind, int(s["numel"]))
-            if "grad_block" in s:
-                reduce.routes.of(kind, int(s["grad_block"]))
-            route = reduce.routes.get(kind)
-            load_comm_state_of(gather.paths.get(kind), route and route.codec, s, device)
-            if rep is not None:
-                if "replica_block" in s:
-                    rep.routes.of(kind, int(s["replica_block"]))
-                if kind in rep.routes:
-                    rep.routes[kind].codec.load_state(
-                        {k.removeprefix("replica/"): v for k, v in s.items()
-                         if k.startswith("replica/")}, device)
+    for label, buffers, reduce in _installed(model).comms:
+        buffers.load_state(state.get(label, {}), device)
+        if reduce.replica is not None:
+            reduce.replica.buffers.load_state(state.get(label, {}), device, "replica/")
 
 
 def _installed(model: nn.Module) -> Installed:

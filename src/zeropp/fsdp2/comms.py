@@ -52,11 +52,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from ..buffer import ShardedBuffer
 from ..collectives import CollectiveError, Comm
 from ..config import Config
 from ..grads.qgz import QgzReduce
 from ..layout import ShardLayout
-from ..weights import WeightPath, WeightSpec
 from .regions import Kinds
 
 
@@ -121,33 +121,96 @@ class _Finish(dist.Work):
         return True
 
 
+class Buffers(dict):
+    """A module's ShardedBuffers (buffer.py), one per region kind (regions.py), each made
+    for the size FSDP2 hands over: its gather's buffer anew at another size (the
+    gradient route kept), its gradient route anew at another block (a backward with
+    other gradients: the error feedback, of another layout, dropped); never a route
+    of another layout."""
+
+    def __init__(self, comm: Comm, cfg: Config, version: Callable[[], tuple],
+                 op: str = "reduce_scatter/qgz") -> None:
+        super().__init__()
+        self.comm, self.cfg, self.version, self.op = comm, cfg, version, op
+
+    def of(self, kind: str, numel: int) -> ShardedBuffer:
+        """Region `kind`'s buffer for a gathered size (W chunks) of `numel`."""
+        old = self.get(kind)
+        if old is None or old.layout.numel != numel:
+            cfg = self.cfg
+            self[kind] = ShardedBuffer(
+                ShardLayout.of(numel, self.comm.topo.world_size, cfg), self.comm.topo, cfg,
+                version=self.version, bits=cfg.weight_bits if cfg.quantized_weights else None,
+                trainable=True, route=False)
+            self[kind].route = old and old.route
+        return self[kind]
+
+    # a module's buffers answer the optimizer-step hooks as one (buffer.step_hooks)
+    def before_step(self) -> None:
+        for b in self.values():
+            b.before_step()
+
+    def after_step(self) -> None:
+        for b in self.values():
+            b.after_step()
+
+    def invalidate(self) -> None:
+        for b in self.values():
+            b.invalidate()
+
+    def route(self, kind: str, lay: ShardLayout) -> QgzReduce:
+        """qgZ's route for region `kind`'s gradient, cut as `lay`."""
+        return self._route(self.get(kind) or self.of(kind, lay.numel), lay.block)
+
+    def _route(self, buf: ShardedBuffer, block: int) -> QgzReduce:
+        if buf.route is None or buf.route.block != block:
+            buf.route = QgzReduce.from_config(self.cfg, block=block)
+            buf.route.op = self.op
+        return buf.route
+
+    # ---- checkpoints: keys `kind|tag...` (no `kind|` for the kind of replicated
+    # parameters, the only one on a 1-D mesh) ----------------------------------------
+    def state(self, tag: str = "") -> dict[str, Any]:
+        """Every buffer's comm state, with its gathered size and its route's block."""
+        out: dict[str, Any] = {}
+        for kind, buf in self.items():
+            mine = {**buf.state(), "numel": buf.layout.numel}
+            if buf.route is not None:
+                mine["grad_block"] = buf.route.block
+            out.update({f"{kind}|" * bool(kind) + tag + k: v for k, v in mine.items()})
+        return out
+
+    def load_state(self, saved: dict[str, Any], device: torch.device,
+                   tag: str = "") -> None:
+        """`state(tag)` back (buffers absent from it start afresh)."""
+        parts: dict[str, dict] = {kind: {} for kind in self}
+        for key, v in saved.items():
+            kind, _, k = key.rpartition("|")
+            if k.startswith(tag):
+                parts.setdefault(kind, {})[k.removeprefix(tag)] = v
+        for kind, s in parts.items():
+            if "numel" not in s and kind not in self:
+                continue  # (another tag's)
+            buf = self.of(kind, int(s["numel"])) if "numel" in s else self[kind]
+            if "grad_block" in s:
+                self._route(buf, int(s["grad_block"]))
+            buf.load_state(s, device)
+
+
 class WeightGather(_Buffers, AllGather):
     """zero3: FSDP2's own all-gather, counted. Otherwise each region of the module's
     chunk (regions.py: one per kind of parameter, the whole chunk on a 1-D mesh) goes
-    through zeropp's weight routes (weights/: qwZ, hpZ, the hierarchical gather, qWD),
-    the same the engine runs, and the full weights into FSDP2's output. The routes
-    see the region's part of this rank's chunk, padded to whole blocks, as its
-    primary shard."""
+    through its ShardedBuffer's weight path (weights/: qwZ, hpZ, the hierarchical
+    gather, qWD), the one the engine runs, and the full weights into FSDP2's output.
+    The path sees the region's part of this rank's chunk, padded to whole blocks, as
+    its primary shard."""
 
-    def __init__(self, comm: Comm, cfg: Config, label: str,
-                 version: Callable[[], tuple], kinds: Kinds, failures: Failures) -> None:
-        self.comm, self.cfg, self.label, self.version = comm, cfg, label, version
+    def __init__(self, comm: Comm, cfg: Config, label: str, buffers: Buffers, kinds: Kinds,
+                 failures: Failures) -> None:
+        self.comm, self.cfg, self.label, self.buffers = comm, cfg, label, buffers
         self.kinds, self.failures = kinds, failures
         self.plain = not (cfg.quantized_weights or cfg.hpz_partition_size > 1
                           or cfg.hierarchical_gather)
-        self.paths: dict[str, WeightPath] = {}  # per region kind, made for its gathered size
-        self.numels: dict[str, int] = {}        # ... which is this
-
-    def make_path(self, kind: str, numel: int) -> WeightPath:
-        """The weight path of region `kind` whose gathered size (W chunks) is `numel`."""
-        if kind not in self.paths or self.numels[kind] != numel:
-            w = self.comm.topo.world_size
-            spec = WeightSpec.of(ShardLayout.of(numel, w, self.cfg),
-                                 self.cfg.weight_bits if self.cfg.quantized_weights else None)
-            self.paths[kind] = WeightPath(spec, self.comm.topo, self.cfg, trainable=True,
-                                          version=self.version)
-            self.numels[kind] = numel
-        return self.paths[kind]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work:
@@ -182,7 +245,7 @@ class WeightGather(_Buffers, AllGather):
         w, c = self.comm.topo.world_size, input_tensor.numel()
         started = []  # every region's first collective goes out before any is waited for
         for region in self.kinds.regions(c):
-            path = self.make_path(region.kind, region.numel * w)
+            path = self.buffers.of(region.kind, region.numel * w).weights
             shard = torch.zeros(1, path.spec.shard_numel, dtype=torch.float32,
                                 device=input_tensor.device)
             region.take(input_tensor.view(1, c), shard)
@@ -196,44 +259,15 @@ class WeightGather(_Buffers, AllGather):
                 region.put(gather.full.view(w, -1), output_tensor.view(w, c))
         return finish
 
-    def before_step(self) -> None:
-        for path in self.paths.values():
-            path.before_step()
-
-    def after_step(self) -> None:
-        for path in self.paths.values():
-            path.after_step()
-
-    def invalidate(self) -> None:
-        for path in self.paths.values():
-            path.invalidate()
-
-
-class Routes(dict):
-    """qgZ's routes of a module's regions, by kind, each for its block: made anew when a
-    region's block changes (a backward with other gradients), its error feedback, of
-    another layout, dropped; never a route of another layout."""
-
-    def __init__(self, cfg: Config, op: str) -> None:
-        super().__init__()
-        self.cfg, self.op = cfg, op
-
-    def of(self, kind: str, block: int) -> QgzReduce:
-        route = self.get(kind)
-        if route is None or route.block != block:
-            route = self[kind] = QgzReduce.from_config(self.cfg, block=block)
-            route.op = self.op
-        return route
-
 
 class GradReduce(_Buffers, ReduceScatter):
-    """zero3: the ring reduce-scatter; qgZ: each region's two quantized hops."""
+    """zero3: the ring reduce-scatter; qgZ: each region's two quantized hops, its
+    ShardedBuffer's gradient route."""
 
-    def __init__(self, comm: Comm, cfg: Config, label: str, kinds: Kinds,
+    def __init__(self, comm: Comm, cfg: Config, label: str, buffers: Buffers, kinds: Kinds,
                  failures: Failures) -> None:
         self.comm, self.cfg, self.label, self.kinds = comm, cfg, label, kinds
-        self.failures = failures
-        self.routes = Routes(cfg, "reduce_scatter/qgz")
+        self.buffers, self.failures = buffers, failures
         self.replica: Any = None  # HSDP: the mean across replicas (replicate.py)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -264,7 +298,7 @@ class GradReduce(_Buffers, ReduceScatter):
             lay = ShardLayout.of(region.numel * w, w, self.cfg)
             g = torch.zeros(w, lay.shard_numel, dtype=torch.float32, device=input_tensor.device)
             region.take(input_tensor.view(w, c), g)
-            mean = self.routes.of(region.kind, lay.block).reduce(self.comm, g.view(-1))  # sum / W
+            mean = self.buffers.route(region.kind, lay).reduce(self.comm, g.view(-1))  # sum / W
             region.put((mean[:region.numel] * (scale * w)).view(1, -1), output_tensor.view(1, c))
         return None
 

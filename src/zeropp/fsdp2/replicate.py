@@ -34,6 +34,7 @@ with several groups, a stream under HSDP) it still refuses.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import weakref
 from typing import Any, Callable, Optional
@@ -42,9 +43,7 @@ import torch
 
 from ..collectives import Comm
 from ..config import Config
-from ..layout import ShardLayout
-from ..weights import WeightSpec, world
-from .comms import Failures, Routes, attach
+from .comms import Buffers, Failures, attach
 from .regions import Kinds
 
 
@@ -61,7 +60,11 @@ class ReplicaMean:
         self.user_hook: Optional[Callable[[torch.Tensor], None]] = None  # (the note)
         # weakly: the param group holds the model, which the step hooks must not keep alive
         self.param_group = weakref.ref(param_group)
-        self.routes = Routes(cfg, "reduce_scatter/hsdp_grad")
+        # Per region: qgZ over the replicas, then the chunks gathered as qwZ's blocks
+        # over the world of replicas (no secondary: nothing to keep across steps).
+        self.buffers = Buffers(comm, dataclasses.replace(
+            cfg, quantized_weights=True, hpz_partition_size=1, hierarchical_gather=False,
+            weight_delta=False), version=lambda: (), op="reduce_scatter/hsdp_grad")
 
     def __call__(self, grad: torch.Tensor) -> None:
         with self.failures.guard(f"the mean over replicas of module {self.label}"):
@@ -75,16 +78,14 @@ class ReplicaMean:
         group = self.param_group()
         summed = group is not None and group.gradient_divide_factor is not None
         for region in self.kinds.regions(n, grads=True):
-            lay = ShardLayout.of(region.numel, r, self.cfg)
+            buf = self.buffers.of(region.kind, region.numel)
+            lay = buf.layout
             g = torch.zeros(1, lay.padded_numel, dtype=torch.float32, device=grad.device)
             region.take(grad.view(1, n), g)
             # this replica's chunk of the sum / R
-            mean = self.routes.of(region.kind, lay.block).reduce(self.comm, g.view(-1))
-            spec = WeightSpec.of(lay, self.cfg.weight_bits)
+            mean = self.buffers.route(region.kind, lay).reduce(self.comm, g.view(-1))
             full = torch.empty(lay.padded_numel, dtype=torch.float32, device=grad.device)
-            pending, out = world.issue(spec, self.comm, "all_gather/hsdp_grad", mean, full)
-            pending.wait()
-            world.finish(spec, out, full)
+            buf.weights.finish(buf.weights.issue(self.comm, "hsdp_grad", mean, full))
             if summed:
                 full.mul_(r)  # FSDP2 sums over replicas then: its factor covers them
             region.put(full.view(1, -1), grad.view(1, n))

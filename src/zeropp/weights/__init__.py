@@ -180,39 +180,3 @@ class WeightPath:
         pending, out = hpz.issue(spec, gather.comm, mine, op, group)
         pending.wait()
         hpz.finish(spec, out, gather.full, len(gather.comm.ranks[group]))
-
-    # ---- the secondary's life across optimizer steps (the drivers' step hooks) -------
-    def before_step(self) -> None:
-        if self.secondary is not None:
-            self.secondary.before_step(self.version())
-
-    def after_step(self) -> None:
-        if self.secondary is not None:
-            self.secondary.after_step(self.version())
-
-    def invalidate(self) -> None:
-        """Forget the secondary: the next gather is a full one."""
-        if self.secondary is not None:
-            self.secondary.invalidate()
-
-    @property
-    def secondary_bytes(self) -> int:
-        sec = self.secondary
-        return 0 if sec is None or sec.pieces is None else sec.pieces.nbytes
-
-    # ---- checkpoints -------------------------------------------------------------------
-    def state(self) -> dict[str, torch.Tensor]:
-        """qWD state a bit-exact resume needs: the copies and whether a delta is due."""
-        if not self.delta:
-            return {}
-        return self.secondary.state(self.version())
-
-    def load_state(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
-        """Restore `state()` after the master shard was loaded (same layout)."""
-        self.invalidate()
-        if not self.delta or "secondary" not in state:
-            return
-        want = self.spec.world_size // self.secondary.p * self.spec.wire_bytes
-        saved = state["secondary"]
-        if (saved.dtype, saved.numel()) == (torch.uint8, want):  # else: refresh in full
-            self.secondary.load_state(state, device, self.version())

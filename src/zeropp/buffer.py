@@ -1,0 +1,162 @@
+"""ShardedBuffer: one flat buffer's comm side, the object both drivers hold.
+
+What travels for a flat buffer cut into W shards (layout.py), and what it keeps
+between steps: its weight path (weights/: the route of each gather, hpZ's
+secondary, qWD's copies), its gradient route (grads/: ZeRO-3's ring or qgZ's hops,
+with error feedback), and the version of the master weights a secondary stands
+for. It answers the optimizer-step hooks (`step_hooks`), `zeropp.refresh`
+(`invalidate`) and checkpoints (`state` / `load_state`). The engine's FlatParam
+holds one per flat; the FSDP2 driver one per region of a module's chunk
+(fsdp2/comms.py): both drivers run the same routes over the same state.
+
+[Note: why optimizer steps are hooked]
+hpZ's secondaries stand for one version of the master shards: after a step they
+are stale (qWD: a delta is due). Version counters alone cannot tell a step from
+any other write (fused optimizers update in place without bumping them), so both
+drivers hook every optimizer's step globally (there is no engine object to call)
+and act only for an optimizer that holds their shards.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from .collectives import Comm
+from .config import Config
+from .grads import route_for
+from .layout import ShardLayout
+from .stats import CommStats
+from .topology import Topology
+from .weights import WeightPath, WeightSpec
+
+
+class ShardedBuffer:
+    """The weight path and gradient route of a buffer cut as `layout` says. `version`:
+    what its master weights are now (`version_of`); `bits`: the weights travel as
+    `bits`-bit wire bytes (None: at the compute dtype); `stored_as_wire`: the master
+    shard is those bytes already; `route`: False for no gradient route (a driver that
+    reduces without one: FSDP2's exact ring)."""
+
+    def __init__(self, layout: ShardLayout, topo: Topology, cfg: Config, *,
+                 version: Callable[[], tuple], bits: Optional[int], trainable: bool,
+                 stored_as_wire: bool = False, route: bool = True) -> None:
+        self.layout, self.version = layout, version
+        self.weights = WeightPath(WeightSpec.of(layout, bits, stored_as_wire), topo, cfg,
+                                  trainable=trainable, version=version)
+        self.route = route_for(cfg, block=layout.block) if trainable and route else None
+
+    @property
+    def codec(self) -> Any:
+        """The gradient route's state (qgZ's inter-node codec), or None."""
+        return self.route.codec if self.route is not None else None
+
+    # ---- the secondary's life across optimizer steps and refreshes ----------------
+    def before_step(self) -> None:
+        """A secondary made stale by anything but a step is dropped."""
+        if self.weights.secondary is not None:
+            self.weights.secondary.before_step(self.version())
+
+    def after_step(self) -> None:
+        """The secondary goes stale (qWD: a delta is due)."""
+        if self.weights.secondary is not None:
+            self.weights.secondary.after_step(self.version())
+
+    def invalidate(self) -> None:
+        """The next gather is a full one from the master shards."""
+        if self.weights.secondary is not None:
+            self.weights.secondary.invalidate()
+
+    @property
+    def secondary_bytes(self) -> int:
+        sec = self.weights.secondary
+        return 0 if sec is None or sec.pieces is None else sec.pieces.nbytes
+
+    # ---- checkpoints ----------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        """The comm state an exact resume needs: qWD's copies (and whether a delta is
+        due), qgZ's error-feedback residuals."""
+        out = {}
+        if self.weights.delta:
+            out = {f"weights/{k}": v
+                   for k, v in self.weights.secondary.state(self.version()).items()}
+        if self.codec is not None:
+            out.update({f"grad/{k}": v for k, v in self.codec.state().items()})
+        return out
+
+    def load_state(self, saved: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Restore `state()` after the master shard was loaded, at the same layout (or
+        start afresh: the next gather is then a full one from the loaded masters)."""
+        parts: dict[str, dict] = {"weights": {}, "grad": {}}
+        for k, v in saved.items():
+            kind, _, name = k.partition("/")
+            if kind in parts:
+                parts[kind][name] = v
+        self.invalidate()
+        sec, mine = self.weights.secondary, parts["weights"].get("secondary")
+        if self.weights.delta and mine is not None and (mine.dtype, mine.numel()) == (
+                torch.uint8, self.layout.world_size // sec.p * self.weights.spec.wire_bytes):
+            sec.load_state(parts["weights"], device, self.version())
+        if self.codec is not None:
+            self.codec.load_state(parts["grad"], device)
+
+
+def version_of(tensors: list[torch.Tensor], steps: Callable[[], int] = lambda: 0
+               ) -> Callable[[], tuple]:
+    """What master tensors are now: each one's version counter and storage (in-place
+    writes, loads, replacement), and the optimizer steps seen (`steps`)."""
+    def version() -> tuple:
+        return (steps(), *((t._version, t.data_ptr()) for t in tensors))
+    return version
+
+
+def make_comm(cfg: Config, topo: Topology, stats: CommStats) -> Comm:
+    """The weight gathers' collectives over this rank's groups, checked first."""
+    if topo.world_size % cfg.hpz_partition_size:
+        raise ValueError(f"zeropp: hpz_partition_size={cfg.hpz_partition_size} must divide "
+                         f"the world size {topo.world_size}")
+    return Comm(topo, stats, cfg.hpz_partition_size, cfg.collective_timeout)
+
+
+def step_hooks(owner: Any, stats: CommStats, select: Callable[[torch.optim.Optimizer], list],
+               before: Callable[[list], None] = lambda b: None,
+               after: Callable[[list], None] = lambda b: None) -> None:
+    """Around every optimizer step that updates the ShardedBuffers `select(optimizer)`
+    returns (asked once per optimizer; none: nothing runs), while `owner` lives (the
+    hooks go when it dies: the callbacks must not hold it): before, `before(buffers)`,
+    then a secondary made stale by anything but a step is dropped; after, the step is
+    counted, `after(buffers)` runs (a driver's own count of steps, which its versions
+    may read, moves there), then every buffer's secondary goes stale (qWD: a delta is
+    due)."""
+    chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def items(opt: torch.optim.Optimizer) -> list:
+        if opt not in chosen:
+            chosen[opt] = select(opt)
+        return chosen[opt]
+
+    def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if items(opt):
+            before(items(opt))
+            for b in items(opt):
+                b.before_step()
+
+    def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if items(opt):
+            stats.steps += 1
+            after(items(opt))
+            for b in items(opt):
+                b.after_step()
+    handles = (register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post))
+    weakref.finalize(owner, lambda: [h.remove() for h in handles])
+
+
+def held_params(opt: torch.optim.Optimizer) -> set[int]:
+    """Ids of the parameters `opt` updates."""
+    return {id(p) for g in opt.param_groups for p in g["params"]}

@@ -1,0 +1,107 @@
+"""FlatGrad: a flat buffer's gradient, assembled from its parameters' own.
+
+[Note: how a unit's gradient is assembled]
+Autograd accumulates each module attribute's gradient like a plain parameter's
+(AccumulateGrad, run as soon as the gradient is complete); its post-accumulate
+hook hands it here: copied into the flat gradient `grad` and dropped, and when
+every parameter the unit's backward reaches has arrived the unit is told
+(`on_ready`) and hands the flat to the reduce pipeline. Per-parameter leaves,
+not one flat leaf cut by `split`, because a split's backward node is made when
+the unit's forward begins: for the root that is the first node of the graph,
+which autograd's CPU engine runs last, so the head's gradient and the root's
+weights waited for the end of backward; and the split's `cat` held every
+gradient of the unit twice. A parameter that a step's backward does not reach
+(unused) is learnt: the unit is reduced at the end of that backward, and from
+then on when the parameters it did reach have arrived (one arriving later still
+gets reduced, at the end of backward). A graph backwarded later accumulates
+again. This rank's chunk of the reduced mean lands in the master shard's `.grad`
+(`accumulate`), adding micro-batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class FlatGrad:
+    """The gradient of a flat buffer whose parameters are `params` (module attributes,
+    placed as `infos` say) and whose master shard is `master` (its first `valid`
+    elements hold parameters; the rest is padding). Frozen (not `trainable`): none
+    ever arrives."""
+
+    def __init__(self, infos: list[Any], params: list[torch.Tensor], padded_numel: int,
+                 master: torch.Tensor, valid: int, *, trainable: bool) -> None:
+        self.infos, self.params, self.padded_numel = infos, params, padded_numel
+        self.master, self.valid = master, valid
+        self.numel = sum(info.numel for info in infos)
+        self.grad: Optional[torch.Tensor] = None  # the flat gradient being assembled
+        self.arrived: set[int] = set()    # params in `grad`
+        self.seen: set[int] = set()       # params reached by this backward
+        self.expected = set(range(len(infos)))  # params backward reaches (learnt)
+        self.needs_reduce = False  # a forward recorded for backward read the weights
+        self.on_ready: Optional[Callable[[], None]] = None
+        me = weakref.ref(self)  # a tensor's hooks are invisible to Python's gc: no cycle
+
+        def arrived(t: torch.Tensor, i: int) -> None:
+            grads = me()
+            if grads is not None:
+                grads.arrive(i, t)
+        for i, t in enumerate(params if trainable else []):
+            t.requires_grad_(True)
+            t.register_post_accumulate_grad_hook(functools.partial(arrived, i=i))
+
+    def arrive(self, i: int, t: torch.Tensor) -> None:
+        """Parameter i's gradient is complete for this backward: into `grad`."""
+        g, t.grad = t.grad, None
+        info = self.infos[i]
+        if self.grad is None:  # zeroed where nothing arrives, in take
+            self.grad = torch.empty(self.padded_numel, dtype=g.dtype, device=g.device)
+        dst = self.grad[info.offset:info.offset + info.numel].view(info.shape)
+        if i in self.arrived:
+            dst.add_(g)
+        else:
+            dst.copy_(g)
+        self.arrived.add(i)
+        self.seen.add(i)
+        if self.arrived >= self.expected and self.on_ready is not None:
+            self.on_ready()
+
+    def end_backward(self) -> bool:
+        """Learn which parameters backward reaches; True if a gradient is still
+        waiting (some expected parameter did not arrive): reduce it now."""
+        if self.seen:
+            self.expected, self.seen = self.seen, set()
+        return self.grad is not None
+
+    def drop(self) -> None:
+        """Forget a gradient an interrupted backward left behind."""
+        self.grad, self.arrived, self.seen, self.needs_reduce = None, set(), set(), False
+        for t in self.params:
+            t.grad = None
+
+    def take(self) -> torch.Tensor:
+        """This backward's full flat gradient (zeros where nothing arrived); the
+        next backward starts a fresh one."""
+        self.needs_reduce = False
+        g, self.grad = self.grad, None
+        for i, info in enumerate(self.infos):
+            if i not in self.arrived:
+                g[info.offset:info.offset + info.numel].zero_()
+        g[self.numel:].zero_()
+        self.arrived = set()
+        return g
+
+    def accumulate(self, part: torch.Tensor) -> None:
+        """This rank's chunk of a reduced gradient (the mean, fp32) into the master
+        shard's `.grad`, accumulating micro-batches."""
+        # Padding must stay exactly zero (it is part of every later gather).
+        part[self.valid:] = 0
+        p = self.master
+        if p.grad is None:
+            p.grad = part
+        else:
+            p.grad.add_(part)
