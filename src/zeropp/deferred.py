@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -109,9 +110,12 @@ class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.by_ptr: dict[int, weakref.ref] = {}
+        self.thread = threading.get_ident()  # what other threads build is theirs
+        self.handle: Any = None  # its parameter-registration hook (deferred_init's)
 
     def register(self, module: nn.Module, name: str, p: Optional[nn.Parameter]) -> None:
-        if p is None or p.device.type != "cpu" or p.numel() == 0 or is_deferred(p):
+        if (p is None or p.device.type != "cpu" or p.numel() == 0 or is_deferred(p)
+                or threading.get_ident() != self.thread):
             return
         ptr = p.untyped_storage().data_ptr()
         _add(p, _Record(ptr, p.storage_offset(), name=f"{type(module).__name__}.{name}"))
@@ -171,23 +175,6 @@ class _Recorder(TorchDispatchMode):
         with torch.no_grad():
             p.detach().copy_(value)
 
-    def init_function(self, fn: Callable) -> Callable:
-        """A `torch.nn.init` function applied to a deferred parameter is recorded as
-        one op: its result depends only on the shape and the generator, even when
-        its body reads the tensor (trunc_normal_'s rejection sampling)."""
-        sig = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def recorded(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            p = self._param_of(tensor)
-            if p is None:
-                return fn(tensor, *args, **kwargs)
-            gen = sig.bind(tensor, *args, **kwargs).arguments.get("generator")
-            self.record(p, tensor, fn, args, dict(kwargs), True, True, generator=gen)
-            return tensor
-
-        return recorded
-
 
 @contextlib.contextmanager
 def deferred_init() -> Iterator[None]:
@@ -205,17 +192,61 @@ def deferred_init() -> Iterator[None]:
     as usual."""
     rec = _Recorder()
     rec.handle = register_module_parameter_registration_hook(rec.register)
-    _OPEN.append(rec)
     try:
         with _recording(rec):
             yield
     finally:
-        _OPEN.remove(rec)
         rec.handle.remove()
         _close(rec)
 
 
-_OPEN: list = []  # the recorders of the deferred_init() contexts open now, innermost last
+_OPEN: list = []  # the recorders open now, innermost last
+_TORCH_INIT: dict[str, Callable] = {}  # torch.nn.init's own functions while ours stand in
+_LOCAL = threading.local()  # .hidden: the recorders this thread's paused() hides
+
+
+def _recorders() -> list:
+    """The recorders of this thread that record now, innermost first."""
+    hidden = getattr(_LOCAL, "hidden", ())
+    return [r for r in reversed(_OPEN) if r.thread == threading.get_ident() and r not in hidden]
+
+
+@contextlib.contextmanager
+def _recording(rec: _Recorder) -> Iterator[None]:
+    release_freed_host_memory()  # freed scratch chunks must not be reused as parameters
+    if not _OPEN:  # the first recorder open: torch.nn.init's functions are recorded
+        _TORCH_INIT.update({name: getattr(nn.init, name) for name in _INIT_FUNCTIONS})
+        for name, fn in _TORCH_INIT.items():
+            setattr(nn.init, name, _recorded_init(fn))
+    _OPEN.append(rec)
+    try:
+        with rec:
+            yield
+    finally:
+        _OPEN.remove(rec)
+        if not _OPEN:
+            for name, fn in _TORCH_INIT.items():
+                setattr(nn.init, name, fn)
+            _TORCH_INIT.clear()
+
+
+def _recorded_init(fn: Callable) -> Callable:
+    """torch.nn.init's `fn` while a deferred_init() is open. On a deferred parameter of
+    a context open on this thread it is recorded as one op: its result depends only on
+    the shape and the generator, even when its body reads the tensor (trunc_normal_'s
+    rejection sampling). Anything else, and every other thread, gets torch's own."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def init(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        for rec in _recorders():
+            p = rec._param_of(tensor)
+            if p is not None:
+                gen = sig.bind(tensor, *args, **kwargs).arguments.get("generator")
+                rec.record(p, tensor, fn, args, dict(kwargs), True, True, generator=gen)
+                return tensor
+        return fn(tensor, *args, **kwargs)
+    return init
 
 
 @contextlib.contextmanager
@@ -227,19 +258,17 @@ def paused() -> Iterator[None]:
         yield
         return
     from torch.utils._python_dispatch import _disable_current_modes
-    for rec in _OPEN:
+    opened = [rec for rec in _OPEN if rec.handle is not None]
+    for rec in opened:
         _snapshot(rec)
         rec.handle.remove()
-    patched = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
-    for name, fn in _OPEN[0].originals.items():  # the outermost context saved torch's own
-        setattr(nn.init, name, fn)
+    hidden, _LOCAL.hidden = getattr(_LOCAL, "hidden", ()), tuple(_OPEN)
     try:
         with _disable_current_modes():
             yield
     finally:
-        for name, fn in patched.items():
-            setattr(nn.init, name, fn)
-        for rec in _OPEN:
+        _LOCAL.hidden = hidden
+        for rec in opened:
             rec.handle = register_module_parameter_registration_hook(rec.register)
 
 
@@ -249,21 +278,6 @@ def _snapshot(rec: _Recorder) -> None:
         p = ref()
         if is_deferred(p):
             _record(p).version = p._version
-
-
-@contextlib.contextmanager
-def _recording(rec: _Recorder) -> Iterator[None]:
-    release_freed_host_memory()  # freed scratch chunks must not be reused as parameters
-    originals = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
-    rec.originals = originals
-    try:
-        for name, fn in originals.items():
-            setattr(nn.init, name, rec.init_function(fn))
-        with rec:
-            yield
-    finally:
-        for name, fn in originals.items():
-            setattr(nn.init, name, fn)
 
 
 def _close(rec: _Recorder) -> None:

@@ -117,6 +117,28 @@ def test_an_op_reading_a_deferred_parameter_in_the_build_gets_its_exact_values()
     assert torch.equal(materialize(lazy.out.weight), whole.out.weight)
 
 
+def test_another_thread_builds_and_initializes_as_usual_while_a_build_is_recorded():
+    """deferred_init() records the build of its own thread only: a module another thread
+    builds meanwhile is not deferred, and torch.nn.init's functions write its values
+    (constant_ 3.0 everywhere; the recording thread's own call stays recorded)."""
+    import threading
+    other: dict = {}
+
+    def build() -> None:
+        lin = nn.Linear(4, 4)
+        nn.init.constant_(lin.weight, 3.0)
+        other["deferred"], other["weight"] = is_deferred(lin.weight), lin.weight.detach()
+    with deferred_init():
+        mine = nn.Linear(4, 4)
+        t = threading.Thread(target=build)
+        t.start()
+        t.join()
+        nn.init.constant_(mine.weight, 2.0)
+    assert other["deferred"] is False and torch.equal(other["weight"], torch.full((4, 4), 3.0))
+    assert is_deferred(mine.weight)
+    assert torch.equal(materialize(mine.weight), torch.full((4, 4), 2.0))
+
+
 class _Layers(nn.Module):
     """torch layers only, initialized by their reset_parameters in module order."""
 

@@ -135,7 +135,17 @@ def _in_flight() -> dict:
         comms.GradReduce.__call__ = reduce
         for h in hooks:
             h.remove()
-    return {**seen, "left": live[0]}
+    # One object per region: the module's gather and reduction hold the same
+    # ShardedBuffers, each with its weight path and its qgZ route by now.
+    from torch.distributed.fsdp import FSDPModule
+
+    from zeropp.buffer import ShardedBuffer
+    groups = [g for m in model.modules() if isinstance(m, FSDPModule)
+              for g in m._get_fsdp_state()._fsdp_param_groups]
+    shared = [g._all_gather_comm.buffers is g._reduce_scatter_comm.buffers
+              and [type(b) for b in g._all_gather_comm.buffers.values()] == [ShardedBuffer]
+              and g._reduce_scatter_comm.buffers[""].route is not None for g in groups]
+    return {**seen, "left": live[0], "shared": shared}
 
 
 def _work() -> dict:
@@ -227,6 +237,14 @@ def test_gathers_are_waited_for_in_fsdp2s_copy_out_so_they_overlap_compute(runs)
         assert r["in_flight"]["forward"] == [1, 1, 1, 0], r["in_flight"]
         assert r["in_flight"]["backward"] == [1, 1, 1, 0, 0], r["in_flight"]
         assert r["in_flight"]["left"] == 0
+
+
+def test_each_modules_gather_and_reduction_hold_one_sharded_buffer(runs):
+    """The blocks' and the root's FSDP groups (5): the all-gather and reduce-scatter
+    slots share one Buffers, whose one ShardedBuffer (a 1-D mesh: one region) holds the
+    weight path and the qgZ route, the engine's FlatParam's class."""
+    for r in runs:
+        assert r["in_flight"]["shared"] == [True] * 5, r["in_flight"]["shared"]
 
 
 def test_zeropp_plus_moves_weights_across_nodes_as_deltas_after_the_first_gather(runs):

@@ -15,6 +15,9 @@ Only the output's contents are contracted; what travels is up to the comm:
   grads/qgz.py's two hops, the route zeropp's own engine runs, with the
   module's own error-feedback state. Either returns the mean, scaled for the
   op FSDP2 asks for (AVG, SUM, PREMUL_SUM's factor).
+Both hold the module's `Buffers`: one ShardedBuffer per region (buffer.py, the
+object the engine's FlatParam holds), with its weight path, gradient route, version
+and comm state, so the optimizer-step hooks and checkpoints reach each buffer once.
 The gather returns a work whose `wait` (FSDP2's, in its copy-out) completes it, so
 FSDP2's prefetch of another module's gather goes out before this one is waited for;
 the reduction is synchronous (FSDP2 reads its output as soon as it returns).
@@ -60,7 +63,7 @@ from ..layout import ShardLayout
 from .regions import Kinds
 
 
-class _Buffers:
+class _Allocate:
     """`allocate`: FSDP2's buffers, plain tensors."""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -197,7 +200,7 @@ class Buffers(dict):
             buf.load_state(s, device)
 
 
-class WeightGather(_Buffers, AllGather):
+class WeightGather(_Allocate, AllGather):
     """zero3: FSDP2's own all-gather, counted. Otherwise each region of the module's
     chunk (regions.py: one per kind of parameter, the whole chunk on a 1-D mesh) goes
     through its ShardedBuffer's weight path (weights/: qwZ, hpZ, the hierarchical
@@ -260,7 +263,7 @@ class WeightGather(_Buffers, AllGather):
         return finish
 
 
-class GradReduce(_Buffers, ReduceScatter):
+class GradReduce(_Allocate, ReduceScatter):
     """zero3: the ring reduce-scatter; qgZ: each region's two quantized hops, its
     ShardedBuffer's gradient route."""
 
