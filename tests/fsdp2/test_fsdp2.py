@@ -109,8 +109,13 @@ def _in_flight() -> dict:
     model = zeropp.fsdp2.install(_fsdp2_gpt(), "zeropp-plus", node_size=2)
     for a, b in zip(model.h, model.h[1:]):
         a.set_modules_to_forward_prefetch([b])
-    live, seen = [0], {"forward": [], "backward": []}
+    live, seen = [0], {"forward": [], "backward": [], "later": 0}
     issue, wait, reduce = comms.WeightGather._issue, comms._Finish.wait, comms.GradReduce.__call__
+    submit = comms.Later.submit
+
+    def handed(*args, **kwargs):
+        seen["later"] += 1
+        return submit(*args, **kwargs)
 
     def issued(*args, **kwargs):
         live[0] += 1
@@ -126,13 +131,14 @@ def _in_flight() -> dict:
     hooks = [blk.register_forward_hook(lambda *_: seen["forward"].append(live[0]))
              for blk in model.h]
     comms.WeightGather._issue, comms._Finish.wait = issued, waited
-    comms.GradReduce.__call__ = reduced
+    comms.GradReduce.__call__, comms.Later.submit = reduced, handed
     try:
         x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
         model(x, x)[1].backward()
+        seen["after_backward"] = len(model._zeropp_fsdp2.later.pipeline.inflight)
     finally:
         comms.WeightGather._issue, comms._Finish.wait = issue, wait
-        comms.GradReduce.__call__ = reduce
+        comms.GradReduce.__call__, comms.Later.submit = reduce, submit
         for h in hooks:
             h.remove()
     # One object per region: the module's gather and reduction hold the same
@@ -152,6 +158,8 @@ def _work() -> dict:
     torch.set_num_threads(1)
     return {"refresh": _refresh(), "in_flight": _in_flight(), "stock": _train(None), "zero3": _train("zero3"), "zeropp": _train("zeropp"),
             "zeropp-plus": _train("zeropp-plus"),
+            "zeropp-plus-inline": _train(zeropp.Config.preset("zeropp-plus", node_size=2,
+                                                              async_reduce=False)),
             "zeropp-node": _train("zeropp", reshard=2, steps=NODE_STEPS),
             "stock-bf16": _train(None, bf16=True, steps=8),
             "zero3-bf16": _train("zero3", bf16=True, steps=8),
@@ -237,6 +245,17 @@ def test_gathers_are_waited_for_in_fsdp2s_copy_out_so_they_overlap_compute(runs)
         assert r["in_flight"]["forward"] == [1, 1, 1, 0], r["in_flight"]
         assert r["in_flight"]["backward"] == [1, 1, 1, 0, 0], r["in_flight"]
         assert r["in_flight"]["left"] == 0
+
+
+def test_reductions_run_off_backward_and_give_the_inline_bits(runs):
+    """comms.py, "reductions that complete at the end of backward": each module's qgZ
+    reduction (5: the blocks and the root) is handed to the reduce pipeline, none is
+    left when backward returns, and the losses (every step, every rank) and the
+    trained weights equal those of the same training reducing inline, bit for bit."""
+    for r in runs:
+        assert r["in_flight"]["later"] == 5 and r["in_flight"]["after_backward"] == 0
+        assert r["zeropp-plus"]["own"] == r["zeropp-plus-inline"]["own"]
+        assert r["zeropp-plus"]["probe"] == r["zeropp-plus-inline"]["probe"]
 
 
 def test_each_modules_gather_and_reduction_hold_one_sharded_buffer(runs):

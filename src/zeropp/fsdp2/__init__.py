@@ -32,9 +32,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from ..buffer import held_params, make_comm, step_hooks, version_of
 from ..collectives import Comm
 from ..config import Config
+from ..grads.pipeline import ReducePipeline
 from ..stats import CommStats
-from ..topology import Topology, get_topology
-from .comms import Buffers, Failures, GradReduce, WeightGather, attach
+from ..topology import Topology, get_topology, reduce_groups
+from .comms import Buffers, Failures, GradReduce, Later, WeightGather, attach
 from .groups import group_topology, solo_group
 from .regions import Kinds
 from .replicate import ReplicaMean, take_over
@@ -51,6 +52,7 @@ class Installed:
         self.comms: list[tuple[str, Buffers, GradReduce]] = []
         self.failures = Failures()  # a failed collective drops every secondary (comms.py)
         self.failures.drop = self.refresh
+        self.later: Optional[Later] = None  # the world group's qgZ off backward (comms.py)
 
     def refresh(self) -> None:
         """The next gather of every module is a full one (`zeropp.refresh`)."""
@@ -81,9 +83,13 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
     def select(opt: Any) -> list[Buffers]:
         return [b for _, b, _ in inst.comms] if held_params(opt) & inst.params else []
 
+    def before(buffers: list) -> None:  # (a backward drains them already)
+        if inst.later is not None:
+            inst.later.drain()
+
     def after(buffers: list) -> None:  # before their secondaries go stale: the versions
         inst.steps += 1
-    step_hooks(model, inst.stats, select, after=after)  # removed when the model dies
+    step_hooks(model, inst.stats, select, before, after)  # removed when the model dies
     model._zeropp_fsdp2 = inst
     return model
 
@@ -103,7 +109,13 @@ def _install_group(m: FSDPModule, group: Any, label: str, cfg: Config, topo: Top
     locals_ = [getattr(p, "_local_tensor", p) for p in sharded]
     buffers = Buffers(comm, gcfg, version_of(locals_, lambda: inst.steps))
     gather = WeightGather(comm, gcfg, label, buffers, kinds, inst.failures)
-    reduce = GradReduce(comm, gcfg, label, buffers, kinds, inst.failures)
+    world = comm is comms.get("world", (None,))[0]  # the engine's groups: its pipeline's too
+    if world and inst.later is None and cfg.quantized_gradients and cfg.async_reduce:
+        inst.later = Later(ReducePipeline(Comm(
+            topo, inst.stats, timeout=cfg.collective_timeout, groups=reduce_groups(topo)),
+            depth=cfg.reduce_buckets, asynchronous=True), inst.failures)
+    reduce = GradReduce(comm, gcfg, label, buffers, kinds, inst.failures,
+                        inst.later if world else None, group)
     if hsdp and cfg.quantized_gradients:
         rcomm, _ = _group_comm(group.mesh_info.replicate_process_group, cfg, topo, inst,
                                comms, replicas=True)

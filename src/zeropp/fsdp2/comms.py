@@ -19,8 +19,19 @@ Both hold the module's `Buffers`: one ShardedBuffer per region (buffer.py, the
 object the engine's FlatParam holds), with its weight path, gradient route, version
 and comm state, so the optimizer-step hooks and checkpoints reach each buffer once.
 The gather returns a work whose `wait` (FSDP2's, in its copy-out) completes it, so
-FSDP2's prefetch of another module's gather goes out before this one is waited for;
-the reduction is synchronous (FSDP2 reads its output as soon as it returns).
+FSDP2's prefetch of another module's gather goes out before this one is waited for.
+
+[Note: reductions that complete at the end of backward]
+FSDP2 discards what the reduce-scatter returns and uses its output at once. When
+that use is only to keep views of it as the sharded gradients (no gradient to add
+to, no division or cast after the call, no hook on the result or on the gradients:
+fp32 / bf16 reductions without HSDP, after `zero_grad(set_to_none=True)`), the
+values are not read before backward ends. qgZ's two hops of the world's group then
+run on the engine's reduce pipeline (grads/pipeline.py: two threads, process
+groups of their own) while backward goes on, and the end of backward (an autograd
+callback after FSDP2's own) waits for them; an optimizer step does too. The same
+functions on the same bytes: the gradients are bit for bit the synchronous ones.
+Any other call reduces synchronously.
 
 [Note: a module with several parameter groups]
 torchtitan shards an MoE block with per-parameter meshes (`shard_placement_fn`:
@@ -48,18 +59,22 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from ..buffer import ShardedBuffer
 from ..collectives import CollectiveError, Comm
 from ..config import Config
+from ..grads.pipeline import ReducePipeline
 from ..grads.qgz import QgzReduce
 from ..layout import ShardLayout
+from ..unit_hooks import _in_backward
 from .regions import Kinds
 
 
@@ -268,10 +283,21 @@ class GradReduce(_Allocate, ReduceScatter):
     ShardedBuffer's gradient route."""
 
     def __init__(self, comm: Comm, cfg: Config, label: str, buffers: Buffers, kinds: Kinds,
-                 failures: Failures) -> None:
+                 failures: Failures, later: Optional[Later] = None, group: Any = None) -> None:
         self.comm, self.cfg, self.label, self.kinds = comm, cfg, label, kinds
-        self.buffers, self.failures = buffers, failures
+        self.buffers, self.failures, self.later = buffers, failures, later
+        self.group = weakref.ref(group) if group is not None else lambda: None
         self.replica: Any = None  # HSDP: the mean across replicas (replicate.py)
+
+    def _deferrable(self, dtype: torch.dtype) -> bool:
+        """Whether FSDP2 only keeps views of this call's output until backward ends."""
+        group = self.group()
+        return (self.later is not None and self.replica is None and group is not None
+                and not group.force_sum_reduction_for_comms
+                and dtype in (torch.float32, torch.bfloat16)
+                and all(p.grad is None and p.dtype == dtype
+                        and not getattr(p, "_post_accumulate_grad_hooks", None)
+                        for p in self.kinds.params))
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
@@ -297,13 +323,43 @@ class GradReduce(_Allocate, ReduceScatter):
             total = self.comm.reduce_scatter_sum(input_tensor, op="reduce_scatter/fsdp2")
             output_tensor.copy_(total if scale == 1.0 else total * scale)
             return None
+        later = self._deferrable(input_tensor.dtype)
         for region in self.kinds.regions(c, grads=True):
             lay = ShardLayout.of(region.numel * w, w, self.cfg)
             g = torch.zeros(w, lay.shard_numel, dtype=torch.float32, device=input_tensor.device)
             region.take(input_tensor.view(w, c), g)
-            mean = self.buffers.route(region.kind, lay).reduce(self.comm, g.view(-1))  # sum / W
-            region.put((mean[:region.numel] * (scale * w)).view(1, -1), output_tensor.view(1, c))
+            route = self.buffers.route(region.kind, lay)
+
+            def put(mean: torch.Tensor, region: Any = region) -> None:  # mean: sum / W
+                region.put((mean[:region.numel] * (scale * w)).view(1, -1),
+                           output_tensor.view(1, c))
+            if later:
+                self.later.submit(self.label, g.view(-1),
+                                  lambda comm, g=g, route=route: route.first(comm, g.view(-1)),
+                                  lambda comm, st, route=route, put=put: put(route.second(comm, st)))
+            else:
+                put(route.reduce(self.comm, g.view(-1)))
         return None
+
+
+class Later:
+    """The reductions that complete at the end of backward (the note), on `pipeline`."""
+
+    def __init__(self, pipeline: ReducePipeline, failures: Failures) -> None:
+        self.pipeline, self.failures, self.queued = pipeline, failures, False
+
+    def submit(self, label: str, g: torch.Tensor, first: Callable, second: Callable) -> None:
+        self.pipeline.submit(label, g, first, second)
+        if not self.queued and _in_backward():
+            self.queued = True
+            Variable._execution_engine.queue_callback(self.drain)
+        elif not self.queued:  # (outside a backward: nothing to wait for its end)
+            self.drain()
+
+    def drain(self) -> None:
+        self.queued = False
+        with self.failures.guard("the reductions of a backward"):
+            self.pipeline.drain()
 
 
 def attach(module: Any, group: Any, attr: str, comm: Any, setter: str) -> None:
