@@ -336,15 +336,15 @@ def show(p: nn.Parameter) -> None:
 
 def show_module(model: nn.Module) -> None:
     """Every hidden parameter of `model` shows its tensor again (before sharding); then
-    each of `before_shard` runs on the model (the DeepSpeed alias's: its partitioned
-    parameters become deferred ones)."""
+    what its parameters ask to run on the model first does, once each (a front door's
+    `_zeropp_before_shard`: DeepSpeed's zero.Init sets one that makes its partitioned
+    parameters deferred ones)."""
     for p in model.parameters():
         show(p)
-    for hook in before_shard:
-        hook(model)
-
-
-before_shard: list[Callable[[nn.Module], None]] = []
+    for hook in dict.fromkeys(getattr(p, "_zeropp_before_shard", None)
+                              for p in model.parameters()):
+        if hook is not None:
+            hook(model)
 
 
 def materialize(p: nn.Parameter) -> torch.Tensor:

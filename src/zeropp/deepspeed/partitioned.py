@@ -26,7 +26,6 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .. import deferred
 from ..collectives import _all_gather_flat, collective_device
 from ..deferred import defer
 
@@ -110,18 +109,13 @@ def to_deferred(p: torch.nn.Parameter) -> None:
           "a parameter partitioned under zero.Init")
 
 
-def _to_deferred_all(model: torch.nn.Module) -> None:
-    """Before `zeropp.shard` of a model built under zero.Init: its partitioned parameters
-    become deferred ones, and the shards get DeepSpeed's attributes as `initialize`'s do
-    (a model sharded by `shard` alone carries none)."""
+def before_shard(model: torch.nn.Module) -> None:
+    """Before `zeropp.shard` of a model built under zero.Init (each of whose parameters
+    names this function: deferred.show_module): its partitioned parameters become
+    deferred ones, and the shards get DeepSpeed's attributes as `initialize`'s do (a
+    model sharded by `shard` alone carries none)."""
     from .attributes import HOOKS
-    built_under_init = False
     for p in model.parameters():
-        built_under_init |= hasattr(p, "ds_id")
         if is_partitioned(p):
             to_deferred(p)
-    if built_under_init:
-        model._zeropp_tensor_hooks = HOOKS
-
-
-deferred.before_shard.append(_to_deferred_all)
+    model._zeropp_tensor_hooks = HOOKS

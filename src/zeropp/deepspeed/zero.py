@@ -33,8 +33,8 @@ from ..gathered import gathered
 from ..guards import check_peers, first_failure, in_one_line
 from .attributes import ZeroParamStatus, owner_of
 from .hf_loader import install as install_lazy_hf_loads
+from .partitioned import before_shard, is_partitioned, keep, own_chunk
 from .partitioned import gather as gather_partitions
-from .partitioned import is_partitioned, keep, own_chunk
 from .partitioned import partition as partition_param
 
 
@@ -232,6 +232,7 @@ def _tag_deferred(p: Any, built: list) -> None:
     if p is not None and not hasattr(p, "ds_id"):
         p.ds_id, p.ds_status = next(_ids), ZeroParamStatus.NOT_AVAILABLE
         p.ds_shape, p.ds_numel = p.shape, p.numel()
+        p._zeropp_before_shard = before_shard  # (deferred.show_module)
         built.append(weakref.ref(p))
 
 

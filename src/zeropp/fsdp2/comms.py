@@ -24,8 +24,9 @@ FSDP2's prefetch of another module's gather goes out before this one is waited f
 [Note: reductions that complete at the end of backward]
 FSDP2 discards what the reduce-scatter returns and uses its output at once. When
 that use is only to keep views of it as the sharded gradients (no gradient to add
-to, no division or cast after the call, no hook on the result or on the gradients:
-fp32 / bf16 reductions without HSDP, after `zero_grad(set_to_none=True)`), the
+to, no division or cast after the call, no hook on the result (a user's all-reduce
+hook, as torchtitan's fault-tolerant replicas set) or on the gradients: fp32 / bf16
+reductions without HSDP, after `zero_grad(set_to_none=True)`), the
 values are not read before backward ends. qgZ's two hops of the world's group then
 run on the engine's reduce pipeline (grads/pipeline.py: two threads, process
 groups of their own) while backward goes on, and the end of backward (an autograd
@@ -264,8 +265,9 @@ class WeightGather(_Allocate, AllGather):
         started = []  # every region's first collective goes out before any is waited for
         for region in self.kinds.regions(c):
             path = self.buffers.of(region.kind, region.numel * w).weights
-            shard = torch.zeros(1, path.spec.shard_numel, dtype=torch.float32,
+            shard = torch.empty(1, path.spec.shard_numel, dtype=torch.float32,
                                 device=input_tensor.device)
+            shard[:, region.numel:] = 0  # the padding; the rest `take` writes
             region.take(input_tensor.view(1, c), shard)
             full = torch.empty(path.spec.padded_numel, dtype=output_tensor.dtype,
                                device=input_tensor.device)
@@ -293,7 +295,7 @@ class GradReduce(_Allocate, ReduceScatter):
         """Whether FSDP2 only keeps views of this call's output until backward ends."""
         group = self.group()
         return (self.later is not None and self.replica is None and group is not None
-                and not group.force_sum_reduction_for_comms
+                and group._all_reduce_hook is None and not group.force_sum_reduction_for_comms
                 and dtype in (torch.float32, torch.bfloat16)
                 and all(p.grad is None and p.dtype == dtype
                         and not getattr(p, "_post_accumulate_grad_hooks", None)
@@ -326,7 +328,8 @@ class GradReduce(_Allocate, ReduceScatter):
         later = self._deferrable(input_tensor.dtype)
         for region in self.kinds.regions(c, grads=True):
             lay = ShardLayout.of(region.numel * w, w, self.cfg)
-            g = torch.zeros(w, lay.shard_numel, dtype=torch.float32, device=input_tensor.device)
+            g = torch.empty(w, lay.shard_numel, dtype=torch.float32, device=input_tensor.device)
+            g[:, region.numel:] = 0  # the padding; the rest `take` writes
             region.take(input_tensor.view(w, c), g)
             route = self.buffers.route(region.kind, lay)
 

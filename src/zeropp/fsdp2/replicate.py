@@ -80,7 +80,8 @@ class ReplicaMean:
         for region in self.kinds.regions(n, grads=True):
             buf = self.buffers.of(region.kind, region.numel)
             lay = buf.layout
-            g = torch.zeros(1, lay.padded_numel, dtype=torch.float32, device=grad.device)
+            g = torch.empty(1, lay.padded_numel, dtype=torch.float32, device=grad.device)
+            g[:, region.numel:] = 0  # the padding; the rest `take` writes
             region.take(grad.view(1, n), g)
             # this replica's chunk of the sum / R
             mean = self.buffers.route(region.kind, lay).reduce(self.comm, g.view(-1))
