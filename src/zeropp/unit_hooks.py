@@ -180,9 +180,14 @@ class _PostBackward(torch.autograd.Function):
 
 
 
+def _graph_task() -> int:
+    """The backward autograd is running on this thread right now (-1: none)."""
+    return torch._C._current_graph_task_id()
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread right now."""
-    return torch._C._current_graph_task_id() != -1
+    return _graph_task() != -1
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

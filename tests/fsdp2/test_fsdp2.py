@@ -258,6 +258,44 @@ def test_reductions_run_off_backward_and_give_the_inline_bits(runs):
         assert r["zeropp-plus"]["probe"] == r["zeropp-plus-inline"]["probe"]
 
 
+def test_reductions_handed_over_in_a_backward_that_raised_are_waited_for_by_the_next():
+    """comms.Later: a backward that raises never reaches its end, so its end-of-backward
+    wait never runs; the next backward queues its own, which waits for both
+    reductions; one handed over outside a backward is waited for at once. (FSDP2 itself
+    reduces nothing in the backward after one that raised: checked by hand.)"""
+    from zeropp.fsdp2.comms import Failures, Later
+
+    class Pipeline:  # what Later asks of the reduce pipeline, counted
+        def __init__(self) -> None:
+            self.handed, self.drains = 0, []
+
+        def submit(self, *args) -> None:
+            self.handed += 1
+
+        def drain(self) -> None:
+            self.drains.append(self.handed)
+    pipe = Pipeline()
+    later = Later(pipe, Failures())
+    x = torch.ones(2, requires_grad=True)
+
+    def backward(fail: bool) -> None:
+        y = x * 2
+
+        def hook(grad: torch.Tensor) -> None:
+            later.submit("unit", grad, None, None)
+            if fail:
+                raise RuntimeError("injected")
+        y.register_hook(hook)
+        y.sum().backward()
+    with pytest.raises(RuntimeError, match="injected"):
+        backward(True)
+    assert pipe.drains == []
+    backward(False)
+    assert pipe.drains == [2]
+    later.submit("unit", torch.ones(1), None, None)
+    assert pipe.drains == [2, 3]
+
+
 def test_each_modules_gather_and_reduction_hold_one_sharded_buffer(runs):
     """The blocks' and the root's FSDP groups (5): the all-gather and reduce-scatter
     slots share one Buffers, whose one ShardedBuffer (a 1-D mesh: one region) holds the

@@ -75,7 +75,7 @@ from ..config import Config
 from ..grads.pipeline import ReducePipeline
 from ..grads.qgz import QgzReduce
 from ..layout import ShardLayout
-from ..unit_hooks import _in_backward
+from ..unit_hooks import _graph_task
 from .regions import Kinds
 
 
@@ -349,18 +349,20 @@ class Later:
     """The reductions that complete at the end of backward (the note), on `pipeline`."""
 
     def __init__(self, pipeline: ReducePipeline, failures: Failures) -> None:
-        self.pipeline, self.failures, self.queued = pipeline, failures, False
+        self.pipeline, self.failures = pipeline, failures
+        self.task: Optional[int] = None  # the backward whose end drains (once queued)
 
     def submit(self, label: str, g: torch.Tensor, first: Callable, second: Callable) -> None:
         self.pipeline.submit(label, g, first, second)
-        if not self.queued and _in_backward():
-            self.queued = True
-            Variable._execution_engine.queue_callback(self.drain)
-        elif not self.queued:  # (outside a backward: nothing to wait for its end)
+        task = _graph_task()
+        if task == -1:  # outside a backward: nothing to wait for the end of
             self.drain()
+        elif task != self.task:  # (a backward that raised never ran its callback)
+            self.task = task
+            Variable._execution_engine.queue_callback(self.drain)
 
     def drain(self) -> None:
-        self.queued = False
+        self.task = None
         with self.failures.guard("the reductions of a backward"):
             self.pipeline.drain()
 
