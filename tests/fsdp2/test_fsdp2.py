@@ -45,7 +45,9 @@ def _train(preset, reshard=True, bf16=False, steps=STEPS):
         x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(99))
         probe = model(x, x)[1].item()
     stats = zeropp.comm_stats(model) if preset is not None else None
-    return {"own": own, "losses": losses, "probe": probe, "stats": stats}
+    shards = b"".join(getattr(p, "_local_tensor", p).detach().contiguous().view(-1)
+                      .view(torch.uint8).numpy().tobytes() for p in model.parameters())
+    return {"own": own, "losses": losses, "probe": probe, "stats": stats, "shards": shards}
 
 
 def _refusals() -> list[str]:
@@ -250,12 +252,14 @@ def test_gathers_are_waited_for_in_fsdp2s_copy_out_so_they_overlap_compute(runs)
 def test_reductions_run_off_backward_and_give_the_inline_bits(runs):
     """comms.py, "reductions that complete at the end of backward": each module's qgZ
     reduction (5: the blocks and the root) is handed to the reduce pipeline, none is
-    left when backward returns, and the losses (every step, every rank) and the
-    trained weights equal those of the same training reducing inline, bit for bit."""
+    left when backward returns, and the losses (every step, every rank) and each
+    rank's trained sharded weights (their bytes) equal those of the same training
+    reducing inline, bit for bit."""
     for r in runs:
         assert r["in_flight"]["later"] == 5 and r["in_flight"]["after_backward"] == 0
         assert r["zeropp-plus"]["own"] == r["zeropp-plus-inline"]["own"]
         assert r["zeropp-plus"]["probe"] == r["zeropp-plus-inline"]["probe"]
+        assert r["zeropp-plus"]["shards"] == r["zeropp-plus-inline"]["shards"]  # the tensors
 
 
 def test_reductions_handed_over_in_a_backward_that_raised_are_waited_for_by_the_next():
