@@ -1,27 +1,23 @@
-"""Checkpoints of a sharded model: save and load (resharding to any world size),
-and the consolidated state dict. The on-disk format, verification and export
-live in checkpoint_files.py.
+"""Checkpoints of a sharded model: save and load (resharding to any world size), and the
+consolidated state dict. The on-disk format, verification and export: checkpoint_files.py.
 
 [Note: atomic saves]
-Every rank writes its file into `.NAME.partial` beside the target and fsyncs
-it; rank 0 then writes the manifest (with every file's sha256), fsyncs, and
-renames the directory into place (the previous checkpoint is moved to
-`.NAME.old` first and deleted after). A save that dies at any point leaves
-the previous checkpoint intact: before the rename nothing at NAME changed,
-and between the two renames `load_checkpoint(NAME)` finds `.NAME.old`. One
-rank's failure (disk full) becomes the same error on every rank, not a hang.
+Every rank writes and fsyncs its file in `.NAME.partial` beside the target; rank 0 then
+writes the manifest (with every file's sha256), fsyncs, and renames the directory into
+place (moving the previous checkpoint to `.NAME.old` first, deleting it after). A save
+that dies at any point leaves the previous checkpoint intact: before the rename nothing
+at NAME changed, and between the two renames `load_checkpoint(NAME)` finds `.NAME.old`.
+One rank's failure (disk full) becomes the same error on every rank, not a hang.
 
 [Note: what a load restores]
-Master shards (resharded if the world size or layout differs), optimizer
-state (sharded tensors resharded; hyper-parameters and step counts as saved),
-buffers, each rank's RNG states (torch, CUDA, Python, NumPy; only when the
-world size is unchanged: ranks do not map otherwise), and the extras given to
-save: each rank gets its own back (at another world size, rank 0's JSON and
-state-dict extras on every rank, and no per-rank tensors). Everything is read
-and checked before anything is written, on every rank, so a failed load leaves
-the model and optimizer as they were. hpZ
-secondaries and any gathered weights are dropped: the next gather is from
-the loaded masters (DeepSpeed #7130, #7606).
+Master shards (resharded if the world size or layout differs), optimizer state (sharded
+tensors resharded; hyper-parameters and step counts as saved), buffers, each rank's RNG
+states (torch, CUDA, Python, NumPy; only at an unchanged world size: ranks do not map
+otherwise), and the extras given to save: each rank gets its own back (at another world
+size, rank 0's JSON and state-dict extras on every rank, and no per-rank tensors).
+Everything is read and checked on every rank before anything is written, so a failed
+load leaves the model and optimizer as they were. hpZ secondaries and any gathered
+weights are dropped: the next gather is from the loaded masters (DeepSpeed #7130, #7606).
 """
 
 from __future__ import annotations
@@ -62,10 +58,9 @@ from .shard import ShardState, get_state
 
 
 def full_state_dict(model: nn.Module, *, all_ranks: bool = False) -> dict[str, torch.Tensor]:
-    """The unsharded model's state dict (original names, fp32 parameters, buffers
-    as they are), assembled from the master shards with one all-gather per flat
-    parameter. Collective: every rank must call it. Returned on rank 0 (on every
-    rank with `all_ranks=True`); other ranks get {}."""
+    """The unsharded model's state dict (original names, fp32 parameters, buffers as
+    they are), assembled from the master shards with one all-gather per flat parameter.
+    Collective. Returned on rank 0 (on every rank with `all_ranks=True`); others get {}."""
     st = get_state(model)
     st.comm.unit = "<all: full_state_dict>"
     out: dict[str, torch.Tensor] = {}
@@ -75,21 +70,16 @@ def full_state_dict(model: nn.Module, *, all_ranks: bool = False) -> dict[str, t
         if keep:  # the others hold one flat's full weights at a time, never the model
             out.update({k: v.clone() for k, v in unflatten(f, full).items()})
         del full
-    if not keep:
-        return {}
-    for name, buf in _buffers(model).items():
-        out[name] = buf.detach().clone()
+    if keep:
+        out.update({name: buf.detach().clone() for name, buf in _buffers(model).items()})
     return out
 
 
 def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """Persistent buffers (those a state dict carries), by name."""
-    out = {}
-    for mname, m in model.named_modules():
-        for bname, b in m._buffers.items():
-            if b is not None and bname not in m._non_persistent_buffers_set:
-                out[f"{mname}.{bname}" if mname else bname] = b
-    return out
+    return {f"{mname}.{bname}" if mname else bname: b for mname, m in model.named_modules()
+            for bname, b in m._buffers.items()
+            if b is not None and bname not in m._non_persistent_buffers_set}
 
 
 def _hf_model(model: nn.Module) -> Optional[dict]:
@@ -105,11 +95,10 @@ def _hf_model(model: nn.Module) -> Optional[dict]:
 # ---- save ---------------------------------------------------------------------------
 def save_checkpoint(path: os.PathLike, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer] = None, **extra: Any) -> Path:
-    """Save a sharded checkpoint to the directory `path` (collective: every rank
-    calls it). `extra`: anything else to keep, returned by `load_checkpoint`:
-    JSON values, tensors, torch.Generators and objects with state_dict() such
-    as an LR scheduler, each rank's own (as DeepSpeed ZeRO-3 keeps each rank's
-    client_state); see the note on what a load restores."""
+    """Save a sharded checkpoint to the directory `path` (collective). `extra`: anything
+    else to keep, returned by `load_checkpoint`: JSON values, tensors, torch.Generators
+    and objects with state_dict() such as an LR scheduler, each rank's own (as DeepSpeed
+    ZeRO-3 keeps each rank's client_state); see the note on what a load restores."""
     st = get_state(model)
     rank = st.topo.rank
     path = Path(path)
@@ -122,8 +111,7 @@ def save_checkpoint(path: os.PathLike, model: nn.Module,
         except OSError as e:
             err = f"cannot create {tmp}: {e}"
     agree(err, CheckpointError, "checkpoint")  # also a barrier: the directory exists for everyone
-    info, manifest = b"", None
-    try:
+    try:  # (on a failure here, the next agree raises before `info` or `manifest` is used)
         tensors, meta, manifest = _collect(st, model, optimizer, extra)
         sha, nbytes = write_safetensors(tmp / rank_file(rank), tensors,
                                         {"zeropp": json.dumps(meta)})
@@ -135,7 +123,7 @@ def save_checkpoint(path: os.PathLike, model: nn.Module,
     if rank == 0:
         try:
             manifest["files"] = {rank_file(r): f for r, f in enumerate(files)}
-            write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            write_durably(tmp / MANIFEST, [json.dumps(manifest, indent=1).encode()])
             fsync_dir(tmp)
             _move_into_place(tmp, path, old)
         except Exception as e:  # noqa: BLE001
@@ -162,8 +150,7 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
     # are not copied first; buffers and user tensors are, as they may share storage.
     for f in st.flats:
         tensors[f"model/{f.name}"] = f.primary_shard.detach().cpu()
-        for k, v in f.buffer.state().items():
-            tensors[f"engine/{f.name}/{k}"] = v
+        tensors.update({f"engine/{f.name}/{k}": v for k, v in f.buffer.state().items()})
     buffers = _buffers(model)
     if rank == 0:
         for name, b in buffers.items():
@@ -171,9 +158,8 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
     tensors["rng/torch"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
-    py = random.getstate()
     npy = np.random.get_state()
-    meta = {"rank": rank, "python_rng": [py[0], list(py[1]), py[2]],
+    meta = {"rank": rank, "python_rng": random.getstate(),  # JSON writes its tuples as lists
             "numpy_rng": [npy[0], npy[1].tolist(), int(npy[2]), int(npy[3]), float(npy[4])]}
     kinds, values = {}, {}
     for k, v in extra.items():
@@ -190,8 +176,7 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
         "format": FORMAT, "version": VERSION, "world_size": st.topo.world_size,
         "node_size": st.topo.node_size, "config": st.cfg.to_dict(),
         "optimizer_steps": st.optimizer_steps, "step": values.get("step"),
-        "torch": torch.__version__,
-        "flats": [flat_layout(f) for f in st.flats],
+        "torch": torch.__version__, "flats": [flat_layout(f) for f in st.flats],
         "buffers": {n: list(b.shape) for n, b in buffers.items()},
         "optimizer": _optimizer_state(st, opt, tensors) if opt is not None else None,
         "extra": values, "extra_kinds": kinds, "hf": _hf_model(model),
@@ -216,14 +201,13 @@ def _optimizer_state(st: ShardState, opt: torch.optim.Optimizer, tensors: dict) 
     state = {}
     for i, s in sd["state"].items():
         p, name = params[i], names[id(params[i])]
-        kinds = {}
+        kinds = state[name] = {}
         for k, v in s.items():
             if isinstance(v, torch.Tensor):
                 tensors[f"optim/{name}/{k}"] = v.detach().cpu().contiguous()
                 kinds[k] = "sharded" if v.shape == p.shape else "rank"
             else:
                 kinds[k] = {"value": jsonable(v, f"optimizer state {k!r}")}
-        state[name] = kinds
     return {"class": type(opt).__name__, "param_groups": groups, "state": state}
 
 
@@ -258,20 +242,18 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     same_world = man["world_size"] == st.topo.world_size
     rank = st.topo.rank
     where = param_index(man)
-    saved_flats = {f["name"]: f for f in man["flats"]}
     shards, engine = {}, {}
-    # qWD copies and error-feedback residuals continue only
-    # in the very same setting (world, node size, config); otherwise the next
-    # gather refreshes in full and the residuals start from zero.
+    # qWD copies and error-feedback residuals continue only in the same world, node size
+    # and config; otherwise the next gather refreshes in full and the residuals start from 0.
     same_setting = (same_world and man.get("node_size") == st.topo.node_size
                     and same_config(man.get("config"), st.cfg))
     for f in st.flats:
-        sf = saved_flats.get(f.name)
-        if same_setting and sf == flat_layout(f):
+        same_layout = flat_layout(f) in man["flats"]  # (a layout names its flat)
+        if same_setting and same_layout:
             prefix = f"engine/{f.name}/"
             engine[f.name] = {k[len(prefix):]: rd.get(rank, k)
                               for k in rd.file(rank).keys() if k.startswith(prefix)}
-        if same_world and sf == flat_layout(f):  # same layout: this rank's own bytes
+        if same_world and same_layout:  # this rank's own bytes
             shards[f.name] = rd.get(rank, f"model/{f.name}")
             continue
         values = _assemble(f, rank, rd, where, lambda name: f"model/{name}")
@@ -281,16 +263,16 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     opt_sd = _read_optimizer(man, rd, st, opt, where, same_world) if opt is not None else None
     meta = json.loads(rd.file(rank).metadata()["zeropp"]) if same_world else None
     rng = {k: rd.get(rank, f"rng/{k}") for k in ("torch", "cuda")
-           if same_world and rd.has(rank, f"rng/{k}")}
-    own = meta is not None and "extra_kinds" in meta  # this rank's extras (see the note)
-    kinds = meta["extra_kinds"] if own else man.get("extra_kinds", {})
+           if same_world and f"rng/{k}" in rd.file(rank).keys()}
+    # JSON and state-dict extras: this rank's own; at another world size ranks do
+    # not map, and every rank gets rank 0's (the manifest's).
+    src = meta if meta is not None and "extra_kinds" in meta else man
+    kinds = src.get("extra_kinds", {})
     missing = sorted(set(restore) - set(kinds))
     if missing:
         raise CheckpointError(f"{path}: nothing saved under {', '.join(map(repr, missing))} "
                               f"(saved extras: {', '.join(kinds) or 'none'})")
-    # JSON and state-dict extras: this rank's own; at another world size ranks do
-    # not map, and every rank gets rank 0's (the manifest's).
-    extras: dict[str, Any] = dict(meta["extra"] if own else man.get("extra", {}))
+    extras: dict[str, Any] = dict(src.get("extra", {}))
     for k, kind in kinds.items():
         if kind == "tensor" or kind.startswith("generator"):
             if same_world:
@@ -317,12 +299,11 @@ def gather_master(f: FlatParam, comm: Comm) -> torch.Tensor:
     Frozen weights stored as integers come back dequantized."""
     shard = f.primary_shard.detach()
     full = torch.empty(f.padded_numel, dtype=torch.float32, device=shard.device)
-    if not f.int_storage:
-        comm.all_gather(full, shard, op="all_gather/state_dict").wait()
-        return full
-    out = torch.empty(f.world_size * shard.numel(), dtype=torch.uint8, device=shard.device)
+    out = (torch.empty(f.world_size * shard.numel(), dtype=torch.uint8, device=shard.device)
+           if f.int_storage else full)
     comm.all_gather(out, shard, op="all_gather/state_dict").wait()
-    dequantize_pieces(out, full, pieces=f.world_size, bits=f.weight_bits, block=f.block)
+    if f.int_storage:
+        dequantize_pieces(out, full, pieces=f.world_size, bits=f.weight_bits, block=f.block)
     return full
 
 
@@ -352,20 +333,18 @@ _RETIRED = {"gradient_rotation": False, "gradient_stochastic_rounding": False,
 
 def _check_names(man: dict, st: ShardState, model: nn.Module, path: Path) -> None:
     """The model must have exactly the checkpoint's parameters and buffers."""
-    saved = {n: tuple(p["shape"]) for f in man["flats"] for p in f["params"]
-             for n in p["names"]}
+    saved = {n: tuple(p["shape"]) for n, (_, p) in param_index(man).items()}
     saved.update({n: tuple(s) for n, s in man.get("buffers", {}).items()})
     mine = {n: tuple(i.shape) for f in st.flats for i in f.infos for n in i.fqns}
     mine.update({n: tuple(b.shape) for n, b in _buffers(model).items()})
-    for n, shape in mine.items():
+    for n in [*mine, *saved]:
         if n not in saved:
-            raise CheckpointError(f"{path}: the model's {n!r} {shape} is not in the checkpoint")
-        if saved[n] != shape:
-            raise CheckpointError(f"{path}: {n!r} has shape {saved[n]} in the checkpoint and "
-                                  f"{shape} in the model")
-    for n, shape in saved.items():
+            raise CheckpointError(f"{path}: the model's {n!r} {mine[n]} is not in the checkpoint")
         if n not in mine:
-            raise CheckpointError(f"{path}: the checkpoint's {n!r} {shape} is not in the model")
+            raise CheckpointError(f"{path}: the checkpoint's {n!r} {saved[n]} is not in the model")
+        if saved[n] != mine[n]:
+            raise CheckpointError(f"{path}: {n!r} has shape {saved[n]} in the checkpoint and "
+                                  f"{mine[n]} in the model")
 
 
 def _assemble(f: Any, rank: int, rd: Reader, where: dict, key: Any) -> torch.Tensor:
@@ -401,9 +380,8 @@ def _read_optimizer(man: dict, rd: Reader, st: ShardState, opt: torch.optim.Opti
         raise CheckpointError(f"{rd.path}: {len(saved['param_groups'])} optimizer param "
                               f"group(s) saved, this optimizer has {len(opt.param_groups)}")
     sd: dict[str, Any] = {"state": {}, "param_groups": []}
-    idx = 0
+    idx = 0  # torch numbers the parameters across groups
     for gi, g in enumerate(opt.param_groups):
-        ids = []
         for p in g["params"]:
             f = flats.get(id(p))
             if f is None:
@@ -413,23 +391,19 @@ def _read_optimizer(man: dict, rd: Reader, st: ShardState, opt: torch.optim.Opti
             if group_of.get(src) != gi:
                 raise CheckpointError(f"{rd.path}: {f.name} is in optimizer group {gi} here "
                                       f"and in group {group_of.get(src)} in the checkpoint")
-            kinds = saved["state"].get(src)
-            if kinds:
-                s = {}
-                for k, kind in kinds.items():
-                    if kind == "sharded":
-                        s[k] = _assemble(f, st.topo.rank, rd, where,
-                                         lambda name, k=k: f"optim/{name}/{k}")
-                    elif kind == "rank":  # e.g. a step count: the same on every rank
-                        s[k] = rd.get(st.topo.rank if same_world else 0, f"optim/{src}/{k}")
-                    else:
-                        s[k] = kind["value"]
-                sd["state"][idx] = s
-            ids.append(idx)
+            for k, kind in saved["state"].get(src, {}).items():
+                if kind == "sharded":
+                    v = _assemble(f, st.topo.rank, rd, where,
+                                  lambda name, k=k: f"optim/{name}/{k}")
+                elif kind == "rank":  # e.g. a step count: the same on every rank
+                    v = rd.get(st.topo.rank if same_world else 0, f"optim/{src}/{k}")
+                else:
+                    v = kind["value"]
+                sd["state"].setdefault(idx, {})[k] = v
             idx += 1
         hp = {k: (tuple(v) if isinstance(g.get(k), tuple) else v)
               for k, v in saved["param_groups"][gi].items() if k != "params"}
-        sd["param_groups"].append({**hp, "params": ids})
+        sd["param_groups"].append({**hp, "params": list(range(idx - len(g["params"]), idx))})
     return sd
 
 
@@ -452,30 +426,25 @@ def _apply(plan: dict, st: ShardState, model: nn.Module,
     man = plan["man"]
     st.optimizer_steps = man.get("optimizer_steps", 0)
     if plan["meta"] is not None:
-        meta = plan["meta"]
         torch.set_rng_state(plan["rng"]["torch"])
         if "cuda" in plan["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(plan["rng"]["cuda"])
-        py = meta["python_rng"]
+        py, n = plan["meta"]["python_rng"], plan["meta"]["numpy_rng"]
         random.setstate((py[0], tuple(py[1]), py[2]))
-        n = meta["numpy_rng"]
-        np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+        np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
     elif st.topo.rank == 0:
         warnings.warn(f"zeropp: checkpoint saved at world size {man['world_size']}, loaded at "
                       f"{st.topo.world_size}: weights and optimizer state resharded; per-rank "
                       "RNG states and per-rank tensors were not restored; JSON and "
                       "state-dict extras are rank 0's on every rank", stacklevel=3)
-    out = {}
-    for k, v in plan["extras"].items():
+    extras = plan["extras"]
+    for k, v in extras.items():
         kind = plan["extra_kinds"].get(k, "json")
         if kind.startswith("generator"):
             gen = restore.get(k)
-            if gen is None:
-                gen = torch.Generator(device=kind.split(":", 1)[1])
-            gen.set_state(v)
-            v = gen
+            extras[k] = gen if gen is not None else torch.Generator(device=kind.split(":", 1)[1])
+            extras[k].set_state(v)
         elif kind == "stateful" and k in restore:
             restore[k].load_state_dict(v)
-            v = restore[k]
-        out[k] = v
-    return out
+            extras[k] = restore[k]
+    return extras

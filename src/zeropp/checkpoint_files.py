@@ -1,43 +1,43 @@
-"""A checkpoint on disk: the manifest, verified reads of shard files, and its
-consolidated tensors read from the files alone (no process group; `zeropp export`
-writes them out, cli/export.py).
+"""A checkpoint on disk: the manifest, verified reads of rank files, and its consolidated
+tensors read from the files alone (no process group; `zeropp export` writes them out,
+cli/export.py).
 
 A checkpoint is a directory:
-  manifest.json           JSON: format, world and node size, config, step, each
-                          flat parameter's layout (original names, shapes,
-                          offsets, shard size, storage), buffer shapes,
-                          optimizer hyper-parameters, extras, and every rank
-                          file's size and sha256
+  manifest.json           JSON: format, world and node size, config, step, each flat
+                          parameter's layout (original names, shapes, offsets, shard
+                          size, storage), buffer shapes, optimizer hyper-parameters,
+                          extras, and every rank file's size and sha256
   rank00000.safetensors   one per rank: its master shards (`model/<flat>`),
-  ...                     optimizer-state shards (`optim/<flat>/<key>`), RNG
-                          states, per-rank extras; rank 0 also the buffers
+  ...                     optimizer-state shards (`optim/<flat>/<key>`), RNG states,
+                          per-rank extras; rank 0 also the buffers
 
 [Note: data, never code]
-Tensors are read only through safetensors and everything else is JSON, so
-loading a checkpoint runs no code from it. A file is hashed before it is
-parsed: a replaced, truncated or altered file is reported by name, and file
-names come only from a fixed pattern (a manifest cannot point outside its
-directory).
+Tensors are read only through safetensors and everything else is JSON, so loading a
+checkpoint runs no code from it. A file is hashed before it is parsed: a replaced,
+truncated or altered file is reported by name, and file names come only from a fixed
+pattern (a manifest cannot point outside its directory).
 
 [Note: resharding]
-A flat parameter's shard r holds elements [r*S, (r+1)*S) of the flat buffer,
-and the manifest records where each original parameter sits in it. So any
-element of any parameter can be read from the saved files, whatever the world
-size, block size or unit split that wrote them: a new shard is assembled
-parameter by parameter from the byte ranges of the saved shards that cover it
-(safetensors reads slices without loading whole files). Frozen weights stored
-as integers are dequantized and, when the layout differs, quantized again.
+A flat parameter's shard r holds elements [r*S, (r+1)*S) of the flat buffer, and the
+manifest records where each original parameter sits in it. So any element of any
+parameter can be read from the saved files, whatever the world size, block size or unit
+split that wrote them: a new shard is assembled parameter by parameter from the byte
+ranges of the saved shards that cover it (safetensors reads slices without loading whole
+files). Frozen weights stored as integers are dequantized and, when the layout differs,
+quantized again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -64,11 +64,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, data: bytes) -> None:
+def write_durably(path: Path, chunks: Iterable[Any]) -> str:
+    """Write the bytes-like `chunks` to `path`, fsynced; returns their sha256."""
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(data)
+        for chunk in chunks:
+            f.write(chunk)
+            digest.update(chunk)
         f.flush()
         os.fsync(f.fileno())
+    return digest.hexdigest()
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -94,19 +99,9 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for chunk in (len(head).to_bytes(8, "little"), head):
-            f.write(chunk)
-            digest.update(chunk)
-        for t in flat.values():
-            if t.numel():
-                view = memoryview(t.view(torch.uint8).numpy())
-                f.write(view)
-                digest.update(view)
-        f.flush()
-        os.fsync(f.fileno())
-    return digest.hexdigest(), 8 + len(head) + offset
+    views = (memoryview(t.view(torch.uint8).numpy()) for t in flat.values() if t.numel())
+    sha = write_durably(path, itertools.chain((len(head).to_bytes(8, "little"), head), views))
+    return sha, 8 + len(head) + offset
 
 
 def jsonable(value: Any, what: str) -> Any:
@@ -187,8 +182,8 @@ class RankFile:
     """One verified safetensors file, read with plain reads straight into each
     tensor's memory: safetensors' `safe_open` maps the whole file, and every page
     it touches counts in the process's resident memory while the file is open
-    (a rank's whole file during a load). Same interface as safe_open's handle:
-    keys, metadata, get_tensor, get_slice(key)[a:b] on a flat tensor."""
+    (a rank's whole file during a load). Like safe_open's handle: keys, metadata,
+    get_tensor, and read(key, start, count) for a slice of a flat tensor."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -241,39 +236,27 @@ class RankFile:
         _, shape, _, numel = self._index[name]
         return self.read(name, 0, numel).reshape(shape)
 
-    def get_slice(self, name: str) -> Any:
-        rank_file = self
-        self._index[name]  # a missing name fails here, as safe_open's does
-
-        class _Slice:
-            def __getitem__(self, s: slice) -> torch.Tensor:
-                return rank_file.read(name, s.start or 0, (s.stop or 0) - (s.start or 0))
-        return _Slice()
-
 
 class Reader:
     """Verified, lazy reads of one checkpoint's rank files."""
 
     def __init__(self, path: Path, man: dict) -> None:
         self.path, self.man = path, man
-        self.flats = {f["name"]: f for f in man["flats"]}
         self._files: dict[int, Any] = {}
         self._dequantized: dict[str, torch.Tensor] = {}
 
     def file(self, rank: int) -> Any:
         if rank not in self._files:
             name = rank_file(rank)
-            fp = self.path / name
-            verify(fp, self.man["files"][name])
-            self._files[rank] = RankFile(fp)
+            verify(self.path / name, self.man["files"][name])
+            self._files[rank] = RankFile(self.path / name)
         return self._files[rank]
 
-    def has(self, rank: int, key: str) -> bool:
-        return key in self.file(rank).keys()
-
-    def get(self, rank: int, key: str) -> torch.Tensor:
+    def get(self, rank: int, key: str, a: int = 0, b: Optional[int] = None) -> torch.Tensor:
+        """Tensor `key` of rank `rank`'s file; with `b`, its flat elements [a, b)."""
         try:
-            return self.file(rank).get_tensor(key)
+            f = self.file(rank)
+            return f.get_tensor(key) if b is None else f.read(key, a, b - a)
         except KeyError as e:
             raise CheckpointError(f"{self.path / rank_file(rank)}: no tensor {key!r} ({e})"
                                   ) from None
@@ -283,48 +266,34 @@ class Reader:
         "optim/<flat>/<state>") from the shards that hold them."""
         if key.startswith("model/") and flat["storage"] != "float32":
             return self._dequantize(flat)[a:b]
-        s, parts = flat["shard_numel"], []
-        for r in range(a // s, (b - 1) // s + 1):
-            lo, hi = max(a, r * s) - r * s, min(b, (r + 1) * s) - r * s
-            try:
-                parts.append(self.file(r).get_slice(key)[lo:hi])
-            except KeyError as e:
-                raise CheckpointError(f"{self.path / rank_file(r)}: no tensor {key!r} ({e})"
-                                      ) from None
-        return torch.cat(parts)
+        s = flat["shard_numel"]
+        return torch.cat([self.get(r, key, max(a, r * s) - r * s, min(b, (r + 1) * s) - r * s)
+                          for r in range(a // s, (b - 1) // s + 1)])
 
     def _dequantize(self, flat: dict) -> torch.Tensor:
         """A flat stored as integer wire bytes (frozen weights, qwZ), in fp32."""
         name = flat["name"]
         if name not in self._dequantized:
             bits, s = int(flat["storage"][3:]), flat["shard_numel"]
-            pieces = []
-            for r in range(self.man["world_size"]):
-                q = QTensor.from_bytes(self.get(r, f"model/{name}"), (s,), torch.float32,
-                                       bits, flat["block"])
-                pieces.append(dequantize(q))
-            self._dequantized[name] = torch.cat(pieces)
+            self._dequantized[name] = torch.cat([
+                dequantize(QTensor.from_bytes(self.get(r, f"model/{name}"), (s,), torch.float32,
+                                              bits, flat["block"]))
+                for r in range(self.man["world_size"])])
         return self._dequantized[name]
 
 
 def param_index(man: dict) -> dict[str, tuple[dict, dict]]:
     """Original parameter name (every tied name) -> (saved flat, its param entry)."""
-    out = {}
-    for f in man["flats"]:
-        for p in f["params"]:
-            for n in p["names"]:
-                out[n] = (f, p)
-    return out
+    return {n: (f, p) for f in man["flats"] for p in f["params"] for n in p["names"]}
 
 
 # ---- consolidation ----------------------------------------------------------------
 def consolidate(path: os.PathLike, *, optimizer_state: bool = False,
                 trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """The full tensors of a checkpoint, by original name, read from its files
-    alone: parameters (fp32) and buffers; with `optimizer_state`, instead
-    "<name>/<key>" for each sharded optimizer-state tensor (e.g. exp_avg). Tied
-    names share one tensor, as in the model's own state dict. `trainable_only`:
-    frozen parameters left out."""
+    """The full tensors of a checkpoint, by original name, read from its files alone:
+    parameters (fp32) and buffers; with `optimizer_state`, instead "<name>/<key>" for each
+    sharded optimizer-state tensor (e.g. exp_avg). Tied names share one tensor, as in the
+    model's own state dict. `trainable_only`: frozen parameters left out."""
     path = resolve(path)
     man = read_manifest(path)
     rd = Reader(path, man)
@@ -332,13 +301,12 @@ def consolidate(path: os.PathLike, *, optimizer_state: bool = False,
     for f in man["flats"]:
         if trainable_only and not f["trainable"]:
             continue
-        keys = [f"model/{f['name']}"]
+        keys = {f"model/{f['name']}": ""}  # the tensor to read: the suffix of its names
         if optimizer_state:
             st = (man.get("optimizer") or {}).get("state", {}).get(f["name"], {})
-            keys = [f"optim/{f['name']}/{k}" for k, v in st.items() if v == "sharded"]
-        for key in keys:
+            keys = {f"optim/{f['name']}/{k}": f"/{k}" for k, v in st.items() if v == "sharded"}
+        for key, suffix in keys.items():
             flat = rd.values(f, key, 0, f["numel"])
-            suffix = "" if key.startswith("model/") else "/" + key.rsplit("/", 1)[1]
             for p in f["params"]:
                 t = flat[p["offset"]:p["offset"] + math.prod(p["shape"])].view(p["shape"]).clone()
                 for n in p["names"]:

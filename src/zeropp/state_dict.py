@@ -34,6 +34,7 @@ on every rank at its exit (gathered.py).
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -75,29 +76,22 @@ def _note_keep_vars(keep_vars: dict, module: nn.Module, prefix: str, keep: bool)
 def _save(entries: list, keep_vars: dict, module: nn.Module, sd: dict, prefix: str,
           local_metadata: Any) -> None:
     keep = keep_vars.pop(prefix, False)
-    rest = []  # this module's keys (its buffers, its children's): the dict's last ones
-    for k in reversed(sd):
-        if not k.startswith(prefix):
-            break
-        rest.append(k)
-    rest.reverse()
-    for k in [k for k in rest if k[len(prefix):].startswith(FLAT_PREFIX)]:
-        del sd[k]
-        rest.remove(k)
+    # This module's keys (its flat shards, buffers, children's) are the dict's last ones:
+    # taken out, then put back after the parameters, as an unsharded module writes them.
+    mine = list(itertools.takewhile(lambda k: k.startswith(prefix), reversed(sd)))
+    rest = {k: sd.pop(k) for k in reversed(mine)}
     for attr, f, i in entries:
         sd[prefix + attr] = _value(f, i, keep)
-    for k in rest:  # the parameters first, as an unsharded module writes them
-        sd[k] = sd.pop(k)
+    sd.update((k, v) for k, v in rest.items() if not k[len(prefix):].startswith(FLAT_PREFIX))
 
 
 def _value(f: FlatParam, i: int, keep_vars: bool) -> torch.Tensor:
     t = f.params[i]
     if f.gathered:
         return t if keep_vars else t.detach().clone()
-    info = f.infos[i]
     placeholder = torch.empty(0, dtype=f.compute_dtype, device=t.device)
     if f.hooks is not None:
-        f.hooks.on_tensor(placeholder, f, info, "placeholder")
+        f.hooks.on_tensor(placeholder, f, f.infos[i], "placeholder")
     return placeholder
 
 
