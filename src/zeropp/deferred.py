@@ -2,26 +2,24 @@
 would be built whole, and let `shard` materialize one unit at a time.
 
 [Note: recorded initialization]
-Inside the context the model's constructors run on the CPU as usual, except that
-in-place writes to a registered parameter (what `torch.nn.init`,
-`reset_parameters` and Hugging Face's `_init_weights` do: normal_, uniform_,
-fill_, zero_, mul_, ...) are recorded instead of run. The parameter's storage is
-allocated but never written, so the kernel maps no pages for it: a model of any
-size costs its buffers and small tensors only.
-Exactness: an op that draws random numbers runs once, at record time, on a
-scratch tensor of the same geometry (freed at once), so the generator advances
-exactly as in the whole build and every later draw (other parameters, buffers,
-the user's own code after the context) sees the same stream; the generator's
-state before the op is kept with it. `materialize(p)` replays p's ops, from the
-last one that overwrote it whole, each from its saved state: bit-identical to the
-parameter of the model built without the context under the same seed, in any
-order and on any rank. A parameter replaced (`p.data = ...`, `model.to(...)`) or
-written in place after the context cannot be replayed: `materialize` says so.
-An op that reads a parameter inside the build (other than a view; e.g. an init
-that looks at values it drew) gets that parameter's values in its own storage
-first: exact, only that parameter's memory is spent early. torch.nn.init's
-functions are recorded whole (their result depends on the shape and the
-generator only), so trunc_normal_'s rejection sampling stays deferred.
+Inside the context constructors run on the CPU as usual, but in-place writes to a
+registered parameter (what `torch.nn.init`, `reset_parameters` and Hugging Face's
+`_init_weights` do: normal_, uniform_, fill_, zero_, mul_, ...) are recorded instead
+of run. The parameter's storage is allocated, never written, so the kernel maps no
+pages for it: a model of any size costs its buffers and small tensors only.
+Exactness: an op that draws random numbers runs once at record time, on a scratch
+tensor of its geometry (freed at once), so the generator advances as in the whole
+build and every later draw (other parameters, buffers, the user's code after the
+context) sees the same stream; the generator's state before the op is kept with it.
+`materialize(p)` replays p's ops from the last one that overwrote it whole, each from
+its saved state: bit-identical to the model built without the context under the same
+seed, in any order, on any rank. A parameter replaced (`p.data = ...`, `model.to()`)
+or written in place after the context cannot be replayed: `materialize` says so.
+An op that reads a parameter inside the build (not a view; e.g. an init that looks at
+values it drew) first gets that parameter's values in its own storage: exact, only
+that memory is spent early. torch.nn.init's functions are recorded whole (their
+result depends on the shape and the generator only), so trunc_normal_'s rejection
+sampling stays deferred.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
     register_module_parameter_registration_hook,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .host_memory import release_freed_host_memory
@@ -77,19 +75,23 @@ class _Record:
     name: str = ""                     # module class and attribute, for messages
 
 
-# id(parameter) -> (weak reference, its record); tensors compare elementwise, so no
-# WeakKeyDictionary.
+# id(parameter) -> (weak reference, value): tensors compare elementwise, so no
+# WeakKeyDictionary. _DEFERRED holds each deferred parameter's record.
 _DEFERRED: dict[int, tuple[weakref.ref, _Record]] = {}
 
 
-def _record(p: Any) -> Optional[_Record]:
-    entry = _DEFERRED.get(id(p))
+def _lookup(table: dict, p: Any) -> Any:
+    entry = table.get(id(p))
     return entry[1] if entry is not None and entry[0]() is p else None
 
 
-def _add(p: nn.Parameter, rec: _Record) -> None:
+def _keep(table: dict, p: nn.Parameter, value: Any) -> None:
     key = id(p)
-    _DEFERRED[key] = (weakref.ref(p, lambda _r: _DEFERRED.pop(key, None)), rec)
+    table[key] = (weakref.ref(p, lambda _r: table.pop(key, None)), value)
+
+
+def _record(p: Any) -> Optional[_Record]:
+    return _lookup(_DEFERRED, p)
 
 
 def is_deferred(p: torch.Tensor) -> bool:
@@ -109,7 +111,7 @@ def _writes_first_arg(func: Any) -> bool:
 class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.by_ptr: dict[int, weakref.ref] = {}
+        self.by_ptr: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.thread = threading.get_ident()  # what other threads build is theirs
         self.handle: Any = None  # its parameter-registration hook (deferred_init's)
 
@@ -118,14 +120,14 @@ class _Recorder(TorchDispatchMode):
                 or threading.get_ident() != self.thread):
             return
         ptr = p.untyped_storage().data_ptr()
-        _add(p, _Record(ptr, p.storage_offset(), name=f"{type(module).__name__}.{name}"))
-        self.by_ptr[ptr] = weakref.ref(p)
+        _keep(_DEFERRED, p, _Record(ptr, p.storage_offset(),
+                                    name=f"{type(module).__name__}.{name}"))
+        self.by_ptr[ptr] = p
 
     def _param_of(self, t: Any) -> Optional[nn.Parameter]:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             return None
-        ref = self.by_ptr.get(t.untyped_storage().data_ptr())
-        p = ref() if ref is not None else None
+        p = self.by_ptr.get(t.untyped_storage().data_ptr())
         return p if is_deferred(p) else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -142,38 +144,31 @@ class _Recorder(TorchDispatchMode):
         # Tensor arguments are copied: the op must see them as they are now.
         args, kwargs = tree_map(lambda a: a.detach().clone() if isinstance(a, torch.Tensor)
                                 else a, (args[1:], kwargs))
-        self.record(p, t, func, args, kwargs,
-                    func._schema.name.split("::")[-1] in _OVERWRITES, _draws(func))
+        gen = (kwargs.get("generator") or torch.default_generator) if _draws(func) else None
+        self.record(p, t, func, args, kwargs, func._schema.name.split("::")[-1] in _OVERWRITES,
+                    gen)
         return t
 
     def record(self, p: nn.Parameter, t: torch.Tensor, func: Any, args: tuple, kwargs: dict,
-               overwrites: bool, draws: bool,
-               generator: Optional[torch.Generator] = None) -> None:
+               overwrites: bool, generator: Optional[torch.Generator]) -> None:
+        """Record `func` on `t`, a view of `p`; `generator`: the one it draws from, if any."""
         rec = _record(p)
         geometry = (t.storage_offset() - rec.offset, tuple(t.size()), tuple(t.stride()))
-        op = _Op(func, geometry, args, kwargs)
-        op.overwrites = (overwrites and geometry[0] == 0 and t.numel() == p.numel()
-                         and t.is_contiguous())
-        if draws:
-            gen = generator or kwargs.get("generator") or torch.default_generator
-            op.generator, op.rng_state = gen, gen.get_state()
-            scratch = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
-            func(scratch, *args, **kwargs)  # advance the generator as the real op does
-            del scratch
-        if op.overwrites:
-            rec.ops = [op]  # earlier ops are dead: their draws are made, their values lost
-        else:
-            rec.ops.append(op)
+        op = _Op(func, geometry, args, kwargs, overwrites=overwrites and geometry[0] == 0
+                 and t.numel() == p.numel() and t.is_contiguous())
+        if generator is not None:
+            op.generator, op.rng_state = generator, generator.get_state()
+            # Advance the generator as the real op does, on a scratch tensor freed at once.
+            func(torch.empty_strided(t.size(), t.stride(), dtype=t.dtype), *args, **kwargs)
+        if op.overwrites:  # earlier ops are dead: their draws are made, their values lost
+            rec.ops.clear()
+        rec.ops.append(op)
 
     def realize(self, p: nn.Parameter) -> None:
-        """Something reads `p` inside the build (an init that looks at its values,
-        e.g. rejection sampling): give it its values in its own storage now. Exact;
-        only that parameter's memory is spent early."""
-        value = _replay(p, _record(p))
-        del self.by_ptr[_record(p).ptr]
-        _DEFERRED.pop(id(p))
-        with torch.no_grad():
-            p.detach().copy_(value)
+        """Something reads `p` inside the build: give it its values now (see the note)."""
+        rec = _DEFERRED.pop(id(p))[1]
+        del self.by_ptr[rec.ptr]
+        p.detach().copy_(_replay(p, rec))
 
 
 @contextlib.contextmanager
@@ -185,11 +180,10 @@ def deferred_init() -> Iterator[None]:
             model = Transformer(cfg)        # parameters allocated, not written
         zeropp.shard(model, cfg)            # each rank materializes one unit at a time
 
-    The shards equal those of the same model built without the context under the
-    same seed, bit for bit (see the note at the top of deferred.py). Until it is
-    sharded (or passed to `materialize_module`), the model's parameters hold no
-    values: do not run it. Buffers and tensors that are not parameters are built
-    as usual."""
+    The shards equal, bit for bit, those of the model built without the context under
+    the same seed (see the note above). Until it is sharded (or passed to
+    `materialize_module`) its parameters hold no values: do not run it. Buffers and
+    tensors that are not parameters are built as usual."""
     rec = _Recorder()
     rec.handle = register_module_parameter_registration_hook(rec.register)
     try:
@@ -231,10 +225,9 @@ def _recording(rec: _Recorder) -> Iterator[None]:
 
 
 def _recorded_init(fn: Callable) -> Callable:
-    """torch.nn.init's `fn` while a deferred_init() is open. On a deferred parameter of
-    a context open on this thread it is recorded as one op: its result depends only on
-    the shape and the generator, even when its body reads the tensor (trunc_normal_'s
-    rejection sampling). Anything else, and every other thread, gets torch's own."""
+    """torch.nn.init's `fn` while a deferred_init() is open: recorded as one op on a
+    deferred parameter of a context open on this thread (see the note); anything else,
+    and every other thread, gets torch's own."""
     sig = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -243,7 +236,8 @@ def _recorded_init(fn: Callable) -> Callable:
             p = rec._param_of(tensor)
             if p is not None:
                 gen = sig.bind(tensor, *args, **kwargs).arguments.get("generator")
-                rec.record(p, tensor, fn, args, dict(kwargs), True, True, generator=gen)
+                rec.record(p, tensor, fn, args, dict(kwargs), True,
+                           gen or torch.default_generator)
                 return tensor
         return fn(tensor, *args, **kwargs)
     return init
@@ -257,7 +251,6 @@ def paused() -> Iterator[None]:
     if not _OPEN:
         yield
         return
-    from torch.utils._python_dispatch import _disable_current_modes
     opened = [rec for rec in _OPEN if rec.handle is not None]
     for rec in opened:
         _snapshot(rec)
@@ -274,8 +267,7 @@ def paused() -> Iterator[None]:
 
 def _snapshot(rec: _Recorder) -> None:
     """The build so far is the build: versions as they are now (as at the close)."""
-    for ref in rec.by_ptr.values():
-        p = ref()
+    for p in list(rec.by_ptr.values()):
         if is_deferred(p):
             _record(p).version = p._version
 
@@ -318,14 +310,12 @@ def hide(p: nn.Parameter) -> None:
     version: a deferred parameter still materializes exactly)."""
     if is_hidden(p) or p.numel() == 0:
         return
-    key = id(p)
-    _HIDDEN[key] = (weakref.ref(p, lambda _r: _HIDDEN.pop(key, None)), p.data)
+    _keep(_HIDDEN, p, p.data)
     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
 def is_hidden(p: Any) -> bool:
-    entry = _HIDDEN.get(id(p))
-    return entry is not None and entry[0]() is p
+    return _lookup(_HIDDEN, p) is not None
 
 
 def show(p: nn.Parameter) -> None:
@@ -335,16 +325,14 @@ def show(p: nn.Parameter) -> None:
 
 
 def show_module(model: nn.Module) -> None:
-    """Every hidden parameter of `model` shows its tensor again (before sharding); then
-    what its parameters ask to run on the model first does, once each (a front door's
-    `_zeropp_before_shard`: DeepSpeed's zero.Init sets one that makes its partitioned
-    parameters deferred ones)."""
+    """Show every hidden parameter of `model` (before sharding), then run each distinct
+    `_zeropp_before_shard(model)` its parameters carry (DeepSpeed's zero.Init sets one
+    that makes its partitioned parameters deferred ones)."""
     for p in model.parameters():
         show(p)
-    for hook in dict.fromkeys(getattr(p, "_zeropp_before_shard", None)
-                              for p in model.parameters()):
-        if hook is not None:
-            hook(model)
+    for hook in dict.fromkeys(filter(None, (getattr(p, "_zeropp_before_shard", None)
+                                            for p in model.parameters()))):
+        hook(model)
 
 
 def materialize(p: nn.Parameter) -> torch.Tensor:
@@ -365,8 +353,7 @@ def materialize(p: nn.Parameter) -> torch.Tensor:
 
 
 def _replay(p: torch.Tensor, rec: _Record) -> torch.Tensor:
-    start = rec.ops[0] if rec.ops else None
-    if start is not None and start.overwrites:
+    if rec.ops and rec.ops[0].overwrites:
         out = torch.empty_like(p.detach(), memory_format=torch.contiguous_format)
     else:  # built from real values (torch.ones, ...), then edited in place
         out = p.detach().clone(memory_format=torch.contiguous_format)
@@ -394,20 +381,18 @@ def defer(p: nn.Parameter, fill: Callable[[torch.Tensor], Any], name: str = "") 
     values are elsewhere (the DeepSpeed alias's per-parameter partitions) is then
     sharded as a deferred_init() one is, one unit at a time, in model order."""
     op = _Op(fill, (0, tuple(p.shape), tuple(p.stride())), (), {}, overwrites=True)
-    _add(p, _Record(p.untyped_storage().data_ptr(), p.storage_offset(), [op],
-                    p._version, name))
+    _keep(_DEFERRED, p, _Record(p.untyped_storage().data_ptr(), p.storage_offset(), [op],
+                                p._version, name))
 
 
 def materialize_module(model: nn.Module) -> nn.Module:
     """Give every deferred parameter of `model` its values in place (the whole
     model, in this process): the unsharded model deferred_init() stood for."""
-    with torch.no_grad():
-        for p in {id(p): p for p in model.parameters()}.values():
-            show(p)
-            if is_deferred(p):
-                value = materialize(p)
-                _DEFERRED.pop(id(p))
-                p.data = value
+    for p in model.parameters():
+        show(p)
+        if is_deferred(p):
+            p.data = materialize(p)
+            _DEFERRED.pop(id(p))
     return model
 
 
@@ -419,37 +404,33 @@ def release(p: nn.Parameter) -> None:
 
 
 def defer_meta(model: nn.Module) -> None:
-    """A model built on the `meta` device has shapes and no values: give each meta
-    parameter an unwritten CPU storage and record its module's `reset_parameters()`
-    (FSDP's rule for meta modules), module by module in registration order, so
-    `shard` materializes it one unit at a time like a deferred_init() model. The
-    values equal the whole build's under the same seed when the model's init is its
-    modules' reset_parameters in that order (torch's layers); a meta parameter or
-    buffer whose module has no reset_parameters is refused by name."""
+    """Give each meta parameter of `model` (shapes, no values) an unwritten CPU storage and
+    record its module's `reset_parameters()` (FSDP's rule for meta modules), module by
+    module in registration order, so `shard` materializes it one unit at a time like a
+    deferred_init() model. The values equal the whole build's under the same seed when
+    the model's init is its modules' reset_parameters in that order (torch's layers); a
+    meta parameter or buffer whose module has no reset_parameters is refused by name."""
     rec = _Recorder()
     replaced: dict[int, nn.Parameter] = {}
     with _recording(rec):
         for name, mod in model.named_modules():
             metas = [(n, p) for n, p in mod._parameters.items() if p is not None and p.is_meta]
-            meta_bufs = [n for n, b in mod._buffers.items() if b is not None and b.is_meta]
-            if not metas and not meta_bufs:
-                continue
-            fresh = [n for n, p in metas if id(p) not in replaced]
-            if (fresh or meta_bufs) and not callable(getattr(mod, "reset_parameters", None)):
-                what = ", ".join(f"{name or '<root>'}.{n}" for n in [*fresh, *meta_bufs])
+            bufs = [n for n, b in mod._buffers.items() if b is not None and b.is_meta]
+            fresh = [n for n, p in metas if id(p) not in replaced]  # not shared with one seen
+            if (fresh or bufs) and not callable(getattr(mod, "reset_parameters", None)):
+                what = ", ".join(f"{name or '<root>'}.{n}" for n in [*fresh, *bufs])
                 raise ValueError(
                     f"zeropp.shard: {what} ({type(mod).__name__}) is on the meta device and "
                     "its module has no reset_parameters() to initialize it; build the model "
                     "under zeropp.deferred_init() instead (exact for any init)")
             for n, p in metas:
                 if id(p) not in replaced:
-                    new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
-                                       requires_grad=p.requires_grad)
-                    replaced[id(p)] = new
-                    rec.register(mod, n, new)
+                    replaced[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                   requires_grad=p.requires_grad)
+                    rec.register(mod, n, replaced[id(p)])
                 mod._parameters[n] = replaced[id(p)]
-            for n in meta_bufs:
+            for n in bufs:
                 mod._buffers[n] = torch.zeros(mod._buffers[n].shape, dtype=mod._buffers[n].dtype)
-            if fresh or meta_bufs:
+            if fresh or bufs:
                 mod.reset_parameters()
     _close(rec)

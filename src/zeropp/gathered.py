@@ -1,27 +1,25 @@
 """zeropp.gathered(model): full weights resident for a while, gathered once.
 
-Generation under ZeRO-3 re-gathers every unit for every token: an RLHF actor
-generating 100 tokens moves its weights 100 times. Inside `gathered()` the
-units stay gathered, so the forwards inside issue no collective at all; the
-gather on entry is the one a training forward would run (hpZ's secondary
-inside the node when it is current, qwZ's INT8 or qWD's copies otherwise), so
-the weights are bit for bit those a training forward uses. PyTorch's
-`summon_full_params` and DeepSpeed's `GatheredParameters` are the models.
+Generation under ZeRO-3 re-gathers every unit for every token: an RLHF actor generating
+100 tokens moves its weights 100 times. Inside `gathered()` the units stay gathered, so
+the forwards inside issue no collective; the gather on entry is a training forward's
+(hpZ's secondary inside the node when current, qwZ's INT8 or qWD's copies otherwise), so
+the weights are bit for bit those training uses. Models: PyTorch's `summon_full_params`
+and DeepSpeed's `GatheredParameters`.
 
 [Note: writing back]
-With `writable=True` every gathered flat buffer is also kept as it was
-gathered (a snapshot), and on a normal exit each rank compares its own shard's
-slice of the (possibly edited) full weights with the snapshot, bit for bit,
-and writes the elements that differ into its fp32 master shard. Unedited
-weights keep their exact master values even though qwZ's gathered copy is
+With `writable=True` every gathered flat buffer is also kept as gathered (a snapshot);
+on a normal exit each rank compares its own shard's slice of the (possibly edited) full
+weights with the snapshot, bit for bit, and writes the elements that differ into its
+fp32 master shard. Unedited weights keep their exact master values though qwZ's copy is
 rounded; an edit such as `w.mul_(2)` doubles what the forward saw. With
-`modifier_rank=r`, rank r's edits count: it scatters each rank's slice of its
-full weights first (DeepSpeed's GatheredParameters semantics); otherwise every
-rank must make the same edits (PyTorch's writeback semantics). Then every
-rank's hpZ secondaries / qWD copies of those units are dropped, edited or not,
-so routes stay identical on every rank and the next forward gathers in full.
-Leaving by an exception on any rank discards every rank's edits (the ranks
-agree with one all-reduce on exit): the master shards are untouched.
+`modifier_rank=r`, rank r's edits count: it scatters each rank's slice of its full
+weights first (DeepSpeed's GatheredParameters semantics); otherwise every rank must make
+the same edits (PyTorch's writeback semantics). Then every rank drops its hpZ
+secondaries / qWD copies of those units, edited or not, so routes stay identical on
+every rank and the next forward gathers in full. Leaving by an exception on any rank
+discards every rank's edits (the ranks agree with one all-reduce on exit): the master
+shards are untouched.
 """
 
 from __future__ import annotations
@@ -48,31 +46,28 @@ def gathered(model: nn.Module, *, writable: bool = False,
              modifier_rank: Optional[int] = None) -> Iterator[nn.Module]:
     """Gather the units of a sharded `model` once and keep them resident; yields the model.
 
-    Inside, forwards of the gathered units issue no collective (generation:
-    one gather per rollout instead of one per token), under grad, `no_grad` or
-    `inference_mode`, with HF `generate()` and its KV cache. The module
-    attributes (`model.lm_head.weight`, ...) are the full weights inside.
-    Call it on every rank with the same arguments (it gathers). Nesting is
-    harmless. Backward and optimizer steps inside raise: the gathered weights
-    would go stale; train after the context.
+    Inside, forwards of the gathered units issue no collective (generation: one gather
+    per rollout, not per token), under grad, `no_grad` or `inference_mode`, with HF
+    `generate()` and its KV cache; module attributes (`model.lm_head.weight`, ...) are the
+    full weights. Call it on every rank with the same arguments (it gathers). Nesting is
+    harmless. Backward and optimizer steps inside raise (the gathered weights would go
+    stale): train after the context.
 
-    `units`: which units to keep (names as in `model._zeropp_state.units`,
-    "" or "<root>" for the root, or the unit modules); the others are gathered
-    per forward as in training, so every rank must then run the same number of
-    forwards (HF `generate`: pass `synced_gpus=True` if ranks may stop at
-    different lengths). `max_bytes`: keep units, in model order, while
-    their full weights (compute dtype; twice that with `writable`) fit. What to
-    pick: everything (the default) when the full model fits beside the
-    activations and KV cache; otherwise as many units as fit: every unit kept
-    saves its whole size per token, so which ones matters little, but without
-    hpZ a per-token gather crosses nodes and with hpZ it stays inside the node
-    (keeping units matters most without hpZ). Memory: each kept unit's full
-    weights at compute precision for the whole context.
+    `units`: which units to keep (names as in `model._zeropp_state.units`, "" or "<root>"
+    for the root, or the unit modules); the others are gathered per forward as in
+    training, so every rank must then run the same number of forwards (HF `generate`:
+    pass `synced_gpus=True` if ranks may stop at different lengths). `max_bytes`: keep
+    units, in model order, while their full weights (compute dtype; twice that with
+    `writable`) fit. What to pick: everything (the default) when the full model fits
+    beside the activations and KV cache; otherwise as many units as fit: each kept unit
+    saves its whole size per token, so which ones matters little; keeping units matters
+    most without hpZ, where a per-token gather crosses nodes (with hpZ it stays inside
+    the node). Memory: each kept unit's full weights at compute precision for the context.
 
-    `writable=True`: edits made inside are written into the master shards on
-    exit (see the note in gathered.py); costs a snapshot of every kept unit
-    during the context and a full (non-hpZ) gather of them afterwards.
-    `modifier_rank`: with `writable`, that rank's edits are the ones kept.
+    `writable=True`: edits made inside are written into the master shards on exit (see
+    the note above); costs a snapshot of every kept unit during the context and a full
+    (non-hpZ) gather of them afterwards. `modifier_rank`: with `writable`, the rank whose
+    edits are kept.
     """
     st = _state(model)
     if _in_backward():
@@ -173,30 +168,23 @@ def _state(model: nn.Module) -> ShardState:
 
 
 def _select(st: ShardState, units, max_bytes: Optional[int], writable: bool) -> list[Unit]:
-    by_name = {u.name: u for u in st.units}
-    by_name["<root>"] = st.units[0]
-    if units is None:
-        chosen = list(st.units)
-    else:
-        if isinstance(units, (str, nn.Module)):
-            units = [units]
-        picked = set()
-        for x in units:
-            u = (by_name.get(x) if isinstance(x, str)
-                 else getattr(x, "_zeropp_unit", None) if isinstance(x, nn.Module) else None)
-            if u is None or u.state is not st:
-                names = ", ".join(repr(u.label) for u in st.units)
-                raise ValueError(f"zeropp.gathered: {x!r} is not a unit of this model; its "
-                                 f"units are {names}")
-            picked.add(u)
-        chosen = [u for u in st.units if u in picked]  # model order, whatever was passed
+    by_name = {u.name: u for u in st.units} | {"<root>": st.units[0]}
+    picked = set()
+    for x in [units] if isinstance(units, (str, nn.Module)) else units or ():
+        u = (by_name.get(x) if isinstance(x, str)
+             else getattr(x, "_zeropp_unit", None) if isinstance(x, nn.Module) else None)
+        if u is None or u.state is not st:
+            names = ", ".join(repr(u.label) for u in st.units)
+            raise ValueError(f"zeropp.gathered: {x!r} is not a unit of this model; its "
+                             f"units are {names}")
+        picked.add(u)
+    chosen = [u for u in st.units if units is None or u in picked]  # model order
     if max_bytes is not None:
         if not (_is_int(max_bytes) and max_bytes >= 0):
             raise ValueError(f"zeropp.gathered: max_bytes={max_bytes!r} must be an int >= 0")
         kept, total = [], 0
-        for u in chosen:
-            size = sum(f.padded_numel * f.full.element_size() for f in u.flats)
-            size *= 2 if writable else 1
+        for u in chosen:  # a writable context also holds a snapshot of each
+            size = sum(f.padded_numel * f.full.element_size() for f in u.flats) * (1 + writable)
             if total + size <= max_bytes:
                 kept.append(u)
                 total += size

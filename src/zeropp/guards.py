@@ -1,17 +1,17 @@
 """Guard rails: failures that would otherwise hang every rank or train silently wrong.
 
-- `agree`: one rank's error becomes the same error on every rank. A rank that
-  raised alone would leave the others waiting in their next collective until
-  the timeout; instead every rank joins one small exchange and raises together.
-- `check_same_model`: inside `shard`, ranks whose models differ (parameter
-  names, shapes, dtypes, units) are found with one all-gather of a 32-byte
-  digest, and all raise the same error naming the first difference.
-- `check_optimizer_params`: an optimizer built on the model's parameters
-  *before* `shard` holds tensors that no longer receive gradients; its step
-  would silently do nothing. A global pre-step hook catches it.
-- `one_line`: a mistake in the user's config (a DeepSpeed key zeropp refuses)
-  is the user's to fix, not a bug to debug: if nothing catches it, it prints
-  as one line, not a traceback per rank.
+- `agree`: one rank's error becomes the same error on every rank: all join one small
+  exchange and raise together, where a rank raising alone would leave the others
+  waiting in their next collective until the timeout.
+- `check_same_model`: inside `shard`, ranks whose models differ (parameter names,
+  shapes, dtypes, units) are found with one all-gather of a 32-byte digest, and all
+  raise the same error naming the first difference.
+- `forget_parameters`: an optimizer built on the model's parameters *before* `shard`
+  holds tensors that no longer receive gradients (its step would silently do
+  nothing); a global pre-step hook catches it.
+- `one_line`: a mistake in the user's config (a DeepSpeed key zeropp refuses) is the
+  user's to fix, not a bug to debug: uncaught, it prints as one line, not a traceback
+  per rank.
 
 Everything here exchanges raw bytes in tensors: no pickle crosses ranks, and every
 exchange opens with a header (a mark, the exchange's name, the length) that each rank
@@ -26,6 +26,7 @@ import json
 import sys
 import weakref
 import zlib
+from itertools import zip_longest
 from typing import Any, Optional
 
 import torch
@@ -47,10 +48,9 @@ class MismatchedCollective(RuntimeError):
 
 
 def all_gather_bytes(data: bytes, what: str = "exchange", hint: str = "") -> list[bytes]:
-    """Every rank's `data` (any length), by rank: two all-gathers, the first of a header
-    that names the exchange (`what`). A rank whose header is not this one's is in
-    another collective: MismatchedCollective names it (and `hint`), on every rank that
-    sees a header it does not expect."""
+    """Every rank's `data` (any length), by rank: two all-gathers, the first of the header
+    that `check_peers` checks (a rank in another collective raises MismatchedCollective,
+    with `hint`)."""
     if not _distributed():
         return [data]
     dev, w = collective_device(), dist.get_world_size()
@@ -79,8 +79,7 @@ def check_peers(what: str, hint: str = "", size: int = 0) -> list[int]:
     strangers = [r for r, (mark, t, n) in enumerate(rows)
                  if (mark, t) != (_MARK, tag) or not 0 <= n < 1 << 31]
     if strangers:
-        who = (f"rank {strangers[0]} is" if len(strangers) == 1 else
-               f"ranks {strangers} are")
+        who = f"rank {strangers[0]} is" if len(strangers) == 1 else f"ranks {strangers} are"
         raise MismatchedCollective(f"zeropp: {who} not in this {what} (in another "
                                    f"collective meanwhile){': ' + hint if hint else ''}")
     return [n for _, _, n in rows]
@@ -115,11 +114,9 @@ def first_failure(error: Optional[str], what: str = "agreement", hint: str = "")
 # ---- the same model on every rank --------------------------------------------------
 def model_signature(model: torch.nn.Module, unit_names: list[str]) -> list[list]:
     """What every rank must agree on before sharding: units and parameters."""
-    sig: list[list] = [["unit", n] for n in unit_names]
-    for name, p in model.named_parameters(remove_duplicate=False):
-        sig.append(["param", name, list(p.shape), str(p.dtype).replace("torch.", ""),
-                    p.requires_grad])
-    return sig
+    return [["unit", n] for n in unit_names] + [
+        ["param", name, list(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad]
+        for name, p in model.named_parameters(remove_duplicate=False)]
 
 
 def _describe(item: Optional[list]) -> str:
@@ -143,13 +140,10 @@ def check_same_model(model: torch.nn.Module, unit_names: list[str]) -> None:
         return
     # Rare path: exchange the full signatures to name the first difference.
     sigs = [json.loads(s) for s in all_gather_bytes(sig, "exchange of the models' signatures")]
-    bad = next(r for r, d in enumerate(digests) if d != digests[0])
-    ref, other = sigs[0], sigs[bad]
-    i = next((k for k in range(max(len(ref), len(other)))
-              if k >= len(ref) or k >= len(other) or ref[k] != other[k]), 0)
-    a = ref[i] if i < len(ref) else None
-    b = other[i] if i < len(other) else None
     differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    bad = differ[0]
+    i, (a, b) = next(((k, ab) for k, ab in enumerate(zip_longest(sigs[0], sigs[bad]))
+                      if ab[0] != ab[1]), (0, (None, None)))
     raise ValueError(
         f"zeropp.shard: the model differs across ranks (ranks {differ} differ from rank 0); "
         f"first difference at entry {i}: rank 0 has {_describe(a)}, rank {bad} has "
@@ -158,7 +152,7 @@ def check_same_model(model: torch.nn.Module, unit_names: list[str]) -> None:
 
 # ---- an optimizer built before shard ---------------------------------------------
 # Parameters that shard() removed, by id (a WeakSet would compare tensors with ==).
-_replaced: dict[int, weakref.ref] = {}
+_replaced: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _hook: Any = None
 
@@ -168,20 +162,16 @@ def forget_parameters(params: list[torch.nn.Parameter]) -> None:
     pre-step check is installed (once per process)."""
     global _hook
     for p in params:
-        _replaced[id(p)] = weakref.ref(p, _forget(id(p)))
+        _replaced[id(p)] = p
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(_check_optimizer_step)
-
-
-def _forget(key: int) -> Any:
-    return lambda _ref: _replaced.pop(key, None)
 
 
 def _check_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if opt in _checked:
         return
     stale = sum(1 for g in opt.param_groups for p in g["params"]
-                if id(p) in _replaced and _replaced[id(p)]() is p)
+                if _replaced.get(id(p)) is p)
     if stale:
         raise RuntimeError(
             f"zeropp: this {type(opt).__name__} holds {stale} parameter(s) of the model as it "

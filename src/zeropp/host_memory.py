@@ -45,8 +45,7 @@ def release_freed_host_memory(threshold: int = 1 << 20) -> bool:
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or os.environ.get("ZEROPP_KEEP_MALLOC") == "1":
         return False
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        if libc.mallopt(-3, threshold):  # -3: M_MMAP_THRESHOLD
+        if ctypes.CDLL("libc.so.6").mallopt(-3, threshold):  # -3: M_MMAP_THRESHOLD
             _pinned = threshold
     except (OSError, AttributeError):  # not glibc
         return False

@@ -11,7 +11,7 @@ How freed host memory goes back to the OS: host_memory.py.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -21,9 +21,7 @@ from .shard import get_state
 
 
 def _bytes(t: Optional[torch.Tensor]) -> int:
-    if t is None:
-        return 0
-    return t.untyped_storage().nbytes()
+    return 0 if t is None else t.untyped_storage().nbytes()
 
 
 def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
@@ -51,7 +49,7 @@ def memory_stats(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = 
         "gradient_shards": sum(_bytes(f.primary_shard.grad) for f in flats),
         "optimizer_state": _optimizer_bytes(optimizer, flats),
         "secondary_shards": sum(f.buffer.secondary_bytes for f in flats),
-        "error_feedback": sum(_codec_bytes(f.buffer.codec) for f in flats),
+        "error_feedback": sum(_bytes(getattr(f.buffer.codec, "residual", None)) for f in flats),
         "unreduced_grads": sum(_bytes(f.grads.grad) for f in flats if f.trainable),
         "gathered_now": st.meter.bytes,
         "buffers": sum(_bytes(b) for b in model.buffers()),
@@ -68,17 +66,6 @@ def _optimizer_bytes(opt: Optional[torch.optim.Optimizer], flats: list) -> int:
     if opt is None:
         return 0
     ours = {id(f.primary_shard) for f in flats}
-    seen: set[int] = set()
-    total = 0
-    for p, state in opt.state.items():
-        if id(p) not in ours:
-            continue
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in seen:
-                seen.add(v.untyped_storage().data_ptr())
-                total += _bytes(v)
-    return total
-
-
-def _codec_bytes(codec: Any) -> int:
-    return 0 if codec is None else _bytes(getattr(codec, "residual", None))
+    by_storage = {v.untyped_storage().data_ptr(): v for p, state in opt.state.items()
+                  if id(p) in ours for v in state.values() if isinstance(v, torch.Tensor)}
+    return sum(map(_bytes, by_storage.values()))  # a storage shared by tensors counts once
