@@ -90,13 +90,9 @@ def _keep(table: dict, p: nn.Parameter, value: Any) -> None:
     table[key] = (weakref.ref(p, lambda _r: table.pop(key, None)), value)
 
 
-def _record(p: Any) -> Optional[_Record]:
-    return _lookup(_DEFERRED, p)
-
-
 def is_deferred(p: torch.Tensor) -> bool:
     """Whether `p` was built under deferred_init() and not materialized yet."""
-    return _record(p) is not None
+    return _lookup(_DEFERRED, p) is not None
 
 
 def _draws(func: Any) -> bool:
@@ -152,7 +148,7 @@ class _Recorder(TorchDispatchMode):
     def record(self, p: nn.Parameter, t: torch.Tensor, func: Any, args: tuple, kwargs: dict,
                overwrites: bool, generator: Optional[torch.Generator]) -> None:
         """Record `func` on `t`, a view of `p`; `generator`: the one it draws from, if any."""
-        rec = _record(p)
+        rec = _lookup(_DEFERRED, p)
         geometry = (t.storage_offset() - rec.offset, tuple(t.size()), tuple(t.stride()))
         op = _Op(func, geometry, args, kwargs, overwrites=overwrites and geometry[0] == 0
                  and t.numel() == p.numel() and t.is_contiguous())
@@ -269,7 +265,7 @@ def _snapshot(rec: _Recorder) -> None:
     """The build so far is the build: versions as they are now (as at the close)."""
     for p in list(rec.by_ptr.values()):
         if is_deferred(p):
-            _record(p).version = p._version
+            _lookup(_DEFERRED, p).version = p._version
 
 
 def _close(rec: _Recorder) -> None:
@@ -339,7 +335,7 @@ def materialize(p: nn.Parameter) -> torch.Tensor:
     """The values of a parameter built under deferred_init(), in a new tensor (of
     its shape and dtype); the parameter itself stays unwritten. Any parameter
     that is not deferred is returned as it is."""
-    rec = _record(p)
+    rec = _lookup(_DEFERRED, p)
     if rec is None:
         return p.detach()
     t = _HIDDEN[id(p)][1] if is_hidden(p) else p  # the tensor it stands for

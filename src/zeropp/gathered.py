@@ -194,10 +194,9 @@ def _select(st: ShardState, units, max_bytes: Optional[int], writable: bool) -> 
 
 def _write_back(st: ShardState, snapshots: dict[FlatParam, torch.Tensor],
                 modifier_rank: Optional[int]) -> None:
-    rank = st.topo.rank
     with torch.inference_mode(False), torch.no_grad():
         for f, before in snapshots.items():
-            lo = rank * f.shard_numel
+            lo = st.topo.rank * f.shard_numel
             if modifier_rank is None:
                 mine = f.full[lo:lo + f.shard_numel]
             else:
