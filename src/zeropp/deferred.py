@@ -141,8 +141,8 @@ class _Recorder(TorchDispatchMode):
         args, kwargs = tree_map(lambda a: a.detach().clone() if isinstance(a, torch.Tensor)
                                 else a, (args[1:], kwargs))
         gen = (kwargs.get("generator") or torch.default_generator) if _draws(func) else None
-        self.record(p, t, func, args, kwargs, func._schema.name.split("::")[-1] in _OVERWRITES,
-                    gen)
+        overwrites = func._schema.name.split("::")[-1] in _OVERWRITES
+        self.record(p, t, func, args, kwargs, overwrites, gen)
         return t
 
     def record(self, p: nn.Parameter, t: torch.Tensor, func: Any, args: tuple, kwargs: dict,
