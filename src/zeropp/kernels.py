@@ -159,28 +159,20 @@ def _pairable(*ts: Optional[torch.Tensor]) -> bool:
 
 # Every tensor is 2-D, (blocks, values or bytes of a block): a flat view sliced to a
 # dynamic length would cost index arithmetic per element (inductor's C++ then is scalar).
-def _quantize8(_: tuple) -> Callable:
-    def kernel(x: torch.Tensor, data: torch.Tensor, deq: Optional[torch.Tensor],
-               _: None) -> torch.Tensor:
-        xf = x.float()
-        absmax = xf.abs().amax(dim=1, keepdim=True)
-        d = _divisor(absmax, 127)
-        v = (xf / d).round()  # |q| <= qmax (+ an ulp), so it rounds into range
-        data.copy_(v.to(torch.int8))
-        if deq is not None:
-            deq.copy_(_dequantized(v, d))
-        return absmax
-    return kernel
-
-
-def _quantize4(key: tuple) -> Callable:
-    pairs = key[-1]
+def _quantize(key: tuple) -> Callable:
+    bits, pairs = key[1], key[-1]
 
     def kernel(x: torch.Tensor, data: torch.Tensor, deq: Optional[torch.Tensor],
                xp: Optional[torch.Tensor]) -> torch.Tensor:
         xf = x.float()
         absmax = xf.abs().amax(dim=1, keepdim=True)
-        d = _divisor(absmax, 7)
+        d = _divisor(absmax, 127 if bits == 8 else 7)
+        if bits == 8:
+            v = (xf / d).round()  # |q| <= qmax (+ an ulp), so it rounds into range
+            data.copy_(v.to(torch.int8))
+            if deq is not None:
+                deq.copy_(_dequantized(v, d))
+            return absmax
         if pairs:  # xp and deq are x and the fp32 output as pairs (the note)
             lo, hi = _halves(xp)
         else:  # strided, slower
@@ -197,43 +189,35 @@ def _quantize4(key: tuple) -> Callable:
     return kernel
 
 
-def _dequantize8(_: tuple) -> Callable:
+def _dequantize(key: tuple) -> Callable:
+    bits = key[1]
+
     def kernel(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(data.float() * scales)
+        if bits == 8:
+            out.copy_(data.float() * scales)
+        else:
+            w = data.to(torch.int32)
+            out.copy_(_pairs(((w & 15) - 8).float() * scales, ((w >> 4) - 8).float() * scales))
     return kernel
 
 
-def _dequantize4(_: tuple) -> Callable:
-    def kernel(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-        w = data.to(torch.int32)
-        out.copy_(_pairs(((w & 15) - 8).float() * scales, ((w >> 4) - 8).float() * scales))
-    return kernel
-
-
-_MAKERS = {("q", 8): _quantize8, ("q", 4): _quantize4,
-           ("dq", 8): _dequantize8, ("dq", 4): _dequantize4}
 # One compiled function per variant, so that each sees one graph (and the 0/1-size
 # specializations of its dynamic dimensions), far below dynamo's recompile limit.
 _KERNELS: dict[tuple, Callable] = {}
-
-
 _LOCK = threading.Lock()  # the reduce pipeline's two threads may ask at once
 
 
 def _kernel(key: tuple) -> Callable:
     with _LOCK:
-        return _KERNELS[key] if key in _KERNELS else _make(key)
-
-
-def _make(key: tuple) -> Callable:
-    fn = _MAKERS[key[:2]](key)
-    # dynamo keeps its compiled graphs (and counts recompiles) per code object, which
-    # closures share: give each variant its own.
-    name = "_".join(map(str, key)).replace("torch.", "")
-    code = fn.__code__.replace(co_name=f"zeropp_{name}")
-    _KERNELS[key] = _guarded(types.FunctionType(code, fn.__globals__, code.co_name,
-                                                fn.__defaults__, fn.__closure__))
-    return _KERNELS[key]
+        if key not in _KERNELS:
+            fn = (_quantize if key[0] == "q" else _dequantize)(key)
+            # dynamo keeps its compiled graphs (and counts recompiles) per code object,
+            # which closures share: give each variant its own.
+            name = "_".join(map(str, key)).replace("torch.", "")
+            code = fn.__code__.replace(co_name=f"zeropp_{name}")
+            _KERNELS[key] = _guarded(types.FunctionType(code, fn.__globals__, code.co_name,
+                                                        fn.__defaults__, fn.__closure__))
+        return _KERNELS[key]
 
 
 def quantize_into(x: torch.Tensor, data: torch.Tensor, bits: int,

@@ -6,8 +6,7 @@ from typing import Any
 
 
 class GatherMeter:
-    """Full-weight buffers alive now and at peak (bytes and units), updated by
-    FlatParam when a gather allocates its buffer and when it is freed."""
+    """Bytes and units; FlatParam reports each gather's buffer allocated and freed."""
 
     def __init__(self) -> None:
         self.alive: dict[int, tuple[Any, int]] = {}  # id(flat) -> (flat, bytes)

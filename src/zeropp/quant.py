@@ -30,10 +30,9 @@ import torch
 from . import kernels
 
 _QMAX = {8: 127, 4: 7, 2: 3}
-# Smallest normal fp32: a non-zero block whose absmax / qmax is below it gets this
-# scale instead. A subnormal scale is rounded too coarsely (134 * 2^-149 / 127 is
-# 2^-149), so x / scale could leave [-qmax, qmax]; this one keeps every code in range
-# (|x| / scale <= qmax) and x / scale finite.
+# Smallest normal fp32, the scale of a non-zero block whose absmax / qmax is below it:
+# a subnormal scale is rounded too coarsely (134 * 2^-149 / 127 is 2^-149), so x / scale
+# could leave [-qmax, qmax]; this one keeps every code in range and x / scale finite.
 _TINY = torch.finfo(torch.float32).smallest_normal
 
 
@@ -78,11 +77,11 @@ class QTensor:
         """Inverse of `to_bytes` (given the metadata every rank already knows)."""
         shape = torch.Size(shape)
         nblocks = -(-math.prod(shape) // block_size)
-        if buf.dtype != torch.uint8 or buf.numel() != cls.wire_bytes(math.prod(shape), bits,
-                                                                       block_size):
-            raise ValueError(f"QTensor.from_bytes: expected {cls.wire_bytes(math.prod(shape), bits, block_size)} "
-                             f"uint8 bytes for shape {tuple(shape)}, {bits} bits, block "
-                             f"{block_size}; got {buf.numel()} of {buf.dtype}")
+        expected = cls.wire_bytes(math.prod(shape), bits, block_size)
+        if buf.dtype != torch.uint8 or buf.numel() != expected:
+            raise ValueError(f"QTensor.from_bytes: expected {expected} uint8 bytes for shape "
+                             f"{tuple(shape)}, {bits} bits, block {block_size}; got "
+                             f"{buf.numel()} of {buf.dtype}")
         head, wire = buf[:nblocks * 4], buf
         if head.storage_offset() % 4:
             head, wire = head.clone(), None  # fp32 views need 4-byte alignment
@@ -102,20 +101,10 @@ def _check(bits: int, block_size: int) -> None:
                          "a multiple of 4 (four codes to a byte)")
 
 
-def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """fp32 view (nblocks, block_size) of x, zero-padded to whole blocks."""
-    flat = x.reshape(-1).float()
-    pad = -flat.numel() % block_size
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
-    return flat.view(-1, block_size)
-
-
-# Work through the blocks in chunks of about this many fp32 bytes: the
-# temporaries then stay in cache and are never page-faulted in, which costs
-# more than the arithmetic on this kind of CPU (measured: touching a fresh
-# 64 MB buffer takes ~25 ms, an in-cache pass over the same data ~3 ms).
-# Fewer, larger chunks amortize the per-op dispatch; past the L3 size it loses.
+# Work through the blocks in chunks of about this many fp32 bytes: the temporaries
+# stay in cache and are never page-faulted in, which costs more than the arithmetic
+# on this CPU (touching a fresh 64 MB buffer: ~25 ms; an in-cache pass over it: ~3 ms).
+# Larger chunks amortize the per-op dispatch; past the L3 size they lose.
 CHUNK_BYTES = 1 << 22  # best of 256 KiB..16 MiB measured here (32 MiB L3)
 # A GPU has no such cache cliff, and each op of a chunk is a kernel launch: on the
 # H200, INT8 quantize of 256 MiB ran at 24 GB/s in 4 MiB chunks (a copy: 1940 GB/s),
@@ -124,11 +113,13 @@ CHUNK_BYTES = 1 << 22  # best of 256 KiB..16 MiB measured here (32 MiB L3)
 DEVICE_CHUNK_BYTES = 1 << 27
 
 
-def _chunks(nblocks: int, block_size: int, device: torch.device):
+def _chunks(nblocks: int, block_size: int, device: torch.device, start: int = 0):
+    """Chunks (r0, r1) of blocks [start, nblocks)."""
     size = DEVICE_CHUNK_BYTES if device.type == "cuda" else CHUNK_BYTES
     rows = max(1, size // (4 * block_size))
     for r0 in range(0, nblocks, rows):
-        yield r0, min(r0 + rows, nblocks)
+        if min(r0 + rows, nblocks) > start:
+            yield max(r0, start), min(r0 + rows, nblocks)
 
 
 # Reused fp32 scratch buffers, per (thread, slot, device): the reduce pipeline's two
@@ -138,12 +129,12 @@ _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
 def scratch_buffer(slot: str, numel: int, device: torch.device) -> torch.Tensor:
-    """A reused fp32 buffer of `numel` (this thread's, one per slot), for temporaries
-    that die within one call. A fresh buffer of a unit's size may be mmap'd and
-    page-faulted in on every call (glibc's mmap threshold: host_memory.py), which
-    costs more than the arithmetic: error feedback's encode of a 1.8M-value unit took 3.1 ms with fresh temporaries, 0.53 ms with these
-    (benchmarks/probes/encode_probe.py). On CUDA one per stream too: FSDP2 runs its
-    all-gather and reduce-scatter on two streams from one thread, and a buffer one
+    """A reused fp32 buffer of `numel` (this thread's, one per slot) for temporaries that die
+    within one call. A fresh buffer of a unit's size may be mmap'd and page-faulted in on
+    every call (glibc's mmap threshold: host_memory.py), costing more than the arithmetic:
+    error feedback's encode of a 1.8M-value unit took 3.1 ms with fresh temporaries, 0.53 ms
+    with these (benchmarks/probes/encode_probe.py). On CUDA one per stream too: FSDP2 runs
+    its all-gather and reduce-scatter on two streams from one thread, and a buffer one
     stream still reads must not be written by the other."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (threading.get_ident(), stream, slot, str(device))
@@ -158,21 +149,12 @@ def scratch_bytes() -> int:
 
 
 def release_scratch() -> None:
-    """Drop the scratch buffers (at the end of each forward and backward), so they
-    live only while a phase uses them, as the temporaries they replace did; a
-    buffer in use stays alive through its user's reference."""
+    """Drop the scratch buffers, so they live only while a phase uses them, as the
+    temporaries they replace did (a buffer in use lives on through its user)."""
     _SCRATCH.clear()
 
 
-_CONSTANTS: dict[tuple, torch.Tensor] = {}
-
-
-def device_constant(key: tuple, device: torch.device, make) -> torch.Tensor:
-    """A small constant tensor made once per device (`make(device)`), under `key`."""
-    full = (*key, str(device))
-    if full not in _CONSTANTS:
-        _CONSTANTS[full] = make(device)
-    return _CONSTANTS[full]
+_DIVISORS: dict[tuple, torch.Tensor] = {}  # (divisor, device) -> it on the device
 
 
 def div_exact(x: torch.Tensor, c: float) -> torch.Tensor:
@@ -182,8 +164,10 @@ def div_exact(x: torch.Tensor, c: float) -> torch.Tensor:
     divisor on the device is a true division there, as on the CPU."""
     if x.device.type == "cpu":
         return x / c
-    return torch.div(x, device_constant(("divisor", float(c)), x.device,
-                                        lambda d: torch.tensor(float(c), device=d)))
+    key = (float(c), str(x.device))
+    if key not in _DIVISORS:
+        _DIVISORS[key] = torch.tensor(float(c), device=x.device)
+    return torch.div(x, _DIVISORS[key])
 
 
 def absmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -194,10 +178,9 @@ def absmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def canonical_absmax(m: torch.Tensor) -> torch.Tensor:
-    """An all-zero row's max(+0, -0) is either zero, by the kernel's path: +0 always,
-    so the scale's bytes (and the zeros it decodes to) do not depend on the size or
-    the kernel. A NaN is the quiet NaN whatever the input's was (sign, payload), for
-    the same reason."""
+    """+0 for an all-zero row (whose max(+0, -0) is either zero, by the kernel's path)
+    and the quiet NaN for any NaN (sign, payload), so the scale's bytes do not depend
+    on the size or the kernel."""
     return torch.where(m == 0, 0.0, torch.where(m.isnan(), math.nan, m))
 
 
@@ -208,20 +191,16 @@ def block_scales(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
 
 
 def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor) -> torch.Tensor:
-    """Each row's scale absmax / qmax (returned) and its values / scale, rounded to
-    nearest (ties to even) into `v` (fp32, the rows' shape): the integers `quantize`
-    stores."""
+    """Each row's scale absmax / qmax (returned) and its values / scale rounded half to
+    even into `v` (fp32, the rows' shape): the integers `quantize` stores."""
     s = block_scales(absmax_rows(xc), qmax)
     # Divide rather than multiply by 1/scale: a subnormal scale's inverse
     # overflows. An all-zero block divides by 1 and stays zero.
     torch.div(xc, torch.where(s > 0, s, 1.0).unsqueeze(1), out=v)
     v.round_()  # |x/scale| <= qmax (+ an ulp), so it rounds into range
     # A non-finite block's codes are 0 (it decodes to NaN by its scale): its values
-    # would convert to integers undefined by C, differently by kernel. On the CPU the
-    # pass over the rows only when a block needs it; on a device the test would sync.
-    finite = s.isfinite()
-    if v.is_cuda or not bool(finite.all()):
-        v.masked_fill_(~finite.unsqueeze(1), 0.0)
+    # would convert to integers undefined by C, differently by kernel.
+    _fill_non_finite(s, v, 0.0)
     return s
 
 
@@ -234,36 +213,30 @@ def round_blocks2(xc: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     s = block_scales(torch.minimum(rms.mul_(1.5), absmax), 3)
     two = (2 * s).unsqueeze(1)  # exact: a power of two
     v.copy_(xc >= two.neg()).add_(xc >= 0).add_(xc >= two).mul_(2).sub_(3)
-    finite = s.isfinite()
-    if v.is_cuda or not bool(finite.all()):
-        v.masked_fill_(~finite.unsqueeze(1), -3.0)
+    _fill_non_finite(s, v, -3.0)
     return s
 
 
-def _non_finite_blocks(s: torch.Tensor, data: torch.Tensor, zero_code: int,
-                       deq: Optional[torch.Tensor]) -> None:
-    """What round_blocks makes of a non-finite block, after a compiled kernel: codes
-    of 0 (`zero_code` as stored) and a dequantized copy of 0 * scale."""
+def _fill_non_finite(s: torch.Tensor, v: torch.Tensor, fill: float) -> Optional[torch.Tensor]:
+    """Fills the rows of `v` whose scale is non-finite with `fill`; returns their mask, or
+    None where none was filled. On the CPU the pass over the rows only when a block needs
+    it; on a device always (the test would sync)."""
     bad = ~s.isfinite()
-    if not (data.is_cuda or bool(bad.any())):
-        return
-    data.masked_fill_(bad.unsqueeze(1), zero_code)
-    if deq is not None:
-        deq.copy_(torch.where(bad.unsqueeze(1), s.unsqueeze(1) * 0.0, deq))
+    if not (v.is_cuda or bool(bad.any())):
+        return None
+    v.masked_fill_(bad.unsqueeze(1), fill)
+    return bad
 
 
 def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
              out: Optional[torch.Tensor] = None,
              dequantized: Optional[torch.Tensor] = None) -> QTensor:
-    """Blockwise symmetric absmax quantization (see the module note), rounding to
-    nearest, ties to even. Data and scales are written in wire format
-    into one uint8 buffer (`out`, if given, of `QTensor.wire_bytes(...)` bytes,
-    4-byte aligned), so `to_bytes()` costs nothing. `dequantized` (fp32,
-    contiguous, x.numel() values) receives `dequantize()` of the result, bit for
-    bit, computed from the rounded values while they are in cache: a sender that
-    needs what the receiver will see (error feedback, qWD's owner) skips unpacking
-    its own bytes.
-    """
+    """Blockwise symmetric absmax quantization (the module note), rounding half to even.
+    Data and scales go in wire format into one uint8 buffer (`out`, if given: 4-byte
+    aligned, `QTensor.wire_bytes(...)` long), so `to_bytes()` costs nothing.
+    `dequantized` (contiguous fp32, x.numel() values) receives `dequantize()` of the
+    result, bit for bit, from the rounded values while in cache: a sender that needs
+    what the receiver will see (error feedback, qWD's owner) skips unpacking its bytes."""
     _check(bits, block_size)
     qmax = _QMAX[bits]
     nblocks = -(-x.numel() // block_size)
@@ -279,31 +252,23 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
         raise ValueError(f"quantize: dequantized must be a contiguous fp32 tensor of "
                          f"{x.numel()} values, got {tuple(dequantized.shape)} of "
                          f"{dequantized.dtype}")
-    scales = out[:nblocks * 4].view(torch.float32)
-    per_block = block_size * bits // 8
-    data = out[nblocks * 4:]
-    data = data.view(torch.int8) if bits == 8 else data
+    q = QTensor.from_bytes(out, x.shape, x.dtype, bits, block_size)
+    scales, data, per_block = q.scales, q.data, block_size * bits // 8
     flat, bs, n, dev = x.reshape(-1), block_size, x.numel(), x.device
     deq = dequantized.view(-1) if dequantized is not None else None
-    whole = n // bs  # blocks without padding: the compiled kernel's (kernels.py)
-
-    def compiled(r0: int, r1: int) -> bool:
-        codes = data[r0 * per_block:r1 * per_block].view(-1, per_block)
-        dq = None if deq is None else deq[r0 * bs:r1 * bs].view(-1, bs)
-        absmax = kernels.quantize_into(flat[r0 * bs:r1 * bs].view(-1, bs), codes, bits, dq)
-        if absmax is None:
-            return False
-        s = scales[r0:r1] = block_scales(canonical_absmax(absmax.view(-1)), qmax)
-        _non_finite_blocks(s, codes, 0 if bits == 8 else 0x88, dq)
-        return True
-
-    done = 0  # blocks [0, done) are quantized
-    if whole and kernels.enabled(dev, n, bits) and compiled(0, whole):
-        done = whole
-    for r0, r1 in _chunks(nblocks, bs, dev):
-        if r1 <= done:
-            continue
-        r0 = max(r0, done)
+    whole, done = n // bs, 0  # blocks [0, done) are quantized; the kernel takes whole ones
+    if whole and kernels.enabled(dev, n, bits):
+        codes = data[:whole * per_block].view(-1, per_block)
+        dq = None if deq is None else deq[:whole * bs].view(-1, bs)
+        absmax = kernels.quantize_into(flat[:whole * bs].view(-1, bs), codes, bits, dq)
+        if absmax is not None:
+            done = whole
+            s = scales[:whole] = block_scales(canonical_absmax(absmax.view(-1)), qmax)
+            # round_blocks' non-finite block: codes 0 (as stored) and a dequantized 0 * scale
+            bad = _fill_non_finite(s, codes, 0 if bits == 8 else 0x88)
+            if bad is not None and dq is not None:
+                dq.copy_(torch.where(bad.unsqueeze(1), s.unsqueeze(1) * 0.0, dq))
+    for r0, r1 in _chunks(nblocks, bs, dev, done):
         xc = _rows(flat, r0, r1, bs)
         v = scratch_buffer("quantize", xc.numel(), dev).view(xc.shape)
         s = scales[r0:r1] = round_blocks(xc, qmax, v) if bits > 2 else round_blocks2(xc, v)
@@ -316,7 +281,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
             v.add_(0.0).mul_(s.unsqueeze(1))
             end = min(r1 * bs, n)
             deq[r0 * bs:end].copy_(v.view(-1)[:end - r0 * bs])
-    return QTensor(data, scales, x.shape, x.dtype, bits, block_size, out)
+    return q
 
 
 def _rows(flat: torch.Tensor, r0: int, r1: int, bs: int) -> torch.Tensor:
@@ -344,10 +309,7 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
             q.data[:whole * per_block].view(whole, per_block),
             q.scales[:whole].view(whole, 1), flat[:whole * bs].view(whole, bs), q.bits):
         done = whole
-    for r0, r1 in _chunks(q.scales.numel(), bs, out.device):
-        if r1 <= done:
-            continue
-        r0 = max(r0, done)
+    for r0, r1 in _chunks(q.scales.numel(), bs, out.device, done):
         raw = q.data[r0 * per_block:r1 * per_block]
         vals = raw if q.bits == 8 else _unpack_offset(raw) if q.bits == 4 else unpack_int2(raw)
         s = q.scales[r0:r1].unsqueeze(1)

@@ -53,7 +53,6 @@ from typing import Optional
 import torch
 
 from .quant import (
-    _blocks,
     _chunks,
     absmax_rows,
     div_exact,
@@ -62,6 +61,7 @@ from .quant import (
     scratch_buffer,
     unpack_int4,
 )
+from .quant import _rows as _fp32_rows
 
 QC = 127  # the copies' largest code (qwZ's INT8)
 QD = 7    # the largest move an INT4 delta carries exactly
@@ -70,8 +70,7 @@ QD = 7    # the largest move an INT4 delta carries exactly
 def wire_bytes(numel: int, block: int) -> int:
     """Length of one shard's delta buffer (`numel` a multiple of `block`, itself a
     multiple of 8)."""
-    nb = numel // block
-    return meta_bytes(numel, block) + nb * block // 2
+    return meta_bytes(numel, block) + numel // block * block // 2
 
 
 def meta_bytes(numel: int, block: int) -> int:
@@ -95,14 +94,14 @@ def _ratio(s_old: torch.Tensor, s_new: torch.Tensor) -> torch.Tensor:
     return torch.where((s_new > 0) & torch.isfinite(ratio), ratio, 0.0)
 
 
-def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor, qmax: int) -> torch.Tensor:
+def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor) -> torch.Tensor:
     """The old codes on the new grid, in place: clamp(round(c * s / s'))."""
     ratio = _ratio(s_old, s_new)
     c.mul_(ratio.unsqueeze(1)).round_()
-    # |c| <= qmax: only a grid that got finer (ratio > 1) can take it out of range.
+    # |c| <= QC: only a grid that got finer (ratio > 1) can take it out of range.
     # On a device the test would cost a host sync, and the clamp is the identity on
     # codes in range, so it always clamps there.
-    return c.clamp_(-qmax, qmax) if c.is_cuda or bool((ratio > 1).any()) else c
+    return c.clamp_(-QC, QC) if c.is_cuda or bool((ratio > 1).any()) else c
 
 
 def _rows(mask: torch.Tensor):
@@ -121,7 +120,7 @@ def _formula(t: torch.Tensor, c: torch.Tensor, s_old: torch.Tensor, s_new: torch
     """The note's formula on some blocks, for the owner: t (qwZ's new codes) and c
     (the old codes), fp32, both overwritten (c by base, t by c'). Returns the moves d
     and the steps k (fp32)."""
-    base = _base(c, s_old, s_new, QC)
+    base = _base(c, s_old, s_new)
     diff = torch.sub(t, base, out=diff_out)
     # |diff| <= QD * k, so |diff / k| <= QD (division rounds correctly): nearest
     # rounding stays in range
@@ -157,21 +156,19 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *,
     numel = master.numel()
     s_old, _, c_data = _views(copy, numel, block)
     c_data = c_data.view(torch.int8)
-    extra = meta_bytes(numel, block) - numel // block * 4
+    nb = numel // block
+    extra = meta_bytes(numel, block) - nb * 4
     s_new, steps, d_data = _views(out, numel, block, extra)
     # the padding after the steps: zeros, not whatever the buffer held (it goes to
     # other processes, and byte comparisons see it)
-    nb = numel // block
-    if extra > nb:
-        out[nb * 5:nb * 4 + extra].zero_()
-    xb = _blocks(master, block)
+    out[nb * 5:nb * 4 + extra].zero_()
     for r0, r1 in _chunks(nb, block, master.device):
         shape = (r1 - r0, block)
         # t: qwZ's codes of the master (quantize's arithmetic), in fp32
         t = scratch_buffer("qwd_t", shape[0] * block, master.device).view(shape)
         # (a non-finite master's block gets codes 0 from round_blocks: in range, and
         # its scale dequantizes to NaN whatever the codes)
-        s_new[r0:r1] = sn = round_blocks(xb[r0:r1], QC, t)
+        s_new[r0:r1] = sn = round_blocks(_fp32_rows(master.reshape(-1), r0, r1, block), QC, t)
         # t and the moves on the old grid as int16: integers in [-2 qmax, 2 qmax],
         # exact, and half the bytes of fp32 (int8 would wrap)
         c8 = c_data[r0 * block:r1 * block].view(-1, block)
@@ -184,8 +181,7 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *,
         # do the moves on the old grid (k = 0); fp32's error in c r is under 1e-5. An
         # unusable scale counts as ratio 0, as in `_base`
         rows = _rows(~(moved + QC * (1 - _ratio(s_old[r0:r1], sn)).abs() <= QD + 0.499))
-        k = steps[r0:r1]
-        k.zero_()
+        k = steps[r0:r1].zero_()
         if rows is not None:  # the formula on the others
             every = isinstance(rows, slice)
             cr = _scratch_copy(c8, torch.float32, "qwd_c") if every else c8[rows].float()
@@ -227,9 +223,8 @@ def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, block: int) ->
         codes = c_data[r0 * block:r1 * block].view(-1, block)
         moves = unpack_int4(d_data[r0 * block // 2:r1 * block // 2]).view(-1, block)
         if rows is not None:  # the rescaled blocks, from their old codes
-            base = _base(codes[rows].float(), s_old[r0:r1][rows], s_new[r0:r1][rows], QC)
-            far = _far(base, moves[rows].float(), k[rows].unsqueeze(1).float())
-            far = far.to(torch.int8)
+            base = _base(codes[rows].float(), s_old[r0:r1][rows], s_new[r0:r1][rows])
+            far = _far(base, moves[rows].float(), k[rows].unsqueeze(1).float()).to(torch.int8)
         codes.add_(moves)  # k = 0: moves on the old grid, each landing on t
         if isinstance(rows, slice):
             torch.where((k == 0).unsqueeze(1), codes, far, out=codes)

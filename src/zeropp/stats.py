@@ -45,16 +45,13 @@ class CommStats:
         this rank sends (payload + scales); `inter`: the part of `sent` that
         leaves the node; `scale`: the part of `sent` that is scales."""
         with self._lock:
-            self._record(op, group, sent, inter, scale)
-
-    def _record(self, op: str, group: str, sent: float, inter: float, scale: float) -> None:
-        rec = self.by_op[op]
-        rec["group"] = group
-        rec["calls"] += 1
-        rec["payload_bytes"] += round(sent - scale)
-        rec["scale_bytes"] += round(scale)
-        rec["inter_node_bytes"] += round(inter)
-        rec["intra_node_bytes"] += round(sent - inter)
+            rec = self.by_op[op]
+            rec["group"] = group
+            rec["calls"] += 1
+            rec["payload_bytes"] += round(sent - scale)
+            rec["scale_bytes"] += round(scale)
+            rec["inter_node_bytes"] += round(inter)
+            rec["intra_node_bytes"] += round(sent - inter)
 
     def count_unit(self, unit: str, event: str) -> None:
         """One unit-level event (a unit's gather may be several collectives)."""
@@ -63,10 +60,9 @@ class CommStats:
 
     def as_dict(self) -> dict:
         ops = {k: dict(v) for k, v in self.by_op.items()}
+        totals = ("inter_node_bytes", "intra_node_bytes", "scale_bytes")
         return {
-            "inter_node_bytes": sum(v["inter_node_bytes"] for v in ops.values()),
-            "intra_node_bytes": sum(v["intra_node_bytes"] for v in ops.values()),
-            "scale_bytes": sum(v["scale_bytes"] for v in ops.values()),
+            **{k: sum(v[k] for v in ops.values()) for k in totals},
             "by_op": ops,
             "by_unit": {u: dict(c) for u, c in self.by_unit.items()},
             "steps": self.steps,
