@@ -1,41 +1,38 @@
-"""The codecs as compiled kernels: INT8 / INT4 blockwise quantize (rounding to
-nearest, nibble packing, the dequantized copy a sender keeps) and
-dequantize, each one fused torch.compile kernel (inductor: C++ on the CPU, Triton
-on a GPU), bitwise equal to quant.py's eager ops, which stay the fallback.
-quant.py calls them on whole blocks and finishes around them: the scales from the
-absmax a kernel returns, and the codes of a non-finite block.
+"""The codecs as compiled kernels: INT8 / INT4 blockwise quantize (with nibble packing
+and the sender's dequantized copy) and dequantize, each one fused torch.compile kernel
+(inductor: C++ on the CPU, Triton on a GPU), bitwise equal to quant.py's eager ops,
+which stay the fallback. quant.py calls them on whole blocks and finishes around them:
+the scales from the absmax a kernel returns, and the codes of a non-finite block.
 
 [Note: what makes them equal]
-The same fp32 arithmetic: max |x| is exact; the values are divided by the scale
-absmax / qmax with a true division (inductor's C++ keeps it; a multiplication by
-the reciprocal would differ in the last bit); rounding is round-half-even.
-The scale inside a kernel is fp32(fp64(absmax) * fp64(1 / qmax)), not a division:
-it equals fp32(absmax / qmax) for every finite fp32 absmax and +inf, for qmax 127
-and 7 (fp64 carries the quotient to within 2^-52 of itself, and a quotient of two
-fp32 numbers is never within 2^-49 of a midpoint between fp32 numbers; checked
-over all 2^31 of them, as docs/notebook.md records, and over a sample in
-tests/comm/test_kernels.py). A division there would sit inside the loop over a block's
-values (the int8 stores may alias the absmax, so the compiler reloads it and
-recomputes the scale at each step), costing 0.3 to 0.5 ms of a 3.5 ms kernel.
-Checked on the CPU over shapes, block sizes, dtypes, zero, subnormal and non-finite
-blocks (tests/comm/test_kernels.py); on a GPU, where Triton compiles them (told to divide
-exactly and keep subnormals), `benchmarks/conformance/gpu_check.py` checks the same;
+The same fp32 arithmetic: max |x| is exact; values are divided by the scale absmax /
+qmax with a true division (inductor's C++ keeps it; a multiplication by the reciprocal
+would differ in the last bit); rounding is half to even. The scale inside a kernel is
+fp32(fp64(absmax) * fp64(1 / qmax)), not a division: it equals fp32(absmax / qmax) for
+every finite fp32 absmax and +inf, for qmax 127 and 7 (fp64 carries the quotient to
+within 2^-52 of itself, and a quotient of two fp32 numbers is never within 2^-49 of a
+midpoint between fp32 numbers; checked over all 2^31 of them, docs/notebook.md, and
+over a sample in tests/comm/test_kernels.py). A division there would sit inside the
+loop over a block's values (the int8 stores may alias the absmax, so the compiler
+reloads it and recomputes the scale at each step): 0.3 to 0.5 ms of a 3.5 ms kernel.
+tests/comm/test_kernels.py checks them on the CPU over shapes, block sizes, dtypes,
+zero, subnormal and non-finite blocks; `benchmarks/conformance/gpu_check.py` the same
+on a GPU, where Triton compiles them (told to divide exactly and keep subnormals);
 until it has run on one, the kernels run on a GPU only with ZEROPP_COMPILE=1.
 
 [Note: one pass, pairs]
-A quantize kernel is one loop over the blocks: each block's max |x| and then its
-codes while it is in cache; returning a per-block result computed from the max
-(the scale) splits it into passes that read the input twice from memory, so the
-kernel returns the max and quant.py makes the scales (8K values for 64 MiB).
-INT4 packs element 2i and 2i+1 into a byte: with fp32 values read as int64 pairs
-(and the dequantized fp32 written as such pairs) every access is contiguous and
-vectorized; a strided pair view ran scalar (INT4 quantize 4.8 ms against 2.8,
-dequantize 40 against 2.9, benchmarks/quant.py's tensor).
+A quantize kernel is one loop over the blocks: each block's max |x|, then its codes
+while it is in cache. Returning the scale (a per-block result computed from the max)
+splits it into passes that read the input twice, so the kernel returns the max and
+quant.py makes the scales (8K values for 64 MiB). INT4 packs elements 2i and 2i+1 into
+a byte: with fp32 values read (and the dequantized copy written) as int64 pairs every
+access is contiguous and vectorized; a strided pair view ran scalar (INT4 quantize
+4.8 ms against 2.8, dequantize 40 against 2.9, benchmarks/quant.py's tensor).
 
-The blocks' count is a dynamic dimension: one compile per variant (op, bits,
-rounding, dtypes, outputs), not per tensor size, paid once per process (inductor's
-on-disk cache makes later processes' compiles cheap). `ZEROPP_COMPILE=0` turns
-them off; a compile that fails turns them off for the process, with one warning.
+The blocks' count is a dynamic dimension: one compile per variant (op, bits, dtypes,
+outputs), not per tensor size, once per process (inductor's on-disk cache makes later
+processes' compiles cheap). `ZEROPP_COMPILE=0` turns them off; a compile that fails
+turns them off for the process, with one warning.
 """
 
 from __future__ import annotations
@@ -115,9 +112,8 @@ def _divisor(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
     the smallest normal. An all-zero block's is that too (0 / it is 0, as 0 / 1 in the
     eager ops); a non-finite block's is non-finite, and quant.py overwrites its codes."""
     s = (absmax.double() * (1.0 / qmax)).float()
-    # quant._TINY written out: a float read from a global becomes an input of the
-    # compiled function, loaded and converted at every step of the loop over a block
-    # (3.3 ms against 3.1)
+    # quant._TINY written out: a global float becomes an input of the compiled function,
+    # loaded and converted at every step of the loop over a block (3.3 ms against 3.1)
     return torch.where(s < 2.0 ** -126, 2.0 ** -126, s)
 
 
@@ -127,9 +123,8 @@ def _dequantized(v: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 
 def _halves(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairs of values (_as_pairs) -> the even and the odd values in fp32: an int64
-    holds two fp32 values, an int32 two bf16 ones (a bf16's bits are an fp32's upper
-    half); little-endian."""
+    """Pairs (_as_pairs) -> the even and the odd values in fp32: an int64 holds two fp32
+    values, an int32 two bf16 ones (a bf16 is an fp32's upper half); little-endian."""
     if w.dtype == torch.int32:
         return (w << 16).view(torch.float32), (w & -65536).view(torch.float32)
     return (w.to(torch.int32).view(torch.float32),
@@ -146,9 +141,7 @@ def _as_pairs(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """fp32 as int64, bf16 as int32: the view _halves reads. Made outside the compiled
     functions: a dtype view of an input made inside one is written back in a second
     pass (INT4 dequantize 39 ms instead of 2.9)."""
-    if t is None:
-        return None
-    return t.view(torch.int64 if t.dtype == torch.float32 else torch.int32)
+    return None if t is None else t.view(torch.int64 if t.dtype == torch.float32 else torch.int32)
 
 
 def _pairable(*ts: Optional[torch.Tensor]) -> bool:
@@ -222,11 +215,10 @@ def _kernel(key: tuple) -> Callable:
 
 def quantize_into(x: torch.Tensor, data: torch.Tensor, bits: int,
                   deq: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """quant.quantize's work on whole blocks: `x` (blocks, block size) in its own float
-    dtype; codes into `data` (blocks, bytes per block), `dequantize()` of them into
-    `deq` (fp32, as `x`) if given. Returns each block's max |x| (blocks, 1), NaN
-    propagated, from which quant.py makes the scales and fixes a non-finite block's
-    codes; None if the kernels are off (the caller then runs the eager ops)."""
+    """quant.quantize's work on whole blocks: `x` (blocks, block size, any float dtype);
+    codes into `data` (blocks, bytes per block), `dequantize()` of them into `deq` (fp32,
+    as `x`) if given. Returns each block's max |x| (blocks, 1), NaN propagated, for
+    quant.py's scales and non-finite blocks; None if the kernels are off (eager then)."""
     key = ("q", bits, x.dtype, deq is None)
     args = (x, data, deq, None)
     if bits == 4:
@@ -258,9 +250,8 @@ def dequantize_into(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
     if not (compiles_dequantize(bits, out.dtype) and (bits == 8 or _pairable(out))):
         return False
     try:
-        # the scales as their own tensor (4 bytes a block): an fp32 view of the uint8
-        # wire buffer as a compiled function's input or output tripped an internal
-        # assert of dynamic shapes
+        # the scales as their own tensor (4 bytes a block): an fp32 view of the uint8 wire
+        # buffer as a compiled function's input or output tripped a dynamic-shapes assert
         _kernel(("dq", bits, out.dtype))(data, scales.clone(),
                                          out if bits == 8 else _as_pairs(out))
     except _Fallback:
