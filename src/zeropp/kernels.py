@@ -57,10 +57,9 @@ MIN_NUMEL = {8: 1 << 21, 4: 1 << 18}
 
 
 def enabled(device: torch.device, numel: int, bits: int) -> bool:
-    """Whether the compiled kernels take `numel` values at `bits` on `device` now (not
-    while dynamo traces a caller: inside a compiled region the eager ops are traced).
-    On the CPU by default; on a GPU only with ZEROPP_COMPILE=1 set, until gpu_check.py
-    has shown Triton's bytes equal to the eager ones there (see the note)."""
+    """Whether the compiled kernels take `numel` values at `bits` on `device` now: not while
+    dynamo traces a caller (the eager ops are traced there); on a GPU only with
+    ZEROPP_COMPILE=1, until gpu_check.py has shown Triton's bytes equal there (the note)."""
     if bits not in MIN_NUMEL:  # no kernel written for this width
         return False
     least = int(os.environ.get("ZEROPP_COMPILE_MIN_NUMEL", MIN_NUMEL[bits]))
@@ -244,9 +243,8 @@ def compiles_dequantize(bits: int, dtype: torch.dtype) -> bool:
 
 def dequantize_into(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
                     bits: int) -> bool:
-    """quant.dequantize's work on whole blocks: codes `data` (blocks, bytes per block)
-    times `scales` (blocks, 1) into `out` (blocks, block size); False where no kernel
-    takes them (the caller runs the eager ops)."""
+    """quant.dequantize's work on whole blocks: codes `data` (blocks, bytes per block) times
+    `scales` (blocks, 1) into `out` (blocks, block size); False where no kernel takes them."""
     if not (compiles_dequantize(bits, out.dtype) and (bits == 8 or _pairable(out))):
         return False
     try:

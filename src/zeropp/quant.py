@@ -191,11 +191,20 @@ def block_scales(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
 
 
 def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor) -> torch.Tensor:
-    """Each row's scale absmax / qmax (returned) and its values / scale rounded half to
-    even into `v` (fp32, the rows' shape): the integers `quantize` stores."""
-    s = block_scales(absmax_rows(xc), qmax)
-    # Divide rather than multiply by 1/scale: a subnormal scale's inverse
-    # overflows. An all-zero block divides by 1 and stays zero.
+    """Each row's scale (returned) and the integers `quantize` stores, into `v` (fp32, the
+    rows' shape): values / scale rounded half to even, the scale absmax / qmax; at 2 bits
+    (qmax 3, [Note: 2 bits]) each value's level, a non-finite block's -3 (code 0)."""
+    absmax = absmax_rows(xc)
+    if qmax == 3:
+        rms = torch.linalg.vector_norm(xc, dim=1).div_(math.sqrt(xc.shape[1]))
+        # x^2 past fp32's range makes rms inf while absmax is finite: the cap then holds
+        s = block_scales(torch.minimum(rms.mul_(1.5), absmax), 3)
+        two = (2 * s).unsqueeze(1)  # exact: a power of two
+        v.copy_(xc >= two.neg()).add_(xc >= 0).add_(xc >= two).mul_(2).sub_(3)
+        _fill_non_finite(s, v, -3.0)  # decodes to non-finite values
+        return s
+    s = block_scales(absmax, qmax)
+    # divide, not multiply by 1/scale (a subnormal's inverse overflows); a zero block by 1
     torch.div(xc, torch.where(s > 0, s, 1.0).unsqueeze(1), out=v)
     v.round_()  # |x/scale| <= qmax (+ an ulp), so it rounds into range
     # A non-finite block's codes are 0 (it decodes to NaN by its scale): its values
@@ -204,23 +213,9 @@ def round_blocks(xc: torch.Tensor, qmax: int, v: torch.Tensor) -> torch.Tensor:
     return s
 
 
-def round_blocks2(xc: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """round_blocks at 2 bits ([Note: 2 bits]): the scales, and each value's level in
-    `v`; a non-finite block's are -3 (code 0), decoding to non-finite values."""
-    absmax = absmax_rows(xc)
-    rms = torch.linalg.vector_norm(xc, dim=1).div_(math.sqrt(xc.shape[1]))
-    # x^2 past fp32's range makes rms inf while absmax is finite: the cap then holds
-    s = block_scales(torch.minimum(rms.mul_(1.5), absmax), 3)
-    two = (2 * s).unsqueeze(1)  # exact: a power of two
-    v.copy_(xc >= two.neg()).add_(xc >= 0).add_(xc >= two).mul_(2).sub_(3)
-    _fill_non_finite(s, v, -3.0)
-    return s
-
-
 def _fill_non_finite(s: torch.Tensor, v: torch.Tensor, fill: float) -> Optional[torch.Tensor]:
-    """Fills the rows of `v` whose scale is non-finite with `fill`; returns their mask, or
-    None where none was filled. On the CPU the pass over the rows only when a block needs
-    it; on a device always (the test would sync)."""
+    """Fills the rows of `v` whose scale is non-finite with `fill` and returns their mask:
+    on the CPU only where a block needs it (else None); on a device always (no sync)."""
     bad = ~s.isfinite()
     if not (v.is_cuda or bool(bad.any())):
         return None
@@ -239,23 +234,21 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
     what the receiver will see (error feedback, qWD's owner) skips unpacking its bytes."""
     _check(bits, block_size)
     qmax = _QMAX[bits]
-    nblocks = -(-x.numel() // block_size)
     nbytes = QTensor.wire_bytes(x.numel(), bits, block_size)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     elif out.dtype != torch.uint8 or out.numel() != nbytes or out.storage_offset() % 4:
         raise ValueError(f"quantize: out must be a 4-byte aligned uint8 tensor of {nbytes} "
                          f"bytes, got {out.numel()} of {out.dtype}")
-    if dequantized is not None and (dequantized.dtype != torch.float32
-                                    or dequantized.numel() != x.numel()
-                                    or not dequantized.is_contiguous()):
+    deq = dequantized
+    if deq is not None and (deq.dtype != torch.float32 or deq.numel() != x.numel()
+                            or not deq.is_contiguous()):
         raise ValueError(f"quantize: dequantized must be a contiguous fp32 tensor of "
-                         f"{x.numel()} values, got {tuple(dequantized.shape)} of "
-                         f"{dequantized.dtype}")
+                         f"{x.numel()} values, got {tuple(deq.shape)} of {deq.dtype}")
     q = QTensor.from_bytes(out, x.shape, x.dtype, bits, block_size)
     scales, data, per_block = q.scales, q.data, block_size * bits // 8
     flat, bs, n, dev = x.reshape(-1), block_size, x.numel(), x.device
-    deq = dequantized.view(-1) if dequantized is not None else None
+    deq = deq.view(-1) if deq is not None else None
     whole, done = n // bs, 0  # blocks [0, done) are quantized; the kernel takes whole ones
     if whole and kernels.enabled(dev, n, bits):
         codes = data[:whole * per_block].view(-1, per_block)
@@ -268,13 +261,12 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
             bad = _fill_non_finite(s, codes, 0 if bits == 8 else 0x88)
             if bad is not None and dq is not None:
                 dq.copy_(torch.where(bad.unsqueeze(1), s.unsqueeze(1) * 0.0, dq))
-    for r0, r1 in _chunks(nblocks, bs, dev, done):
+    for r0, r1 in _chunks(q.scales.numel(), bs, dev, done):
         xc = _rows(flat, r0, r1, bs)
         v = scratch_buffer("quantize", xc.numel(), dev).view(xc.shape)
-        s = scales[r0:r1] = round_blocks(xc, qmax, v) if bits > 2 else round_blocks2(xc, v)
-        dst = data[r0 * per_block:r1 * per_block]
-        # exact: v holds integers
-        dst.copy_(v.view(-1) if bits == 8 else pack_int4(v) if bits == 4 else pack_int2(v))
+        s = scales[r0:r1] = round_blocks(xc, qmax, v)
+        packed = v.view(-1) if bits == 8 else pack_int4(v) if bits == 4 else pack_int2(v)
+        data[r0 * per_block:r1 * per_block].copy_(packed)  # exact: v holds integers
         if deq is not None:
             # dequantize's arithmetic on the same integers and scales; + 0 first turns
             # the -0.0 that rounding leaves into the +0.0 an unpacked integer is.
@@ -312,7 +304,6 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
     for r0, r1 in _chunks(q.scales.numel(), bs, out.device, done):
         raw = q.data[r0 * per_block:r1 * per_block]
         vals = raw if q.bits == 8 else _unpack_offset(raw) if q.bits == 4 else unpack_int2(raw)
-        s = q.scales[r0:r1].unsqueeze(1)
         if dtype == torch.float32 and r1 * bs <= n:  # straight into out, scaled in cache
             dst = flat[r0 * bs:r1 * bs].view(-1, bs)
         else:  # another dtype, or the padded last block
@@ -322,7 +313,7 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
             dst.sub_(8)  # nibbles hold value + 8
         elif q.bits == 2:
             dst.mul_(2).sub_(3)  # code c stands for level 2c - 3
-        dst.mul_(s)
+        dst.mul_(q.scales[r0:r1].unsqueeze(1))
         if dst is scratch:
             end = min(r1 * bs, n)
             flat[r0 * bs:end].copy_(scratch.view(-1)[:end - r0 * bs])

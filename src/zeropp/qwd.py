@@ -76,11 +76,12 @@ def meta_bytes(numel: int, block: int) -> int:
 
 
 def _views(buf: torch.Tensor, numel: int, block: int, extra: int = 0):
-    """(scales, steps or None, data) views of a piece in wire format."""
+    """A delta's (scales, steps, data) views, or a copy's (scales, None, int8 codes): extra 0."""
     nb = numel // block
     scales = buf[:nb * 4].view(torch.float32)
-    steps = buf[nb * 4:nb * 4 + nb] if extra else None
-    return scales, steps, buf[nb * 4 + extra:]
+    if not extra:
+        return scales, None, buf[nb * 4:].view(torch.int8)
+    return scales, buf[nb * 4:nb * 4 + nb], buf[nb * 4 + extra:]
 
 
 def _ratio(s_old: torch.Tensor, s_new: torch.Tensor) -> torch.Tensor:
@@ -94,17 +95,15 @@ def _base(c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor) -> torch.Te
     """The old codes on the new grid, in place: clamp(round(c * s / s'))."""
     ratio = _ratio(s_old, s_new)
     c.mul_(ratio.unsqueeze(1)).round_()
-    # |c| <= QC: only a grid that got finer (ratio > 1) can take it out of range.
-    # On a device the test would cost a host sync, and the clamp is the identity on
-    # codes in range, so it always clamps there.
+    # |c| <= QC: only a grid that got finer (ratio > 1) can take it out of range. On a
+    # device, where the test would sync the host, it always clamps (the identity in range).
     return c.clamp_(-QC, QC) if c.is_cuda or bool((ratio > 1).any()) else c
 
 
 def _rows(mask: torch.Tensor):
-    """The blocks of `mask` (one bool per block) that need more work: on the CPU
-    their indices (None if none), or all blocks (slice(None)) where that is most, as
-    on a device always, because finding them syncs the host. Work done on all blocks
-    gives the others' results unchanged or chosen back: the same bits either way."""
+    """The blocks of `mask` (one bool per block) that need more work: on the CPU their
+    indices (None if none) or, where that is most, all blocks (slice(None)), as always on a
+    device (finding them syncs). Work on all blocks gives the others the same bits."""
     if mask.is_cuda:
         return slice(None)
     rows = mask.nonzero().squeeze(1)
@@ -113,13 +112,11 @@ def _rows(mask: torch.Tensor):
 
 def _formula(t: torch.Tensor, c: torch.Tensor, s_old: torch.Tensor, s_new: torch.Tensor,
              diff_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The note's formula on some blocks, for the owner: t (qwZ's new codes) and c
-    (the old codes), fp32, both overwritten (c by base, t by c'). Returns the moves d
-    and the steps k (fp32)."""
+    """The note's formula on some blocks, for the owner: t (qwZ's new codes) and c (the old
+    codes), fp32, both overwritten (c by base, t by c'). Returns the moves d and steps k (fp32)."""
     base = _base(c, s_old, s_new)
     diff = torch.sub(t, base, out=diff_out)
-    # |diff| <= QD * k, so |diff / k| <= QD (division rounds correctly): nearest
-    # rounding stays in range
+    # |diff| <= QD * k, so |diff / k| <= QD (a correctly rounded division): d is in range
     k = div_exact(absmax_rows(diff), QD).ceil_().clamp_(1, 255)
     far = _rows(k > 1)
     if far is not None:  # where k = 1, d = diff exactly and c' = t
@@ -127,8 +124,7 @@ def _formula(t: torch.Tensor, c: torch.Tensor, s_old: torch.Tensor, s_new: torch
         kf = k[far].unsqueeze(1)
         d = torch.div(diff[far], kf,
                       out=scratch_buffer("qwd_q", diff.numel(), t.device).view(diff.shape)
-                      if every else None)
-        d.round_()
+                      if every else None).round_()
         diff[far] = d
         if every:
             _far(base, diff, kf, out=t)
@@ -144,26 +140,21 @@ def _far(base: torch.Tensor, d: torch.Tensor, kf: torch.Tensor,
     return torch.addcmul(base, d, kf, out=base if out is None else out).clamp_(-QC, QC)
 
 
-def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *,
-           block: int) -> None:
-    """The owner's side: write the delta that moves `copy` (one shard's INT8 wire
-    bytes) to qwZ's quantization of `master` into `out`, and apply it to `copy`, as
-    every holder will."""
+def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, block: int) -> None:
+    """The owner's side: write into `out` the delta that moves `copy` (one shard's INT8 wire
+    bytes) to qwZ's quantization of `master`, and apply it to `copy`, as every holder will."""
     numel = master.numel()
     s_old, _, c_data = _views(copy, numel, block)
-    c_data = c_data.view(torch.int8)
     nb = numel // block
     extra = meta_bytes(numel, block) - nb * 4
     s_new, steps, d_data = _views(out, numel, block, extra)
-    # the padding after the steps: zeros, not whatever the buffer held (it goes to
-    # other processes, and byte comparisons see it)
+    # the padding after the steps: zeros, not stale bytes (sent, and byte comparisons see it)
     out[nb * 5:nb * 4 + extra].zero_()
     for r0, r1 in _chunks(nb, block, master.device):
         shape = (r1 - r0, block)
-        # t: qwZ's codes of the master (quantize's arithmetic), in fp32
+        # t: qwZ's codes of the master (quantize's arithmetic), in fp32; a non-finite
+        # block's are 0 (in range; its scale dequantizes to NaN whatever the codes)
         t = scratch_buffer("qwd_t", shape[0] * block, master.device).view(shape)
-        # (a non-finite master's block gets codes 0 from round_blocks: in range, and
-        # its scale dequantizes to NaN whatever the codes)
         s_new[r0:r1] = sn = round_blocks(_fp32_rows(master.reshape(-1), r0, r1, block), QC, t)
         # t and the moves on the old grid as int16: integers in [-2 qmax, 2 qmax],
         # exact, and half the bytes of fp32 (int8 would wrap)
@@ -210,7 +201,6 @@ def _scratch_copy(x: torch.Tensor, dtype: torch.dtype, slot: str) -> torch.Tenso
 def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, block: int) -> None:
     """A holder's side: move `copy` (one shard's INT8 wire bytes) by the owner's delta."""
     s_old, _, c_data = _views(copy, numel, block)
-    c_data = c_data.view(torch.int8)
     extra = meta_bytes(numel, block) - numel // block * 4
     s_new, steps, d_data = _views(delta, numel, block, extra)
     for r0, r1 in _chunks(numel // block, block, copy.device):

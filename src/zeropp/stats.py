@@ -1,12 +1,10 @@
 """CommStats: what this rank sent, per collective, split the way the paper splits it.
 
-Every collective zeropp issues is recorded here by `collectives.py` with the
-bytes this rank puts on the wire, split into payload and scales (the fp32
-quantization scales of qwZ/qgZ) and into the part that stays inside the node
-versus the part that crosses a node boundary. `inter_node_bytes` summed over
-the ranks of a node is what that node's network interface transmits: the
-figure ZeRO++ exists to cut, and the one the emulated cluster's interface
-counters check.
+`collectives.py` records every collective zeropp issues with the bytes this rank puts on
+the wire, split into payload and scales (qwZ's / qgZ's fp32 scales) and into the part
+that stays inside the node and the part that crosses a node boundary. `inter_node_bytes`
+summed over a node's ranks is what its network interface transmits: the figure ZeRO++
+exists to cut, and the one the emulated cluster's interface counters check.
 """
 
 from __future__ import annotations
