@@ -126,8 +126,7 @@ def _halves(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values, an int32 two bf16 ones (a bf16 is an fp32's upper half); little-endian."""
     if w.dtype == torch.int32:
         return (w << 16).view(torch.float32), (w & -65536).view(torch.float32)
-    return (w.to(torch.int32).view(torch.float32),
-            (w >> 32).to(torch.int32).view(torch.float32))
+    return w.to(torch.int32).view(torch.float32), (w >> 32).to(torch.int32).view(torch.float32)
 
 
 def _pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
@@ -250,8 +249,7 @@ def dequantize_into(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
     try:
         # the scales as their own tensor (4 bytes a block): an fp32 view of the uint8 wire
         # buffer as a compiled function's input or output tripped a dynamic-shapes assert
-        _kernel(("dq", bits, out.dtype))(data, scales.clone(),
-                                         out if bits == 8 else _as_pairs(out))
+        _kernel(("dq", bits, out.dtype))(data, scales.clone(), out if bits == 8 else _as_pairs(out))
     except _Fallback:
         return False
     return True

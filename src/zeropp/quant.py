@@ -122,20 +122,19 @@ def _chunks(nblocks: int, block_size: int, device: torch.device, start: int = 0)
             yield max(r0, start), min(r0 + rows, nblocks)
 
 
-# Reused fp32 scratch buffers, per (thread, slot, device): the reduce pipeline's two
+# Reused fp32 scratch buffers, per (thread, stream, slot, device): the reduce pipeline's two
 # stages run at once on their own threads. memory_stats counts them ("scratch");
 # shard.py releases them at the end of every forward and backward.
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
 def scratch_buffer(slot: str, numel: int, device: torch.device) -> torch.Tensor:
-    """A reused fp32 buffer of `numel` (this thread's, one per slot) for temporaries that die
-    within one call. A fresh buffer of a unit's size may be mmap'd and page-faulted in on
-    every call (glibc's mmap threshold: host_memory.py), costing more than the arithmetic:
-    error feedback's encode of a 1.8M-value unit took 3.1 ms with fresh temporaries, 0.53 ms
-    with these (benchmarks/probes/encode_probe.py). On CUDA one per stream too: FSDP2 runs
-    its all-gather and reduce-scatter on two streams from one thread, and a buffer one
-    stream still reads must not be written by the other."""
+    """A reused fp32 buffer of `numel` for temporaries that die within one call. A fresh
+    buffer of a unit's size may be mmap'd and page-faulted in on every call (glibc's mmap
+    threshold: host_memory.py): error feedback's encode of a 1.8M-value unit took 3.1 ms
+    with fresh temporaries, 0.53 ms with these (benchmarks/probes/encode_probe.py). One per
+    CUDA stream: FSDP2 runs its all-gather and reduce-scatter on two streams from one
+    thread, and a buffer one stream still reads must not be written by the other."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (threading.get_ident(), stream, slot, str(device))
     t = _SCRATCH.get(key)
@@ -327,9 +326,8 @@ assert sys.byteorder == "little", "INT4 packing assumes a little-endian host"
 
 def dequantize_pieces(wire: torch.Tensor, out: torch.Tensor, *, pieces: int, bits: int,
                       block: int, slots: Optional[list[int]] = None) -> None:
-    """Dequantize `wire`, `pieces` equal wire-format pieces one after another (a
-    gathered buffer), into `out` (flat, compute dtype): piece r into slot
-    `slots[r]` (default r) of `out` cut into `pieces` equal slots."""
+    """Dequantize `wire` (a gathered buffer: `pieces` equal wire-format pieces) into `out`
+    (flat, compute dtype): piece r into slot `slots[r]` (default r) of `pieces` equal slots."""
     wb, numel = wire.numel() // pieces, out.numel() // pieces
     for r in range(pieces):
         s = r if slots is None else slots[r]
@@ -339,9 +337,8 @@ def dequantize_pieces(wire: torch.Tensor, out: torch.Tensor, *, pieces: int, bit
 
 def edit_wire(wire: torch.Tensor, values: torch.Tensor, changed: torch.Tensor, *, bits: int,
               block: int) -> torch.Tensor:
-    """The wire bytes of a flat tensor (`wire`) with `values[changed]` written in
-    (`changed`: a mask over its elements): the blocks with an edit requantized, the
-    others bit for bit as they were."""
+    """The wire bytes of flat tensor `wire` with `values[changed]` written in (`changed`: a
+    mask over its elements): the edited blocks requantized, the others bit for bit unchanged."""
     old = QTensor.from_bytes(wire, (changed.numel(),), torch.float32, bits, block)
     cur = dequantize(old, torch.float32)
     cur[changed] = values[changed].float()
@@ -379,9 +376,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def pack_int2(v: torch.Tensor) -> torch.Tensor:
     """Levels -3, -1, +1, +3 (fp32, a multiple of 4 of them) -> uint8, four codes
     (level + 3) / 2 to a byte, element 4i in the lowest two bits."""
-    # four codes as the bytes of a little-endian int32, each in its low two bits;
-    # the shifts bring byte k's bits to 2k..2k+1 of the low byte, which the
-    # narrowing keeps (as pack_int4 does with pairs)
+    # four codes as the bytes of a little-endian int32, each in its low two bits; the shifts
+    # bring byte k's bits to 2k..2k+1 of the low byte, which the narrowing keeps (pack_int4)
     w = v.reshape(-1).add(3).div_(2).to(torch.uint8).view(torch.int32)
     return ((w >> 6) | (w >> 12) | (w >> 18)).bitwise_or_(w).to(torch.uint8)
 

@@ -64,8 +64,7 @@ QD = 7    # the largest move an INT4 delta carries exactly
 
 
 def wire_bytes(numel: int, block: int) -> int:
-    """Length of one shard's delta buffer (`numel` a multiple of `block`, itself a
-    multiple of 8)."""
+    """Length of one shard's delta buffer (`numel` a multiple of `block`, itself of 8)."""
     return meta_bytes(numel, block) + numel // block * block // 2
 
 
@@ -85,8 +84,7 @@ def _views(buf: torch.Tensor, numel: int, block: int, extra: int = 0):
 
 
 def _ratio(s_old: torch.Tensor, s_new: torch.Tensor) -> torch.Tensor:
-    """s / s' per block; 0 where it is not usable (a zero, subnormal or non-finite
-    scale): such a block starts from 0."""
+    """s / s' per block; 0 where unusable (a zero, subnormal or non-finite scale): base 0."""
     ratio = s_old / s_new
     return torch.where((s_new > 0) & torch.isfinite(ratio), ratio, 0.0)
 

@@ -14,11 +14,10 @@ from collections import defaultdict
 
 
 def ring_send(nbytes: float, group: int, passes: int = 1) -> float:
-    """The byte model of a ring: what each of `group` ranks sends for a collective over
-    an `nbytes` buffer (all-gather output, reduce-scatter input; an all-reduce is two
-    passes). A node-major ring over the world crosses each node boundary once, so this
-    is also what one node sends across its boundary. The accounting (collectives.py),
-    `zeropp plan` and the main job's ZeRO-3 line all use it."""
+    """The byte model of a ring: what each of `group` ranks sends for a collective over an
+    `nbytes` buffer (all-gather output, reduce-scatter input; an all-reduce is two passes).
+    A node-major ring over the world crosses each node boundary once, so this is also what
+    a node sends across it; collectives.py, `zeropp plan` and the ZeRO-3 line use it."""
     return passes * (group - 1) / group * nbytes
 
 
@@ -37,8 +36,7 @@ class CommStats:
         self.by_unit: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.steps = 0
 
-    def record(self, op: str, *, group: str, sent: float, inter: float,
-               scale: float = 0.0) -> None:
+    def record(self, op: str, *, group: str, sent: float, inter: float, scale: float = 0.0) -> None:
         """`group`: "world", "intra_node", "inter_node" or "hpz"; `sent`: all bytes
         this rank sends (payload + scales); `inter`: the part of `sent` that
         leaves the node; `scale`: the part of `sent` that is scales."""
