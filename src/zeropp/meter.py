@@ -6,7 +6,7 @@ from typing import Any
 
 
 class GatherMeter:
-    """Bytes and units; FlatParam reports each gather's buffer allocated and freed."""
+    """Full-weight buffers alive now and at peak; FlatParam reports each allocated and freed."""
 
     def __init__(self) -> None:
         self.alive: dict[int, tuple[Any, int]] = {}  # id(flat) -> (flat, bytes)
