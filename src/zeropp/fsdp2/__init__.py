@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from ..buffer import held_params, make_comm, step_hooks, version_of
+from ..buffer import ShardedBuffer, held_params, make_comm, step_hooks, version_of
 from ..collectives import Comm
 from ..config import Config
 from ..grads.pipeline import ReducePipeline
@@ -44,20 +44,34 @@ from .replicate import ReplicaMean, take_over
 class Installed:
     """What `install` leaves on the model (`model._zeropp_fsdp2`): the Config, the
     byte accounting, each FSDP parameter group's comms and ShardedBuffers, and the
-    optimizer steps seen (hpZ's secondaries go stale)."""
+    optimizer steps seen (hpZ's secondaries go stale). It answers the optimizer-step
+    hooks (buffer.step_hooks) for all the buffers."""
 
     def __init__(self, cfg: Config, stats: CommStats) -> None:
         self.cfg, self.stats, self.steps = cfg, stats, 0
         self.params: set[int] = set()
         self.comms: list[tuple[str, Buffers, GradReduce]] = []
-        self.failures = Failures()  # a failed collective drops every secondary (comms.py)
-        self.failures.drop = self.refresh
+        self.failures = Failures(self.refresh)  # a failure drops every secondary (comms.py)
         self.later: Optional[Later] = None  # the world group's qgZ off backward (comms.py)
+
+    def buffers(self) -> list[ShardedBuffer]:
+        return [b for _, buffers, _ in self.comms for b in buffers.values()]
+
+    def before_step(self) -> None:
+        if self.later is not None:  # (a backward drains them already)
+            self.later.drain()
+        for b in self.buffers():
+            b.before_step()
+
+    def after_step(self) -> None:
+        self.steps += 1  # before the secondaries go stale: the versions read it
+        for b in self.buffers():
+            b.after_step()
 
     def refresh(self) -> None:
         """The next gather of every module is a full one (`zeropp.refresh`)."""
-        for _, buffers, _ in self.comms:
-            buffers.invalidate()
+        for b in self.buffers():
+            b.invalidate()
 
 
 def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
@@ -79,17 +93,8 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
         for i, group in enumerate(m._get_fsdp_state()._fsdp_param_groups):
             label = (name or "<root>") + (f"#{i}" if i else "")
             _install_group(m, group, label, cfg, topo, inst, comms)
-
-    def select(opt: Any) -> list[Buffers]:
-        return [b for _, b, _ in inst.comms] if held_params(opt) & inst.params else []
-
-    def before(buffers: list) -> None:  # (a backward drains them already)
-        if inst.later is not None:
-            inst.later.drain()
-
-    def after(buffers: list) -> None:  # before their secondaries go stale: the versions
-        inst.steps += 1
-    step_hooks(model, inst.stats, select, before, after)  # removed when the model dies
+    step_hooks(model, inst.stats,  # removed when the model dies
+               lambda opt: [inst] if held_params(opt) & inst.params else [])
     model._zeropp_fsdp2 = inst
     return model
 
@@ -99,14 +104,12 @@ def _install_group(m: FSDPModule, group: Any, label: str, cfg: Config, topo: Top
     if not hasattr(group.mesh_info, "shard_process_group"):
         raise NotImplementedError(f"zeropp.fsdp2: module {label} is replicated only "
                                   "(replicate(), DDP); zeropp's comms need FSDP")
-    hsdp = getattr(group.mesh_info, "replicate_mesh_dim", None) is not None
     if isinstance(group.offload_policy, CPUOffloadPolicy):
         raise NotImplementedError("zeropp.fsdp2: CPUOffloadPolicy is not supported")
     comm, gcfg = _group_comm(group.mesh_info.shard_process_group, cfg, topo, inst, comms)
-    sharded = [fp.sharded_param for fp in group.fsdp_params]
-    inst.params |= {id(p) for p in sharded}
     kinds = Kinds(group, label)
-    locals_ = [getattr(p, "_local_tensor", p) for p in sharded]
+    inst.params |= {id(p) for p in kinds.params}
+    locals_ = [getattr(p, "_local_tensor", p) for p in kinds.params]
     buffers = Buffers(comm, gcfg, version_of(locals_, lambda: inst.steps))
     gather = WeightGather(comm, gcfg, label, buffers, kinds, inst.failures)
     world = comm is comms.get("world", (None,))[0]  # the engine's groups: its pipeline's too
@@ -116,7 +119,7 @@ def _install_group(m: FSDPModule, group: Any, label: str, cfg: Config, topo: Top
             depth=cfg.reduce_buckets, asynchronous=True), inst.failures)
     reduce = GradReduce(comm, gcfg, label, buffers, kinds, inst.failures,
                         inst.later if world else None, group)
-    if hsdp and cfg.quantized_gradients:
+    if getattr(group.mesh_info, "replicate_mesh_dim", None) is not None and cfg.quantized_gradients:
         rcomm, _ = _group_comm(group.mesh_info.replicate_process_group, cfg, topo, inst,
                                comms, replicas=True)
         if rcomm.topo.num_nodes > 1:  # replicas inside a node: FSDP2's own all-reduce
@@ -131,34 +134,29 @@ def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Instal
                 made: dict, replicas: bool = False) -> tuple[Comm, Config]:
     """The comm over an FSDP shard group, and the Config its routes run with. The
     world in rank order is the engine's own topology; any other group (the dp mesh
-    of TP x FSDP, an expert mesh) gets its own (groups.py),
-    where hpZ is the group's ranks per node: none when it has one rank per node."""
-    if dist.get_process_group_ranks(pg) == list(range(topo.world_size)):  # on every rank
-        if "world" not in made:
-            made["world"] = make_comm(cfg, topo, inst.stats), cfg
-        return made["world"]
-    sub = group_topology(pg, topo.node_size)  # collective: called alike on every rank
-    key = (replicas, sub.members)
-    if key not in made:
-        made[key] = _sub_comm(sub, cfg, inst, replicas)
-    return made[key]
-
-
-def _sub_comm(sub: Topology, cfg: Config, inst: Installed, replicas: bool
-              ) -> tuple[Comm, Config]:
-    if sub.num_nodes == 1:  # nothing crosses nodes: ZeRO-3's exact collectives
+    of TP x FSDP, an expert mesh) gets its own (groups.py), where hpZ is the group's
+    ranks per node: none when it has one rank per node."""
+    world = dist.get_process_group_ranks(pg) == list(range(topo.world_size))  # on every rank
+    sub = topo if world else group_topology(pg, topo.node_size)  # collective: alike everywhere
+    key = "world" if world else (replicas, sub.members)
+    if key in made:
+        return made[key]
+    hpz = sub.node_size if cfg.hpz_partition_size > 1 else 1
+    if world:
+        gcfg = cfg
+    elif sub.num_nodes == 1:  # nothing crosses nodes: ZeRO-3's exact collectives
         gcfg = Config(node_size=sub.node_size, param_dtype=cfg.param_dtype,
                       reduce_dtype=cfg.reduce_dtype, collective_timeout=cfg.collective_timeout)
-        return make_comm(gcfg, sub, inst.stats), gcfg
-    hpz = sub.node_size if cfg.hpz_partition_size > 1 else 1
-    if cfg.hpz_partition_size > 1 and hpz == 1 and not replicas and dist.get_rank() == 0:
-        warnings.warn(f"zeropp.fsdp2: the FSDP group of ranks {list(sub.members)} has one "
-                      "rank per node (e.g. tensor parallel inside the node): its gathers "
-                      "and reductions all cross nodes, qwZ and qgZ run, hpZ cannot (no "
-                      "rank of the group shares a node to gather from)", stacklevel=4)
-    gcfg = dataclasses.replace(cfg, hpz_partition_size=hpz,
-                               weight_delta=cfg.weight_delta and hpz > 1)
-    return make_comm(gcfg, sub, inst.stats), gcfg
+    else:
+        if cfg.hpz_partition_size > 1 and hpz == 1 and not replicas and dist.get_rank() == 0:
+            warnings.warn(f"zeropp.fsdp2: the FSDP group of ranks {list(sub.members)} has one "
+                          "rank per node (e.g. tensor parallel inside the node): its gathers "
+                          "and reductions all cross nodes, qwZ and qgZ run, hpZ cannot (no "
+                          "rank of the group shares a node to gather from)", stacklevel=3)
+        gcfg = dataclasses.replace(cfg, hpz_partition_size=hpz,
+                                   weight_delta=cfg.weight_delta and hpz > 1)
+    made[key] = make_comm(gcfg, sub, inst.stats), gcfg
+    return made[key]
 
 
 def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:

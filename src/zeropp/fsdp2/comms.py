@@ -79,13 +79,6 @@ from ..unit_hooks import _graph_task
 from .regions import Kinds
 
 
-class _Allocate:
-    """`allocate`: FSDP2's buffers, plain tensors."""
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
-
 def _check_group(comm: Comm, group: dist.ProcessGroup, what: str) -> None:
     if group.size() != comm.topo.world_size:
         raise NotImplementedError(
@@ -94,17 +87,13 @@ def _check_group(comm: Comm, group: dist.ProcessGroup, what: str) -> None:
             "group's ranks per node is not supported; use True, False or that number")
 
 
-def _global(comm: Comm, group: str) -> list[int]:
-    return [comm.topo.global_rank(r) for r in comm.ranks[group]]
-
-
 class Failures:
     """The first collective of an installed model that failed on this rank (the note),
     and how to drop the model's secondaries."""
 
-    def __init__(self) -> None:
+    def __init__(self, drop: Callable[[], None] = lambda: None) -> None:
         self.first: Optional[str] = None
-        self.drop: Callable[[], None] = lambda: None
+        self.drop = drop
 
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
@@ -131,12 +120,11 @@ class _Finish(dist.Work):
 
     def __init__(self, complete: Callable[[], None]) -> None:
         super().__init__()
-        self._complete: Optional[Callable[[], None]] = complete
+        self._complete = complete
 
     def wait(self, timeout: Any = None) -> bool:
-        complete, self._complete = self._complete, None
-        if complete is not None:
-            complete()
+        complete, self._complete = self._complete, lambda: None
+        complete()
         return True
 
 
@@ -164,24 +152,10 @@ class Buffers(dict):
             self[kind].route = old and old.route
         return self[kind]
 
-    # a module's buffers answer the optimizer-step hooks as one (buffer.step_hooks)
-    def before_step(self) -> None:
-        for b in self.values():
-            b.before_step()
-
-    def after_step(self) -> None:
-        for b in self.values():
-            b.after_step()
-
-    def invalidate(self) -> None:
-        for b in self.values():
-            b.invalidate()
-
-    def route(self, kind: str, lay: ShardLayout) -> QgzReduce:
-        """qgZ's route for region `kind`'s gradient, cut as `lay`."""
-        return self._route(self.get(kind) or self.of(kind, lay.numel), lay.block)
-
-    def _route(self, buf: ShardedBuffer, block: int) -> QgzReduce:
+    def route(self, kind: str, block: int, numel: int = 0) -> QgzReduce:
+        """qgZ's route for region `kind`'s gradient in blocks of `block` (the region's
+        buffer made for a gathered size of `numel` when it has none yet)."""
+        buf = self.get(kind) or self.of(kind, numel)
         if buf.route is None or buf.route.block != block:
             buf.route = QgzReduce.from_config(self.cfg, block=block)
             buf.route.op = self.op
@@ -212,24 +186,29 @@ class Buffers(dict):
                 continue  # (another tag's)
             buf = self.of(kind, int(s["numel"])) if "numel" in s else self[kind]
             if "grad_block" in s:
-                self._route(buf, int(s["grad_block"]))
+                self.route(kind, int(s["grad_block"]))
             buf.load_state(s, device)
 
 
-class WeightGather(_Allocate, AllGather):
+class _ModuleComm:
+    """What a module's gather and reduction share; FSDP2's buffers are plain tensors."""
+
+    def __init__(self, comm: Comm, cfg: Config, label: str, buffers: Buffers, kinds: Kinds,
+                 failures: Failures) -> None:
+        self.comm, self.cfg, self.label, self.buffers = comm, cfg, label, buffers
+        self.kinds, self.failures = kinds, failures
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+class WeightGather(_ModuleComm, AllGather):
     """zero3: FSDP2's own all-gather, counted. Otherwise each region of the module's
     chunk (regions.py: one per kind of parameter, the whole chunk on a 1-D mesh) goes
     through its ShardedBuffer's weight path (weights/: qwZ, hpZ, the hierarchical
     gather, qWD), the one the engine runs, and the full weights into FSDP2's output.
     The path sees the region's part of this rank's chunk, padded to whole blocks, as
     its primary shard."""
-
-    def __init__(self, comm: Comm, cfg: Config, label: str, buffers: Buffers, kinds: Kinds,
-                 failures: Failures) -> None:
-        self.comm, self.cfg, self.label, self.buffers = comm, cfg, label, buffers
-        self.kinds, self.failures = kinds, failures
-        self.plain = not (cfg.quantized_weights or cfg.hpz_partition_size > 1
-                          or cfg.hierarchical_gather)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work:
@@ -246,32 +225,30 @@ class WeightGather(_Allocate, AllGather):
     def _issue(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                group: dist.ProcessGroup) -> Callable[[], None]:
         """Start the module's gather; return what completes it into `output_tensor`."""
-        self.comm.unit = self.label
-        if (group.size() == self.comm.topo.node_size < self.comm.topo.world_size
-                and dist.get_process_group_ranks(group) == _global(self.comm, "intra_node")):
+        comm, cfg = self.comm, self.cfg
+        comm.unit = self.label
+        if (group.size() == comm.topo.node_size < comm.topo.world_size
+                and dist.get_process_group_ranks(group)
+                == [comm.topo.global_rank(r) for r in comm.ranks["intra_node"]]):
             # reshard_after_forward=node size: the backward's gather of FSDP2's own
             # post-forward shard (of the weights this comm gathered), inside the node
-            return self.comm.all_gather(output_tensor, input_tensor,
-                                        op="all_gather/fsdp2/post_forward",
-                                        group="intra_node").wait
-        _check_group(self.comm, group, "an all-gather")
-        if self.plain:
-            return self.comm.all_gather(output_tensor, input_tensor, op="all_gather/fsdp2").wait
+            return comm.all_gather(output_tensor, input_tensor, group="intra_node",
+                                   op="all_gather/fsdp2/post_forward").wait
+        _check_group(comm, group, "an all-gather")
+        if not (cfg.quantized_weights or cfg.hpz_partition_size > 1 or cfg.hierarchical_gather):
+            return comm.all_gather(output_tensor, input_tensor, op="all_gather/fsdp2").wait
         if output_tensor.dtype == torch.uint8:
             raise NotImplementedError(
                 f"zeropp.fsdp2: module {self.label} mixes parameter dtypes (FSDP2 gathers them "
                 "as bytes); zeropp's weight routes need one dtype per module")
-        w, c = self.comm.topo.world_size, input_tensor.numel()
+        w, c = comm.topo.world_size, input_tensor.numel()
         started = []  # every region's first collective goes out before any is waited for
         for region in self.kinds.regions(c):
             path = self.buffers.of(region.kind, region.numel * w).weights
-            shard = torch.empty(1, path.spec.shard_numel, dtype=torch.float32,
-                                device=input_tensor.device)
-            shard[:, region.numel:] = 0  # the padding; the rest `take` writes
-            region.take(input_tensor.view(1, c), shard)
+            shard = region.take(input_tensor.view(1, c), path.spec.shard_numel)
             full = torch.empty(path.spec.padded_numel, dtype=output_tensor.dtype,
                                device=input_tensor.device)
-            started.append((region, path, path.issue(self.comm, "fsdp2", shard.view(-1), full)))
+            started.append((region, path, path.issue(comm, "fsdp2", shard, full)))
 
         def finish() -> None:
             for region, path, gather in started:
@@ -280,14 +257,14 @@ class WeightGather(_Allocate, AllGather):
         return finish
 
 
-class GradReduce(_Allocate, ReduceScatter):
+class GradReduce(_ModuleComm, ReduceScatter):
     """zero3: the ring reduce-scatter; qgZ: each region's two quantized hops, its
     ShardedBuffer's gradient route."""
 
     def __init__(self, comm: Comm, cfg: Config, label: str, buffers: Buffers, kinds: Kinds,
                  failures: Failures, later: Optional[Later] = None, group: Any = None) -> None:
-        self.comm, self.cfg, self.label, self.kinds = comm, cfg, label, kinds
-        self.buffers, self.failures, self.later = buffers, failures, later
+        super().__init__(comm, cfg, label, buffers, kinds, failures)
+        self.later = later
         self.group = weakref.ref(group) if group is not None else lambda: None
         self.replica: Any = None  # HSDP: the mean across replicas (replicate.py)
 
@@ -311,38 +288,30 @@ class GradReduce(_Allocate, ReduceScatter):
         _check_group(self.comm, group, "a reduce-scatter")
         self.comm.unit = self.label
         w, c = self.comm.topo.world_size, output_tensor.numel()
-        kind = getattr(op, "op", op)
-        if kind == dist.ReduceOp.AVG:
-            scale = 1.0 / w
-        elif kind == dist.ReduceOp.SUM:
-            scale = 1.0
-        elif kind == dist.ReduceOp.PREMUL_SUM:
-            scale = float(op.factor)
-        else:
+        kind, ops = getattr(op, "op", op), dist.ReduceOp
+        if kind not in (ops.AVG, ops.SUM, ops.PREMUL_SUM):
             raise NotImplementedError(f"zeropp.fsdp2: reduce-scatter op {op} is not supported "
                                       "(AVG, SUM and PREMUL_SUM are)")
+        scale = float(op.factor) if kind == ops.PREMUL_SUM else 1.0 / w if kind == ops.AVG else 1.0
         if not self.cfg.quantized_gradients:
             total = self.comm.reduce_scatter_sum(input_tensor, op="reduce_scatter/fsdp2")
             output_tensor.copy_(total if scale == 1.0 else total * scale)
-            return None
+            return
         later = self._deferrable(input_tensor.dtype)
         for region in self.kinds.regions(c, grads=True):
             lay = ShardLayout.of(region.numel * w, w, self.cfg)
-            g = torch.empty(w, lay.shard_numel, dtype=torch.float32, device=input_tensor.device)
-            g[:, region.numel:] = 0  # the padding; the rest `take` writes
-            region.take(input_tensor.view(w, c), g)
-            route = self.buffers.route(region.kind, lay)
+            g = region.take(input_tensor.view(w, c), lay.shard_numel)
+            route = self.buffers.route(region.kind, lay.block, lay.numel)
 
             def put(mean: torch.Tensor, region: Any = region) -> None:  # mean: sum / W
                 region.put((mean[:region.numel] * (scale * w)).view(1, -1),
                            output_tensor.view(1, c))
             if later:
-                self.later.submit(self.label, g.view(-1),
-                                  lambda comm, g=g, route=route: route.first(comm, g.view(-1)),
-                                  lambda comm, st, route=route, put=put: put(route.second(comm, st)))
+                self.later.submit(self.label, g,
+                                  lambda comm, g=g, route=route: route.first(comm, g),
+                                  lambda comm, s, route=route, put=put: put(route.second(comm, s)))
             else:
-                put(route.reduce(self.comm, g.view(-1)))
-        return None
+                put(route.reduce(self.comm, g))
 
 
 class Later:

@@ -41,12 +41,16 @@ class Region:
     def numel(self) -> int:
         return sum(n for _, n in self.spans)
 
-    def take(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Rows of `src` (rows x chunk) -> the first `numel` columns of `dst`, packed."""
+    def take(self, src: torch.Tensor, width: int) -> torch.Tensor:
+        """Rows of `src` (rows x chunk), packed into a new float32 rows x `width` (its
+        columns past `numel` zero: a route's padding), flat."""
+        dst = torch.empty(src.shape[0], width, dtype=torch.float32, device=src.device)
+        dst[:, self.numel:] = 0
         pos = 0
         for off, n in self.spans:
             dst[:, pos:pos + n] = src[:, off:off + n]
             pos += n
+        return dst.view(-1)
 
     def put(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """The inverse of `take`: the first `numel` columns of `src` back into `dst`."""
@@ -80,9 +84,7 @@ class Kinds:
         return self._made[key]
 
     def _cut(self, chunk: int, trainable: Any) -> tuple[Region, ...]:
-        for present in ([True] * len(self.sizes), trainable):
-            if present is None:
-                continue
+        for present in [p for p in ([True] * len(self.sizes), trainable) if p is not None]:
             sizes = [n if keep else 0 for n, keep in zip(self.sizes, present)]
             if sum(sizes) == chunk:
                 spans: dict[str, list] = {}

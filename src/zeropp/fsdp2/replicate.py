@@ -80,11 +80,9 @@ class ReplicaMean:
         for region in self.kinds.regions(n, grads=True):
             buf = self.buffers.of(region.kind, region.numel)
             lay = buf.layout
-            g = torch.empty(1, lay.padded_numel, dtype=torch.float32, device=grad.device)
-            g[:, region.numel:] = 0  # the padding; the rest `take` writes
-            region.take(grad.view(1, n), g)
+            g = region.take(grad.view(1, n), lay.padded_numel)
             # this replica's chunk of the sum / R
-            mean = self.buffers.route(region.kind, lay).reduce(self.comm, g.view(-1))
+            mean = self.buffers.route(region.kind, lay.block).reduce(self.comm, g)
             full = torch.empty(lay.padded_numel, dtype=torch.float32, device=grad.device)
             buf.weights.finish(buf.weights.issue(self.comm, "hsdp_grad", mean, full))
             if summed:
@@ -123,20 +121,16 @@ def take_over(module: Any, param_group: Any, hook: ReplicaMean, solo: Any) -> No
     module.set_force_sum_reduction_for_comms(True)
     hook.user_hook = param_group._all_reduce_hook
     attach(module, param_group, "_all_reduce_hook", hook, "set_all_reduce_hook")
-    if "set_all_reduce_hook" not in vars(module):  # once per module, whatever its groups
-        module.set_all_reduce_hook = _composing_setter(module)
-
-
-def _composing_setter(module: Any) -> Callable:
+    if "set_all_reduce_hook" in vars(module):  # once per module, whatever its groups
+        return
     fsdp2_setter, ref = type(module).set_all_reduce_hook, weakref.ref(module)  # (no cycle)
 
     def set_all_reduce_hook(hook: Callable[[torch.Tensor], None], *, stream: Any = None
                             ) -> None:
-        module = ref()
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = ref()._get_fsdp_state()._fsdp_param_groups
         if len(groups) != 1:  # FSDP2 refuses: the hook would be ambiguous across groups
-            return fsdp2_setter(module, hook, stream=stream)
+            return fsdp2_setter(ref(), hook, stream=stream)
         if stream is not None:  # as FSDP2 says, before it would have replaced the mean
             raise ValueError("stream cannot be set when using native HSDP")
         groups[0]._all_reduce_hook.user_hook = hook
-    return set_all_reduce_hook
+    module.set_all_reduce_hook = set_all_reduce_hook
