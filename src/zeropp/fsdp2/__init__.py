@@ -3,17 +3,15 @@
     fully_shard(block) for each block; fully_shard(model)   # the user's own FSDP2
     zeropp.fsdp2.install(model, "zeropp")                   # one line
 
-`install` puts a `WeightGather` and a `GradReduce` (comms.py) on every FSDP
-module: the same codecs and routes as zeropp's own engine (quant.py,
-layout.py, grads/qgz.py, hpZ's column layout), with the bytes counted in
-`zeropp.comm_stats(model)`. Any preset or Config: "zero3" (FSDP2's own
-traffic, counted), "qwz", "hpz", "qgz", "zeropp", "zeropp-plus".
-Any FSDP mesh: 1-D over the world, the dp dimension of tensor parallel x FSDP
-(each FSDP group gets a topology of its own: groups.py), HSDP
-(the mean across replicas: replicate.py), an expert mesh beside the dp mesh in one
-module (a comm per FSDP parameter group: comms.py). reshard_after_forward True, False or
-the group's ranks per node. Not yet: other ints, CPU offload (each refused in
-one line).
+`install` puts a `WeightGather` and a `GradReduce` (comms.py) on every FSDP module:
+the codecs and routes of zeropp's own engine (quant.py, layout.py, grads/qgz.py, hpZ's
+column layout), bytes counted in `zeropp.comm_stats(model)`. Any preset or Config:
+"zero3" (FSDP2's own traffic, counted), "qwz", "hpz", "qgz", "zeropp", "zeropp-plus".
+Any FSDP mesh: 1-D over the world, the dp dimension of tensor parallel x FSDP (a
+topology per FSDP group: groups.py), HSDP (the mean across replicas: replicate.py),
+an expert mesh beside the dp mesh in one module (a comm per FSDP parameter group:
+comms.py). reshard_after_forward True, False or the group's ranks per node. Not yet:
+other ints, CPU offload (each refused in one line).
 """
 
 from __future__ import annotations
@@ -47,10 +45,11 @@ class Installed:
     optimizer steps seen (hpZ's secondaries go stale). It answers the optimizer-step
     hooks (buffer.step_hooks) for all the buffers."""
 
-    def __init__(self, cfg: Config, stats: CommStats) -> None:
-        self.cfg, self.stats, self.steps = cfg, stats, 0
+    def __init__(self, cfg: Config, topo: Topology) -> None:
+        self.cfg, self.topo, self.stats, self.steps = cfg, topo, CommStats(), 0
         self.params: set[int] = set()
         self.comms: list[tuple[str, Buffers, GradReduce]] = []
+        self.made: dict[Any, tuple[Comm, Config]] = {}  # a comm per group (its topology's ranks)
         self.failures = Failures(self.refresh)  # a failure drops every secondary (comms.py)
         self.later: Optional[Later] = None  # the world group's qgZ off backward (comms.py)
 
@@ -73,6 +72,65 @@ class Installed:
         for b in self.buffers():
             b.invalidate()
 
+    def add_group(self, m: FSDPModule, group: Any, label: str) -> None:
+        """zeropp's comms in the slots of `m`'s FSDP parameter group `group`."""
+        cfg, topo, info = self.cfg, self.topo, group.mesh_info
+        if not hasattr(info, "shard_process_group"):
+            raise NotImplementedError(f"zeropp.fsdp2: module {label} is replicated only "
+                                      "(replicate(), DDP); zeropp's comms need FSDP")
+        if isinstance(group.offload_policy, CPUOffloadPolicy):
+            raise NotImplementedError("zeropp.fsdp2: CPUOffloadPolicy is not supported")
+        comm, gcfg = self.group_comm(info.shard_process_group)
+        kinds = Kinds(group, label)
+        self.params |= {id(p) for p in kinds.params}
+        locals_ = [getattr(p, "_local_tensor", p) for p in kinds.params]
+        buffers = Buffers(comm, gcfg, version_of(locals_, lambda: self.steps))
+        gather = WeightGather(comm, gcfg, label, buffers, kinds, self.failures)
+        world = comm is self.made.get("world", (None,))[0]  # the engine's: its pipeline's too
+        if world and self.later is None and cfg.quantized_gradients and cfg.async_reduce:
+            self.later = Later(ReducePipeline(Comm(
+                topo, self.stats, timeout=cfg.collective_timeout, groups=reduce_groups(topo)),
+                depth=cfg.reduce_buckets, asynchronous=True), self.failures)
+        reduce = GradReduce(comm, gcfg, label, buffers, kinds, self.failures,
+                            self.later if world else None, group)
+        if getattr(info, "replicate_mesh_dim", None) is not None and cfg.quantized_gradients:
+            rcomm, _ = self.group_comm(info.replicate_process_group, replicas=True)
+            if rcomm.topo.num_nodes > 1:  # replicas inside a node: FSDP2's own all-reduce
+                reduce.replica = ReplicaMean(rcomm, cfg, label, group, kinds, self.failures)
+                take_over(m, group, reduce.replica, solo_group())
+        self.comms.append((label, buffers, reduce))
+        attach(m, group, "_all_gather_comm", gather, "set_custom_all_gather")
+        attach(m, group, "_reduce_scatter_comm", reduce, "set_custom_reduce_scatter")
+
+    def group_comm(self, pg: dist.ProcessGroup, replicas: bool = False) -> tuple[Comm, Config]:
+        """The comm over an FSDP shard group, and the Config its routes run with. The
+        world in rank order is the engine's own topology; any other group (the dp mesh
+        of TP x FSDP, an expert mesh) gets its own (groups.py), where hpZ is the group's
+        ranks per node: none when it has one rank per node."""
+        cfg, topo = self.cfg, self.topo
+        world = dist.get_process_group_ranks(pg) == list(range(topo.world_size))  # every rank
+        sub = topo if world else group_topology(pg, topo.node_size)  # collective: everywhere
+        key = "world" if world else (replicas, sub.members)
+        if key in self.made:
+            return self.made[key]
+        hpz = sub.node_size if cfg.hpz_partition_size > 1 else 1
+        if world:
+            gcfg = cfg
+        elif sub.num_nodes == 1:  # nothing crosses nodes: ZeRO-3's exact collectives
+            gcfg = Config(node_size=sub.node_size, param_dtype=cfg.param_dtype,
+                          reduce_dtype=cfg.reduce_dtype, collective_timeout=cfg.collective_timeout)
+        else:
+            if cfg.hpz_partition_size > 1 and hpz == 1 and not replicas and dist.get_rank() == 0:
+                warnings.warn(f"zeropp.fsdp2: the FSDP group of ranks {list(sub.members)} has "
+                              "one rank per node (e.g. tensor parallel inside the node): its "
+                              "gathers and reductions all cross nodes, qwZ and qgZ run, hpZ "
+                              "cannot (no rank of the group shares a node to gather from)",
+                              stacklevel=3)
+            gcfg = dataclasses.replace(cfg, hpz_partition_size=hpz,
+                                       weight_delta=cfg.weight_delta and hpz > 1)
+        self.made[key] = make_comm(gcfg, sub, self.stats), gcfg
+        return self.made[key]
+
 
 def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
             node_size: Optional[int] = None) -> nn.Module:
@@ -81,91 +139,27 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
     if hasattr(model, "_zeropp_fsdp2"):
         raise RuntimeError("zeropp.fsdp2.install: already installed on this model")
     cfg = preset if isinstance(preset, Config) else Config.preset(preset, node_size=node_size)
-    topo = get_topology(cfg.node_size)
+    inst = Installed(cfg, get_topology(cfg.node_size))
     modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("zeropp.fsdp2.install: no FSDP module in this model; call "
                          "fully_shard on its blocks and on the root first")
-    inst = Installed(cfg, CommStats())
-    comms: dict[tuple, tuple[Comm, Config]] = {}  # one per group (its topology's ranks)
     for name, m in modules:
         # several groups: per-parameter meshes, as torchtitan shards MoE experts (comms.py)
         for i, group in enumerate(m._get_fsdp_state()._fsdp_param_groups):
-            label = (name or "<root>") + (f"#{i}" if i else "")
-            _install_group(m, group, label, cfg, topo, inst, comms)
+            inst.add_group(m, group, (name or "<root>") + (f"#{i}" if i else ""))
     step_hooks(model, inst.stats,  # removed when the model dies
                lambda opt: [inst] if held_params(opt) & inst.params else [])
     model._zeropp_fsdp2 = inst
     return model
 
 
-def _install_group(m: FSDPModule, group: Any, label: str, cfg: Config, topo: Topology,
-                   inst: Installed, comms: dict) -> None:
-    if not hasattr(group.mesh_info, "shard_process_group"):
-        raise NotImplementedError(f"zeropp.fsdp2: module {label} is replicated only "
-                                  "(replicate(), DDP); zeropp's comms need FSDP")
-    if isinstance(group.offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError("zeropp.fsdp2: CPUOffloadPolicy is not supported")
-    comm, gcfg = _group_comm(group.mesh_info.shard_process_group, cfg, topo, inst, comms)
-    kinds = Kinds(group, label)
-    inst.params |= {id(p) for p in kinds.params}
-    locals_ = [getattr(p, "_local_tensor", p) for p in kinds.params]
-    buffers = Buffers(comm, gcfg, version_of(locals_, lambda: inst.steps))
-    gather = WeightGather(comm, gcfg, label, buffers, kinds, inst.failures)
-    world = comm is comms.get("world", (None,))[0]  # the engine's groups: its pipeline's too
-    if world and inst.later is None and cfg.quantized_gradients and cfg.async_reduce:
-        inst.later = Later(ReducePipeline(Comm(
-            topo, inst.stats, timeout=cfg.collective_timeout, groups=reduce_groups(topo)),
-            depth=cfg.reduce_buckets, asynchronous=True), inst.failures)
-    reduce = GradReduce(comm, gcfg, label, buffers, kinds, inst.failures,
-                        inst.later if world else None, group)
-    if getattr(group.mesh_info, "replicate_mesh_dim", None) is not None and cfg.quantized_gradients:
-        rcomm, _ = _group_comm(group.mesh_info.replicate_process_group, cfg, topo, inst,
-                               comms, replicas=True)
-        if rcomm.topo.num_nodes > 1:  # replicas inside a node: FSDP2's own all-reduce
-            reduce.replica = ReplicaMean(rcomm, cfg, label, group, kinds, inst.failures)
-            take_over(m, group, reduce.replica, solo_group())
-    inst.comms.append((label, buffers, reduce))
-    attach(m, group, "_all_gather_comm", gather, "set_custom_all_gather")
-    attach(m, group, "_reduce_scatter_comm", reduce, "set_custom_reduce_scatter")
-
-
-def _group_comm(pg: dist.ProcessGroup, cfg: Config, topo: Topology, inst: Installed,
-                made: dict, replicas: bool = False) -> tuple[Comm, Config]:
-    """The comm over an FSDP shard group, and the Config its routes run with. The
-    world in rank order is the engine's own topology; any other group (the dp mesh
-    of TP x FSDP, an expert mesh) gets its own (groups.py), where hpZ is the group's
-    ranks per node: none when it has one rank per node."""
-    world = dist.get_process_group_ranks(pg) == list(range(topo.world_size))  # on every rank
-    sub = topo if world else group_topology(pg, topo.node_size)  # collective: alike everywhere
-    key = "world" if world else (replicas, sub.members)
-    if key in made:
-        return made[key]
-    hpz = sub.node_size if cfg.hpz_partition_size > 1 else 1
-    if world:
-        gcfg = cfg
-    elif sub.num_nodes == 1:  # nothing crosses nodes: ZeRO-3's exact collectives
-        gcfg = Config(node_size=sub.node_size, param_dtype=cfg.param_dtype,
-                      reduce_dtype=cfg.reduce_dtype, collective_timeout=cfg.collective_timeout)
-    else:
-        if cfg.hpz_partition_size > 1 and hpz == 1 and not replicas and dist.get_rank() == 0:
-            warnings.warn(f"zeropp.fsdp2: the FSDP group of ranks {list(sub.members)} has one "
-                          "rank per node (e.g. tensor parallel inside the node): its gathers "
-                          "and reductions all cross nodes, qwZ and qgZ run, hpZ cannot (no "
-                          "rank of the group shares a node to gather from)", stacklevel=3)
-        gcfg = dataclasses.replace(cfg, hpz_partition_size=hpz,
-                                   weight_delta=cfg.weight_delta and hpz > 1)
-    made[key] = make_comm(gcfg, sub, inst.stats), gcfg
-    return made[key]
-
-
 def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """This rank's comm state an exact resume needs, per FSDP module: qWD's
-    copies (and whether a delta is due), qgZ's error-feedback residuals (HSDP: those
-    of the hop across replicas too), per region (regions.py; keys of a region of
-    replicated parameters, the only one on a 1-D mesh, unprefixed).
-    Different on every rank: save it per rank beside the model and optimizer's
-    DCP checkpoint (`save_comm_state`)."""
+    """This rank's comm state an exact resume needs, per FSDP module: qWD's copies (and
+    whether a delta is due), qgZ's error-feedback residuals (HSDP: those of the hop
+    across replicas too), per region (regions.py; keys of a region of replicated
+    parameters, the only one on a 1-D mesh, unprefixed). Different on every rank: save
+    it per rank beside the model and optimizer's DCP checkpoint (`save_comm_state`)."""
     out = {}
     for label, buffers, reduce in _installed(model).comms:
         out[label] = buffers.state()

@@ -1,59 +1,52 @@
 """zeropp's collectives in FSDP2's custom-collective slots.
 
-FSDP2 hands a module's all-gather an output buffer (W chunks of the module's
-flat shard, in the parameter dtype) whose slot r is this rank's input, and its
-reduce-scatter an input of W chunks (the reduce dtype) and a chunk to fill.
-Only the output's contents are contracted; what travels is up to the comm:
-- `WeightGather`: zero3 passes the chunks through (counted); qwZ quantizes the
-  chunk to INT8 blocks (layout.py's rule), gathers the wire bytes and
-  dequantizes every rank's piece into the output, this rank's own slot too, so
-  every rank computes with the same weights; hpZ keeps this rank's column of
-  those wire bytes (weights/hpz.py's layout) while the module's sharded weights
-  are unchanged (version counters and optimizer steps), and the next gather
-  (backward's) runs inside the hpZ group from them, bit for bit the same.
+FSDP2 hands a module's all-gather an output of W chunks of its flat shard (the
+parameter dtype), slot r this rank's input, and its reduce-scatter an input of W
+chunks (the reduce dtype) and a chunk to fill. Only the output is contracted:
+- `WeightGather`: zero3 passes the chunks through (counted); qwZ gathers INT8
+  blocks (layout.py's rule) and dequantizes every rank's piece, its own slot too,
+  so every rank computes with the same weights; hpZ keeps this rank's column of
+  the wire bytes (weights/hpz.py) while the sharded weights are unchanged (version
+  counters, optimizer steps), and backward's gather runs from it inside the hpZ
+  group, bit for bit the same.
 - `GradReduce`: zero3 is the ring reduce-scatter (collectives.py); qgZ runs
-  grads/qgz.py's two hops, the route zeropp's own engine runs, with the
-  module's own error-feedback state. Either returns the mean, scaled for the
-  op FSDP2 asks for (AVG, SUM, PREMUL_SUM's factor).
-Both hold the module's `Buffers`: one ShardedBuffer per region (buffer.py, the
-object the engine's FlatParam holds), with its weight path, gradient route, version
-and comm state, so the optimizer-step hooks and checkpoints reach each buffer once.
-The gather returns a work whose `wait` (FSDP2's, in its copy-out) completes it, so
+  grads/qgz.py's two hops, the engine's route, with the module's own error
+  feedback. Either returns the mean, scaled for FSDP2's op (AVG, SUM, PREMUL_SUM).
+Both hold the module's `Buffers`: a ShardedBuffer per region (buffer.py, as the
+engine's FlatParam holds), so step hooks and checkpoints reach each buffer once.
+The gather returns a work whose `wait` (in FSDP2's copy-out) completes it, so
 FSDP2's prefetch of another module's gather goes out before this one is waited for.
 
 [Note: reductions that complete at the end of backward]
-FSDP2 discards what the reduce-scatter returns and uses its output at once. When
-that use is only to keep views of it as the sharded gradients (no gradient to add
-to, no division or cast after the call, no hook on the result (a user's all-reduce
-hook, as torchtitan's fault-tolerant replicas set) or on the gradients: fp32 / bf16
-reductions without HSDP, after `zero_grad(set_to_none=True)`), the
-values are not read before backward ends. qgZ's two hops of the world's group then
-run on the engine's reduce pipeline (grads/pipeline.py: two threads, process
-groups of their own) while backward goes on, and the end of backward (an autograd
-callback after FSDP2's own) waits for them; an optimizer step does too. The same
-functions on the same bytes: the gradients are bit for bit the synchronous ones.
-Any other call reduces synchronously.
+FSDP2 discards what the reduce-scatter returns and uses its output at once. When it
+only keeps views of it as the sharded gradients (no gradient to add to, no division
+or cast after the call, no hook on the result (a user's all-reduce hook, as
+torchtitan's fault-tolerant replicas set) or on the gradients: fp32 / bf16 without
+HSDP, after `zero_grad(set_to_none=True)`), nothing reads them before backward
+ends. qgZ's two hops of the world's group then run on the engine's reduce pipeline
+(grads/pipeline.py: two threads, process groups of their own) while backward goes
+on; the end of backward (an autograd callback after FSDP2's) and an optimizer step
+wait for them. Same functions, same bytes: the gradients are bit for bit the
+synchronous ones. Any other call reduces synchronously.
 
 [Note: a module with several parameter groups]
 torchtitan shards an MoE block with per-parameter meshes (`shard_placement_fn`:
-the experts over the expert-FSDP mesh, the rest over the dp mesh), so the
-module holds one FSDPParamGroup per mesh. FSDP2's public setters refuse such a
-module, as one comm would serve groups of different meshes (pytorch#173509).
-zeropp makes a comm per group, so `attach` writes each group's slots, the very
-attributes those setters write (each setter's source is checked for them first;
-tests/fsdp2/test_fsdp2_nd.py pins it).
+experts over the expert-FSDP mesh, the rest over the dp mesh): one FSDPParamGroup
+per mesh. FSDP2's public setters refuse such a module, as one comm would serve
+groups of different meshes (pytorch#173509). zeropp makes a comm per group and
+`attach` writes each group's slots, the attributes those setters write (checked in
+each setter's source first; tests/fsdp2/test_fsdp2_nd.py pins it).
 
 [Note: a failed collective]
 Every rank must choose the same route for a gather, and the route depends on the
-secondaries a rank holds (weights/__init__.py). A gather or reduction that fails on
-one rank (a timeout, a dead peer, an error between the wait and the copy-out)
-leaves that rank's secondaries unknown while its peers may hold theirs. So the
-first failure drops every secondary of the model on that rank, and every later
-collective of the model there is refused at once, naming the failure: the peers,
-which cannot complete a collective without this rank, fail in turn within their
-`collective_timeout` and do the same. Every rank of the group then holds no
-secondary and goes no further, alike: none goes on alone on a route the others
-do not take. Going on means a restart from the last checkpoint.
+secondaries a rank holds (weights/__init__.py). A collective that fails on one rank
+(a timeout, a dead peer, an error between the wait and the copy-out) leaves its
+secondaries unknown while its peers may hold theirs. So the first failure drops
+every secondary of the model on that rank, and every later collective of the model
+there is refused at once, naming the failure; the peers, which cannot complete a
+collective without this rank, fail within their `collective_timeout` and do the
+same. Every rank then holds no secondary and goes no further, alike: none goes on
+alone on a route the others do not take. Going on means a restart from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -100,9 +93,8 @@ class Failures:
         if self.first is not None:
             raise CollectiveError(
                 f"zeropp.fsdp2: {what} refused on rank {dist.get_rank()}: {self.first} failed "
-                "here earlier, so the ranks may no longer agree on the secondaries they "
-                "hold (every rank drops its own at a failure); restart from the last "
-                "checkpoint")
+                "here earlier, so the ranks may no longer agree on the secondaries they hold "
+                "(every rank drops its own at a failure); restart from the last checkpoint")
         try:
             yield
         except BaseException as e:
@@ -129,11 +121,10 @@ class _Finish(dist.Work):
 
 
 class Buffers(dict):
-    """A module's ShardedBuffers (buffer.py), one per region kind (regions.py), each made
-    for the size FSDP2 hands over: its gather's buffer anew at another size (the
-    gradient route kept), its gradient route anew at another block (a backward with
-    other gradients: the error feedback, of another layout, dropped); never a route
-    of another layout."""
+    """A module's ShardedBuffers (buffer.py), one per region kind (regions.py), made for
+    the sizes FSDP2 hands over: a buffer anew at another gathered size (its route kept),
+    a route anew at another block (a backward with other gradients: the error feedback,
+    of another layout, dropped); never a route of another layout."""
 
     def __init__(self, comm: Comm, cfg: Config, version: Callable[[], tuple],
                  op: str = "reduce_scatter/qgz") -> None:
@@ -173,8 +164,7 @@ class Buffers(dict):
             out.update({f"{kind}|" * bool(kind) + tag + k: v for k, v in mine.items()})
         return out
 
-    def load_state(self, saved: dict[str, Any], device: torch.device,
-                   tag: str = "") -> None:
+    def load_state(self, saved: dict[str, Any], device: torch.device, tag: str = "") -> None:
         """`state(tag)` back (buffers absent from it start afresh)."""
         parts: dict[str, dict] = {kind: {} for kind in self}
         for key, v in saved.items():
@@ -203,12 +193,10 @@ class _ModuleComm:
 
 
 class WeightGather(_ModuleComm, AllGather):
-    """zero3: FSDP2's own all-gather, counted. Otherwise each region of the module's
-    chunk (regions.py: one per kind of parameter, the whole chunk on a 1-D mesh) goes
-    through its ShardedBuffer's weight path (weights/: qwZ, hpZ, the hierarchical
-    gather, qWD), the one the engine runs, and the full weights into FSDP2's output.
-    The path sees the region's part of this rank's chunk, padded to whole blocks, as
-    its primary shard."""
+    """zero3: FSDP2's own all-gather, counted. Otherwise each region of this rank's chunk
+    (regions.py), padded to whole blocks, is the primary shard of its ShardedBuffer's
+    weight path (weights/: qwZ, hpZ, the hierarchical gather, qWD; the engine's), and
+    the full weights go into FSDP2's output."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work:

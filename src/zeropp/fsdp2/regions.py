@@ -3,22 +3,21 @@
 [Note: one model on every rank]
 Under tensor parallel x FSDP every TP rank's dp group carries its own copy of the
 parameters TP leaves whole (norms, a row-wise layer's bias, an unsharded head or
-embedding); the copies stay equal only if every dp group turns equal inputs into
-equal bytes. zeropp's codecs depend on nothing but a buffer's values and their
-positions in it (no rank, no randomness), but a block's scale is the absmax of all
-of its values, and FSDP2's flat chunk puts a replicated LayerNorm beside a TP-sharded
-projection, whose values differ between TP ranks: one block over both rounds the
-LayerNorm differently on each TP rank, and the copies drift apart (bitwise from the
-first step; 0.1% apart in the outputs after 20). So a module's chunk is cut into
-regions, one per *kind* of parameter -- the mesh dimensions beyond FSDP's over which
-its values differ (none for a replicated one) -- and each region travels as a buffer
-of its own, with its own blocks, routes and error feedback: a block never holds two
-kinds, and a region's bytes depend only on its own values. A module of one kind (any
-1-D mesh; HSDP; a block of experts alone) is one region, the whole chunk, as before,
-bit for bit. Weights always come with every parameter; gradients come only for the
-parameters that have one, whose set FSDP2 does not pass on: the trainable ones, or
-all. Any other set (a parameter unused in this backward) travels as one region and
-says once that the copies may then part.
+embedding); the copies stay equal only if every dp group turns equal inputs into equal
+bytes. zeropp's codecs depend only on a buffer's values and their positions (no rank,
+no randomness), but a block's scale is the absmax of its values, and FSDP2's flat chunk
+puts a replicated LayerNorm beside a TP-sharded projection, whose values differ between
+TP ranks: one block over both rounds the LayerNorm differently on each TP rank, and the
+copies drift apart (bitwise from the first step; 0.1% apart in the outputs after 20).
+So a module's chunk is cut into regions, one per *kind* of parameter (the mesh
+dimensions beyond FSDP's over which its values differ; none for a replicated one), each
+a buffer of its own with its own blocks, routes and error feedback: a block never holds
+two kinds, and a region's bytes depend only on its own values. A module of one kind
+(any 1-D mesh; HSDP; a block of experts alone) is one region, the whole chunk, bit for
+bit as before. Weights always come with every parameter; gradients only for those that
+have one, a set FSDP2 does not pass on: the trainable ones, or all. Any other set (a
+parameter unused in this backward) travels as one region and says once that the copies
+may then part.
 """
 
 from __future__ import annotations

@@ -2,33 +2,33 @@
 all-reduce.
 
 On a (replicate, shard) mesh FSDP2 reduce-scatters each gradient inside the shard
-group (inside the node, as HSDP is laid out), then all-reduces the result over
-the replicate group, one rank per node: every gradient crosses the network at
-full width, twice ((R-1)/R of it each way of a ring). `ReplicaMean` does that
-mean as qgZ's quantized reduce-scatter over the replicas (INT4, with the
-preset's error feedback; grads/qgz.py, the route the engine runs) and then
-gathers the reduced chunks as qwZ gathers weights (INT8 blocks; weights/world.py):
-(0.5 + 1) / 8 of the all-reduce's bytes, plus scales. Every replica, the owner of
-a chunk too, dequantizes the same bytes, so the replicas stay bitwise identical.
+group (inside the node, as HSDP is laid out), then all-reduces the result over the
+replicate group, one rank per node: every gradient crosses the network at full
+width, twice ((R-1)/R of it each way of a ring). `ReplicaMean` does that mean as
+qgZ's quantized reduce-scatter over the replicas (INT4, with the preset's error
+feedback; grads/qgz.py, the engine's route), then gathers the reduced chunks as qwZ
+gathers weights (INT8 blocks; weights/world.py): (0.5 + 1) / 8 of the all-reduce's
+bytes, plus scales. Every replica, the chunk's owner too, dequantizes the same
+bytes, so the replicas stay bitwise identical.
 
 [Note: how FSDP2's replicate all-reduce is taken over]
 FSDP2 (torch 2.13) has no custom-comm slot for it. It all-reduces over
-`mesh_info.replicate_process_group` (FSDPParamGroup._all_reduce_process_group)
-and then calls the module's all-reduce hook (`set_all_reduce_hook`, public) on
-the result. `take_over` points that attribute at a group of this rank alone, so
-FSDP2's all-reduce becomes a copy in place that sends nothing, and installs
-`ReplicaMean` as the hook. The attribute is read nowhere else after
-`fully_shard` (its init groups parameters by it, before). `check_internals`
-verifies both facts from FSDP2's source at install and refuses, naming the torch
-version, when they no longer hold; tests/fsdp2/test_fsdp2_nd.py calls it.
+`mesh_info.replicate_process_group` (FSDPParamGroup._all_reduce_process_group),
+then calls the module's all-reduce hook (`set_all_reduce_hook`, public) on the
+result. `take_over` points that attribute at a group of this rank alone, so FSDP2's
+all-reduce becomes a copy in place that sends nothing, and installs `ReplicaMean`
+as the hook. The attribute is read nowhere else after `fully_shard` (its init groups
+parameters by it, before). `check_internals` verifies both facts from FSDP2's
+source at install and refuses, naming the torch version, when they no longer hold;
+tests/fsdp2/test_fsdp2_nd.py calls it.
 
 [Note: the user's all-reduce hook]
 FSDP2 has one hook slot, which the mean now fills; a hook of the user's (torchtitan's
 fault-tolerant HSDP sets one on every FSDP module) would replace it and silently
 leave every replica with its own gradient. So the user's hook composes: one set
-before `install` is kept, and `take_over` gives the module a `set_all_reduce_hook`
-of its own that hands later ones to `ReplicaMean`, which calls the hook on the mean,
-as FSDP2 calls it on its all-reduce's result. What FSDP2's setter refuses (a module
+before `install` is kept, and `take_over` gives the module a `set_all_reduce_hook` of
+its own that hands later ones to `ReplicaMean`, which calls the hook on the mean, as
+FSDP2 calls it on its all-reduce's result. What FSDP2's setter refuses (a module
 with several groups, a stream under HSDP) it still refuses.
 """
 
@@ -55,8 +55,7 @@ class ReplicaMean:
 
     def __init__(self, comm: Comm, cfg: Config, label: str, param_group: Any,
                  kinds: Kinds, failures: Failures) -> None:
-        self.comm, self.cfg, self.label, self.kinds = comm, cfg, label, kinds
-        self.failures = failures
+        self.comm, self.label, self.kinds, self.failures = comm, label, kinds, failures
         self.user_hook: Optional[Callable[[torch.Tensor], None]] = None  # (the note)
         # weakly: the param group holds the model, which the step hooks must not keep alive
         self.param_group = weakref.ref(param_group)
