@@ -40,10 +40,9 @@ from .replicate import ReplicaMean, take_over
 
 
 class Installed:
-    """What `install` leaves on the model (`model._zeropp_fsdp2`): the Config, the
-    byte accounting, each FSDP parameter group's comms and ShardedBuffers, and the
-    optimizer steps seen (hpZ's secondaries go stale). It answers the optimizer-step
-    hooks (buffer.step_hooks) for all the buffers."""
+    """What `install` leaves on the model (`model._zeropp_fsdp2`): the Config, the byte
+    accounting, each FSDP parameter group's comms and ShardedBuffers, and the optimizer
+    steps seen (hpZ's secondaries go stale); it answers the step hooks for them all."""
 
     def __init__(self, cfg: Config, topo: Topology) -> None:
         self.cfg, self.topo, self.stats, self.steps = cfg, topo, CommStats(), 0

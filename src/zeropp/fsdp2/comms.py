@@ -1,33 +1,32 @@
 """zeropp's collectives in FSDP2's custom-collective slots.
 
 FSDP2 hands a module's all-gather an output of W chunks of its flat shard (the
-parameter dtype), slot r this rank's input, and its reduce-scatter an input of W
+parameter dtype; slot r is this rank's input) and its reduce-scatter an input of W
 chunks (the reduce dtype) and a chunk to fill. Only the output is contracted:
-- `WeightGather`: zero3 passes the chunks through (counted); qwZ gathers INT8
-  blocks (layout.py's rule) and dequantizes every rank's piece, its own slot too,
-  so every rank computes with the same weights; hpZ keeps this rank's column of
-  the wire bytes (weights/hpz.py) while the sharded weights are unchanged (version
-  counters, optimizer steps), and backward's gather runs from it inside the hpZ
-  group, bit for bit the same.
-- `GradReduce`: zero3 is the ring reduce-scatter (collectives.py); qgZ runs
-  grads/qgz.py's two hops, the engine's route, with the module's own error
-  feedback. Either returns the mean, scaled for FSDP2's op (AVG, SUM, PREMUL_SUM).
-Both hold the module's `Buffers`: a ShardedBuffer per region (buffer.py, as the
-engine's FlatParam holds), so step hooks and checkpoints reach each buffer once.
-The gather returns a work whose `wait` (in FSDP2's copy-out) completes it, so
-FSDP2's prefetch of another module's gather goes out before this one is waited for.
+- `WeightGather`: zero3 passes the chunks through (counted); qwZ gathers INT8 blocks
+  (layout.py) and every rank dequantizes every piece, its own too, so all compute
+  with the same weights; hpZ keeps this rank's column of the wire bytes
+  (weights/hpz.py) while the sharded weights are unchanged (version counters,
+  optimizer steps), and backward's gather runs from it inside the hpZ group, bit
+  for bit the same.
+- `GradReduce`: zero3 is the ring reduce-scatter; qgZ runs grads/qgz.py's two hops,
+  the engine's route, with the module's own error feedback. Either returns the
+  mean, scaled for FSDP2's op (AVG, SUM, PREMUL_SUM).
+Both hold the module's `Buffers` (a ShardedBuffer per region, as the engine's
+FlatParam holds), so step hooks and checkpoints reach each once. The gather's `wait`
+(in FSDP2's copy-out) completes it, so FSDP2's prefetch of the next gather goes out
+before this one is waited for.
 
 [Note: reductions that complete at the end of backward]
 FSDP2 discards what the reduce-scatter returns and uses its output at once. When it
-only keeps views of it as the sharded gradients (no gradient to add to, no division
-or cast after the call, no hook on the result (a user's all-reduce hook, as
-torchtitan's fault-tolerant replicas set) or on the gradients: fp32 / bf16 without
-HSDP, after `zero_grad(set_to_none=True)`), nothing reads them before backward
-ends. qgZ's two hops of the world's group then run on the engine's reduce pipeline
-(grads/pipeline.py: two threads, process groups of their own) while backward goes
-on; the end of backward (an autograd callback after FSDP2's) and an optimizer step
-wait for them. Same functions, same bytes: the gradients are bit for bit the
-synchronous ones. Any other call reduces synchronously.
+only keeps views of it as the sharded gradients (fp32 / bf16 without HSDP, after
+`zero_grad(set_to_none=True)`: no gradient to add to, no division or cast after, no
+hook on the result, such as torchtitan's fault-tolerant all-reduce hook, or on the
+gradients), nothing reads them before backward ends. Then qgZ's two hops of the
+world's group run on the engine's reduce pipeline (grads/pipeline.py: two threads,
+process groups of their own) while backward goes on; the end of backward (an
+autograd callback after FSDP2's) and an optimizer step wait for them. Same functions,
+same bytes: bit for bit the synchronous gradients. Any other call reduces synchronously.
 
 [Note: a module with several parameter groups]
 torchtitan shards an MoE block with per-parameter meshes (`shard_placement_fn`:

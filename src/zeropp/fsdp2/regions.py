@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -87,11 +88,9 @@ class Kinds:
             sizes = [n if keep else 0 for n, keep in zip(self.sizes, present)]
             if sum(sizes) == chunk:
                 spans: dict[str, list] = {}
-                off = 0
-                for kind, n in zip(self.kinds, sizes):
+                for kind, off, n in zip(self.kinds, accumulate([0, *sizes]), sizes):
                     if n:
                         spans.setdefault(kind, []).append((off, n))
-                    off += n
                 return tuple(Region(k, tuple(s)) for k, s in sorted(spans.items()))
         if not self.warned:
             self.warned = True

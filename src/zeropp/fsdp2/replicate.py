@@ -3,13 +3,12 @@ all-reduce.
 
 On a (replicate, shard) mesh FSDP2 reduce-scatters each gradient inside the shard
 group (inside the node, as HSDP is laid out), then all-reduces the result over the
-replicate group, one rank per node: every gradient crosses the network at full
-width, twice ((R-1)/R of it each way of a ring). `ReplicaMean` does that mean as
-qgZ's quantized reduce-scatter over the replicas (INT4, with the preset's error
-feedback; grads/qgz.py, the engine's route), then gathers the reduced chunks as qwZ
-gathers weights (INT8 blocks; weights/world.py): (0.5 + 1) / 8 of the all-reduce's
-bytes, plus scales. Every replica, the chunk's owner too, dequantizes the same
-bytes, so the replicas stay bitwise identical.
+replicate group, one rank per node: every gradient crosses the network at full width,
+twice ((R-1)/R of it each way of a ring). `ReplicaMean` does that mean as qgZ's INT4
+reduce-scatter over the replicas (the preset's error feedback; grads/qgz.py), then
+gathers the reduced chunks as qwZ's INT8 blocks (weights/world.py): (0.5 + 1) / 8 of
+the all-reduce's bytes, plus scales. Every replica, the chunk's owner too,
+dequantizes the same bytes, so the replicas stay bitwise identical.
 
 [Note: how FSDP2's replicate all-reduce is taken over]
 FSDP2 (torch 2.13) has no custom-comm slot for it. It all-reduces over
