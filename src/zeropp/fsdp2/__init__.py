@@ -112,13 +112,13 @@ class Installed:
         key = "world" if world else (replicas, sub.members)
         if key in self.made:
             return self.made[key]
-        hpz = sub.node_size if cfg.hpz_partition_size > 1 else 1
         if world:
             gcfg = cfg
         elif sub.num_nodes == 1:  # nothing crosses nodes: ZeRO-3's exact collectives
             gcfg = Config(node_size=sub.node_size, param_dtype=cfg.param_dtype,
                           reduce_dtype=cfg.reduce_dtype, collective_timeout=cfg.collective_timeout)
         else:
+            hpz = sub.node_size if cfg.hpz_partition_size > 1 else 1
             if cfg.hpz_partition_size > 1 and hpz == 1 and not replicas and dist.get_rank() == 0:
                 warnings.warn(f"zeropp.fsdp2: the FSDP group of ranks {list(sub.members)} has "
                               "one rank per node (e.g. tensor parallel inside the node): its "

@@ -58,8 +58,7 @@ class ReplicaMean:
         self.user_hook: Optional[Callable[[torch.Tensor], None]] = None  # (the note)
         # weakly: the param group holds the model, which the step hooks must not keep alive
         self.param_group = weakref.ref(param_group)
-        # Per region: qgZ over the replicas, then the chunks gathered as qwZ's blocks
-        # over the world of replicas (no secondary: nothing to keep across steps).
+        # per region: qgZ, then qwZ's gather of the chunks (no secondary: nothing kept across steps)
         self.buffers = Buffers(comm, dataclasses.replace(
             cfg, quantized_weights=True, hpz_partition_size=1, hierarchical_gather=False,
             weight_delta=False), version=lambda: (), op="reduce_scatter/hsdp_grad")
