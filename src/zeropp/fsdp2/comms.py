@@ -151,8 +151,7 @@ class Buffers(dict):
             buf.route.op = self.op
         return buf.route
 
-    # ---- checkpoints: keys `kind|tag...` (no `kind|` for the kind of replicated
-    # parameters, the only one on a 1-D mesh) ----------------------------------------
+    # ---- checkpoints: keys `kind|tag...`, no `kind|` for replicated parameters' kind ----
     def state(self, tag: str = "") -> dict[str, Any]:
         """Every buffer's comm state, with its gathered size and its route's block."""
         out: dict[str, Any] = {}
