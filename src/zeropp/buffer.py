@@ -1,13 +1,12 @@
 """ShardedBuffer: one flat buffer's comm side, the object both drivers hold.
 
 What travels for a flat buffer cut into W shards (layout.py), and what it keeps
-between steps: its weight path (weights/: the route of each gather, hpZ's
-secondary, qWD's copies), its gradient route (grads/: ZeRO-3's ring or qgZ's hops,
-with error feedback), and the version of the master weights a secondary stands
-for. It answers the optimizer-step hooks (`step_hooks`), `zeropp.refresh`
-(`invalidate`) and checkpoints (`state` / `load_state`). The engine's FlatParam
-holds one per flat; the FSDP2 driver one per region of a module's chunk
-(fsdp2/comms.py): both drivers run the same routes over the same state.
+between steps: its weight path (weights/: each gather's route, hpZ's secondary,
+qWD's copies), its gradient route (grads/: ZeRO-3's ring or qgZ's hops, with
+error feedback), and the master version a secondary stands for. It answers the
+optimizer-step hooks (`step_hooks`), `zeropp.refresh` (`invalidate`) and
+checkpoints (`state` / `load_state`). The engine's FlatParam holds one per flat,
+the FSDP2 driver one per region of a module's chunk (fsdp2/comms.py).
 
 [Note: why optimizer steps are hooked]
 hpZ's secondaries stand for one version of the master shards: after a step they
@@ -48,8 +47,8 @@ class ShardedBuffer:
                  version: Callable[[], tuple], bits: Optional[int], trainable: bool,
                  stored_as_wire: bool = False, route: bool = True) -> None:
         self.layout, self.version = layout, version
-        self.weights = WeightPath(WeightSpec.of(layout, bits, stored_as_wire), topo, cfg,
-                                  trainable=trainable, version=version)
+        spec = WeightSpec(**vars(layout), bits=bits, stored_as_wire=stored_as_wire)
+        self.weights = WeightPath(spec, topo, cfg, trainable=trainable, version=version)
         self.route = route_for(cfg, block=layout.block) if trainable and route else None
 
     @property
@@ -82,10 +81,9 @@ class ShardedBuffer:
     def state(self) -> dict[str, torch.Tensor]:
         """The comm state an exact resume needs: qWD's copies (and whether a delta is
         due), qgZ's error-feedback residuals."""
-        out = {}
+        out, sec = {}, self.weights.secondary
         if self.weights.delta:
-            out = {f"weights/{k}": v
-                   for k, v in self.weights.secondary.state(self.version()).items()}
+            out = {f"weights/{k}": v for k, v in sec.state(self.version()).items()}
         if self.codec is not None:
             out.update({f"grad/{k}": v for k, v in self.codec.state().items()})
         return out
@@ -93,11 +91,8 @@ class ShardedBuffer:
     def load_state(self, saved: dict[str, torch.Tensor], device: torch.device) -> None:
         """Restore `state()` after the master shard was loaded, at the same layout (or
         start afresh: the next gather is then a full one from the loaded masters)."""
-        parts: dict[str, dict] = {"weights": {}, "grad": {}}
-        for k, v in saved.items():
-            kind, _, name = k.partition("/")
-            if kind in parts:
-                parts[kind][name] = v
+        parts = {kind: {k.removeprefix(f"{kind}/"): v for k, v in saved.items()
+                        if k.startswith(f"{kind}/")} for kind in ("weights", "grad")}
         self.invalidate()
         sec, mine = self.weights.secondary, parts["weights"].get("secondary")
         if self.weights.delta and mine is not None and (mine.dtype, mine.numel()) == (
@@ -129,29 +124,25 @@ def step_hooks(owner: Any, stats: CommStats, select: Callable[[torch.optim.Optim
                after: Callable[[list], None] = lambda b: None) -> None:
     """Around every optimizer step that updates the ShardedBuffers `select(optimizer)`
     returns (asked once per optimizer; none: nothing runs), while `owner` lives (the
-    hooks go when it dies: the callbacks must not hold it): before, `before(buffers)`,
-    then a secondary made stale by anything but a step is dropped; after, the step is
-    counted, `after(buffers)` runs (a driver's own count of steps, which its versions
-    may read, moves there), then every buffer's secondary goes stale (qWD: a delta is
-    due)."""
+    callbacks must not hold it): before, `before(buffers)`, then each buffer's
+    `before_step`; after, the step is counted, `after(buffers)` runs (a driver's own
+    step count, which its versions may read, moves there), then each `after_step`."""
     chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def items(opt: torch.optim.Optimizer) -> list:
-        if opt not in chosen:
-            chosen[opt] = select(opt)
-        return chosen[opt]
+        return chosen[opt] if opt in chosen else chosen.setdefault(opt, select(opt))
 
     def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if items(opt):
-            before(items(opt))
-            for b in items(opt):
+        if buffers := items(opt):
+            before(buffers)
+            for b in buffers:
                 b.before_step()
 
     def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if items(opt):
+        if buffers := items(opt):
             stats.steps += 1
-            after(items(opt))
-            for b in items(opt):
+            after(buffers)
+            for b in buffers:
                 b.after_step()
     handles = (register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post))
     weakref.finalize(owner, lambda: [h.remove() for h in handles])

@@ -2,20 +2,19 @@
 
 [Note: how a unit's gradient is assembled]
 Autograd accumulates each module attribute's gradient like a plain parameter's
-(AccumulateGrad, run as soon as the gradient is complete); its post-accumulate
-hook hands it here: copied into the flat gradient `grad` and dropped, and when
-every parameter the unit's backward reaches has arrived the unit is told
-(`on_ready`) and hands the flat to the reduce pipeline. Per-parameter leaves,
-not one flat leaf cut by `split`, because a split's backward node is made when
-the unit's forward begins: for the root that is the first node of the graph,
-which autograd's CPU engine runs last, so the head's gradient and the root's
-weights waited for the end of backward; and the split's `cat` held every
-gradient of the unit twice. A parameter that a step's backward does not reach
-(unused) is learnt: the unit is reduced at the end of that backward, and from
-then on when the parameters it did reach have arrived (one arriving later still
-gets reduced, at the end of backward). A graph backwarded later accumulates
-again. This rank's chunk of the reduced mean lands in the master shard's `.grad`
-(`accumulate`), adding micro-batches.
+(AccumulateGrad, run as soon as the gradient is complete); its post-accumulate hook
+hands it here: copied into the flat gradient `grad` and dropped, and when every
+parameter the unit's backward reaches has arrived the unit is told (`on_ready`) and
+hands the flat to the reduce pipeline. Per-parameter leaves, not one flat leaf cut by
+`split`, because a split's backward node is made when the unit's forward begins: for
+the root that is the first node of the graph, which autograd's CPU engine runs last,
+so the head's gradient and the root's weights waited for the end of backward; and the
+split's `cat` held every gradient of the unit twice. A parameter that a step's
+backward does not reach (unused) is learnt: the unit is reduced at the end of that
+backward, and from then on when the parameters it did reach have arrived (one arriving
+later still gets reduced, at the end of backward). A graph backwarded later
+accumulates again. This rank's chunk of the reduced mean lands in the master shard's
+`.grad` (`accumulate`), adding micro-batches.
 """
 
 from __future__ import annotations
@@ -100,8 +99,7 @@ class FlatGrad:
         shard's `.grad`, accumulating micro-batches."""
         # Padding must stay exactly zero (it is part of every later gather).
         part[self.valid:] = 0
-        p = self.master
-        if p.grad is None:
-            p.grad = part
+        if self.master.grad is None:
+            self.master.grad = part
         else:
-            p.grad.add_(part)
+            self.master.grad.add_(part)

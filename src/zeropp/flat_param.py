@@ -2,34 +2,28 @@
 
 A unit's parameters of one kind (trainable or frozen, one compute dtype) are
 concatenated in a fixed order, zero-padded to a multiple of W, and cut into W
-equal *primary shards*. Rank r keeps shard r in fp32 as an `nn.Parameter`: the
-master weights the optimizer updates. The full weights exist only between a
-gather and the matching free.
+equal *primary shards*; rank r keeps shard r.
 
 [Note: zeropp's tensors]
   primary shard   rank r's 1/W of a flat buffer, fp32 (frozen: maybe INT8 wire
                   bytes): the master weights, an nn.Parameter the optimizer steps
-  full weights    `full`: the whole flat buffer at the compute dtype, alive
-                  between a gather and the matching free
+  full weights    `full`: the whole buffer at the compute dtype, alive between a
+                  gather and the matching free
   module attributes  `params`: one tensor per original parameter on `full`'s
                   storage (0 elements while freed); what the model computes with
                   (flat_views.py, "how the full weights reach the module")
-  secondary shard hpZ: W/P primary shards of the ranks in this rank's column,
-                  kept after a forward so the backward gathers inside the node
-                  (weights/hpz.py, "the secondary shard's layout")
-  qWD copy        a secondary kept across steps as qwZ's INT8 blocks, moved by
-                  code deltas
-  wire bytes      a quantized tensor as it travels: fp32 scales, then codes
-                  (quant.py, "wire format")
+  secondary shard hpZ: W/P primary shards of the ranks in this rank's column, kept after
+                  a forward so the backward gathers inside the node (weights/hpz.py's note)
+  qWD copy        a secondary kept across steps as qwZ's INT8 blocks, moved by deltas
+  wire bytes      a quantized tensor as it travels: fp32 scales, then codes (quant.py)
   flat gradient   `grads.grad`: a backward's full gradient of the buffer,
                   assembled from the per-parameter ones (flat_grad.py)
 
 [Note: updates the engine cannot see]
-hpZ's secondary shard is dropped (qWD: refreshed by a delta) after every
-optimizer step over the master shard and whenever the shard's version counter
-moves (`load_state_dict`, in-place ops) or its storage is replaced
-(`p.data = ...`). An in-place write through `.data` changes neither: after one,
-call `zeropp.refresh(model)`.
+hpZ's secondary shard is dropped (qWD: refreshed by a delta) after every optimizer
+step over the master shard and whenever the shard's version counter moves
+(`load_state_dict`, in-place ops) or its storage is replaced (`p.data = ...`). An
+in-place write through `.data` changes neither: after one, call `zeropp.refresh(model)`.
 """
 
 from __future__ import annotations
@@ -77,19 +71,15 @@ class FlatParam:
                  sync: Optional[Callable[[torch.Tensor], None]] = None,
                  persistent: bool = False) -> None:
         self.name = name  # as registered on its unit's module, e.g. "blocks.0._zeropp_flat0"
-        # What a front door adds to the tensors zeropp hands out (the DeepSpeed one: its
-        # `ds_*` attributes), set per model by `set_hooks`.
-        self.hooks: Any = None
+        self.hooks: Any = None  # what a front door adds to its tensors (DeepSpeed's ds_*)
         self.param_group = param_group  # index into shard()'s param_groups (-1: in none)
         self.unit: Any = None  # the Unit that gathers it (set by the Unit)
         self.meter: Any = None  # its model's meter.GatherMeter (set by the Unit)
-        self.trainable, self.compute_dtype = trainable, compute_dtype
-        # Stays gathered between steps (Config.persistence_threshold): freed only to
-        # be gathered again from new master weights.
-        self.persistent = persistent
+        # persistent: stays gathered between steps (Config.persistence_threshold), freed
+        # only to be gathered again from new master weights
+        self.trainable, self.compute_dtype, self.persistent = trainable, compute_dtype, persistent
         self.gathered_for: Optional[tuple] = None  # master version the full weights show
-        self.world_size = w = topo.world_size
-        self.rank = topo.rank
+        self.world_size, self.rank = topo.world_size, topo.rank
         self.infos: list[ParamInfo] = []
         offset = 0
         for p, regs, fqns in params:
@@ -100,7 +90,7 @@ class FlatParam:
         self.int_storage = not trainable and cfg.quantized_nontrainable_weights
         self.quantized_gather = cfg.quantized_weights or self.int_storage
         self.weight_bits = cfg.weight_bits
-        lay = ShardLayout.of(self.numel, w, cfg)  # (layout.py)
+        lay = ShardLayout.of(self.numel, self.world_size, cfg)  # (layout.py)
         self.block, self.shard_numel, self.padded_numel = lay.block, lay.shard_numel, \
             lay.padded_numel
         self.shard_valid = lay.valid(topo.rank)  # elements of parameters; then padding
@@ -109,8 +99,7 @@ class FlatParam:
             bits=self.weight_bits if self.int_storage else None, trainable=trainable)
         device = self.primary_shard.device
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
-        # The module attributes, for the flat's lifetime (flat_views.py): each shows
-        # its view of `full` while gathered and 0 elements otherwise.
+        # The module attributes (flat_views.py): views of `full` while gathered, else empty.
         self.views = FlatViews(self.infos, self.full)
         self.params = self.views.params
         # Its gradient, assembled from the attributes' own (flat_grad.py).
@@ -146,8 +135,7 @@ class FlatParam:
     def _move(self, to: State) -> None:
         """The one place the state changes, and what each state shows."""
         if to not in _MOVES[self.state]:
-            raise RuntimeError(f"zeropp internal error: {self.name} {self.state.name} -> "
-                               f"{to.name}")
+            raise RuntimeError(f"zeropp internal error: {self.name} {self.state.name} -> {to.name}")
         self.state = to
         if to is not State.GATHERING:
             self.views.show(to is not State.FREED)
@@ -156,8 +144,7 @@ class FlatParam:
 
     # ---- gather / free -------------------------------------------------------
     def issue_gather(self, comm: Comm, *, phase: str) -> bool:
-        """Start gathering the full weights (the route: see weights/); False if
-        gathered or in flight."""
+        """Start gathering the full weights (weights/); False if gathered or in flight."""
         if self.state in (State.GATHERED, State.GATHERING):
             return False
         nbytes = self.padded_numel * self.full.element_size()
@@ -165,8 +152,7 @@ class FlatParam:
         if self.meter is not None:
             self.meter.allocated(self, nbytes)
         # Buffers made here outlive the forward (hpZ secondaries, qWD copies): under
-        # inference_mode they would become inference tensors, which training may not
-        # update in place.
+        # inference_mode they would be inference tensors, which training cannot update.
         with torch.inference_mode(False):
             self.pending = self.buffer.weights.issue(comm, phase, self.primary_shard.detach(),
                                                      self.full)
@@ -192,11 +178,10 @@ class FlatParam:
         self._move(State.GATHERED)
 
     def free(self, let_go: bool = False, *, force: bool = False) -> None:
-        """Free the full weights: in place (the storage resized to 0 bytes, which
-        the forward relies on: see the note), or with `let_go` by dropping this
-        flat's references to them and starting a new buffer, so a tensor someone
-        else took from them keeps its values (its memory is freed when it dies).
-        A persistent flat stays gathered unless `force`d."""
+        """Free the full weights: in place (the storage resized to 0 bytes, which the
+        forward relies on: see the note), or with `let_go` by starting a new buffer, so
+        a tensor someone else took from the old one keeps its values (freed when it
+        dies). A persistent flat stays gathered unless `force`d."""
         self.wait_gather()
         if not self.gathered or (self.persistent and not force):
             return
@@ -225,9 +210,8 @@ class FlatParam:
         hooks.on_status(self, self.gathered)
 
     def show_shapes(self) -> None:
-        """A backward that reads none of these weights (an embedding's) is coming:
-        the attributes take their shapes (on the freed storage) for its duration,
-        because autograd checks a leaf's shape when its gradient arrives."""
+        """A backward that reads none of these weights (an embedding's) is coming: the
+        attributes take their shapes for its duration (flat_views.py's note)."""
         if self.state is State.FREED:
             self._move(State.SHAPED)
 
@@ -237,13 +221,11 @@ class FlatParam:
             self._move(State.FREED)
 
     def use_views(self) -> None:
-        """A forward is about to read the gathered weights: its gradient will
-        need reducing (if it is recorded)."""
+        """A forward is about to read the weights: its gradient will need reducing (if recorded)."""
         if self.trainable and torch.is_grad_enabled():
             self.grads.needs_reduce = True
         self.install_attributes()
 
     def install_attributes(self) -> None:
-        """The modules' attributes are this flat's tensors again (code may have
-        replaced one since), showing what the state says."""
+        """The modules' attributes are this flat's tensors again, showing what the state says."""
         self.views.install(self.state in (State.GATHERED, State.SHAPED))

@@ -1,11 +1,10 @@
 """The weight path: how a flat buffer's full weights are assembled from the shards.
 
-A driver (the engine's `FlatParam`, or FSDP2's all-gather slot) makes two calls
-per gather, in order, as FSDP2 does with its all-gather and copy-out:
-`WeightPath.issue(comm, phase, shard, full)` starts the route's first collective,
-`WeightPath.finish(gather)` waits for it, runs any second stage, and leaves the
-full weights in `full`. Each route is a pair of functions over tensors, one file
-per technique:
+A driver (the engine's `FlatParam`, or FSDP2's all-gather slot) makes two calls per
+gather, as FSDP2 does with its all-gather and copy-out: `WeightPath.issue(comm, phase,
+shard, full)` starts the route's first collective, `WeightPath.finish(gather)` waits
+for it, runs any second stage, and leaves the full weights in `full`. Each route is a
+pair of functions over tensors, one file per technique:
   world.py         ZeRO-3's ring all-gather over the world; qwZ's INT8 payload on it
   hierarchical.py  stage 1 of the two-stage gather: across nodes
   hpz.py           hpZ: the secondary shard (`Secondary`, its one owner), and stage 2
@@ -15,28 +14,24 @@ per technique:
 [Note: routes]
   WORLD     ZeRO-3 / qwZ: one ring over the world (W-1)/W of the payload per node
             across; with hpZ the rank then keeps its pieces of the result.
-  HIER      stage 1 across nodes among same-local-index ranks -> the N pieces of
-            the secondary; stage 2 inside the node. (N-1)/N of the payload per
-            node crosses. Bitwise equal to WORLD.
+  HIER      stage 1 across nodes among same-local-index ranks -> the N pieces of the
+            secondary; stage 2 inside the node; (N-1)/N per node crosses; bitwise WORLD's.
   SECONDARY hpZ: stage 2 only, from a current secondary (nothing crosses nodes).
-  DELTA     qWD: the secondary persists across steps. After an optimizer step each
-            owner all-gathers a delta of its shard in the inter-node group, every
-            holder (the owner too) applies it to its copy; then stage 2. Copies
-            stay bitwise identical everywhere.
-Stage 2 is issued by `finish`, after stage 1 is waited for: issued any earlier,
-ranks could reach the intra-node group in different orders, and a collective
-matched against another one hangs.
+  DELTA     qWD: the secondary persists across steps. After a step each owner
+            all-gathers a delta of its shard in the inter-node group, every holder
+            (the owner too) applies it, copies bitwise identical; then stage 2.
+Stage 2 is issued by `finish`, after stage 1 is waited for: issued earlier, ranks could
+reach the intra-node group in different orders, and a collective matched wrongly hangs.
 
 [Note: when qWD refreshes in full]
-A full refresh (the HIER or WORLD route, qwZ's INT8) runs on the first gather,
-after a checkpoint load at another layout, when the master shard changed by
-anything but an optimizer step (its version counter moved after the step hook
-ran, or its storage was replaced), and after `zeropp.refresh(model)`. An in-place
-write through `.data` is invisible to version counters: it reaches the copies
-through the next delta; call `zeropp.refresh(model)` to send it at once. Memory:
-the persistent secondary costs W/P shards per rank (1/D of the model) as INT8
-blocks, 1 byte/param / D, where qwZ+hpZ keeps the same bytes only between a
-forward and the next step.
+A full refresh (the HIER or WORLD route, qwZ's INT8) runs on the first gather, after
+a checkpoint load at another layout, when the master shard changed by anything but a
+step (its version counter moved after the step hook ran, or its storage was replaced),
+and after `zeropp.refresh(model)`. An in-place write through `.data` is invisible to
+version counters: it reaches the copies through the next delta (`zeropp.refresh(model)`
+sends it at once). Memory: the persistent secondary costs W/P shards per rank (1/D of
+the model) as INT8 blocks, 1 byte/param / D, where qwZ+hpZ keeps the same bytes only
+between a forward and the next step.
 """
 
 from __future__ import annotations
@@ -48,12 +43,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from ..collectives import Comm, Pending
+from ..layout import ShardLayout
 from ..quant import QTensor
 from . import delta, hierarchical, hpz, world
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..layout import ShardLayout
     from ..topology import Topology
 
 
@@ -65,34 +60,21 @@ class Route(enum.Enum):
 
 
 @dataclass(frozen=True)
-class WeightSpec:
-    """What every route needs to know of a flat buffer: its cut into W shards and
-    how a shard travels (as `bits`-bit wire bytes, or at the compute dtype)."""
+class WeightSpec(ShardLayout):
+    """A flat buffer's cut into W shards (layout.py) and how a shard travels: as
+    `bits`-bit wire bytes, or at the compute dtype (`bits` None)."""
 
-    world_size: int
-    shard_numel: int
-    block: int
-    bits: Optional[int]          # None: the weights travel at the compute dtype
+    bits: Optional[int] = None
     stored_as_wire: bool = False  # the primary shard is those wire bytes already
-
-    @classmethod
-    def of(cls, layout: ShardLayout, bits: Optional[int], stored_as_wire: bool = False
-           ) -> WeightSpec:
-        return cls(layout.world_size, layout.shard_numel, layout.block, bits, stored_as_wire)
-
-    @property
-    def padded_numel(self) -> int:
-        return self.shard_numel * self.world_size
 
     @property
     def wire_bytes(self) -> int:
         """Bytes of one shard as wire bytes (scales and codes)."""
         return QTensor.wire_bytes(self.shard_numel, self.bits, self.block)
 
-    @property
-    def scale_bytes(self) -> int:
-        """Bytes of one shard's scales."""
-        return self.shard_numel // self.block * 4
+    def scale_bytes(self, pieces: int) -> int:
+        """Bytes of the scales of `pieces` shards as they travel (0 at the compute dtype)."""
+        return self.shard_numel // self.block * 4 * pieces if self.bits is not None else 0
 
 
 @dataclass
@@ -155,28 +137,27 @@ class WeightPath:
         """Wait for `gather`'s first collective, run its second stage, leave the weights in
         `gather.full`."""
         gather.pending.wait()
-        spec, sec = self.spec, self.secondary
+        spec, sec, out, full = self.spec, self.secondary, gather.out, gather.full
         if gather.route is Route.WORLD:
-            world.finish(spec, gather.out, gather.full)
+            world.finish(spec, out, full)
             if sec is not None:
-                sec.keep(gather.out, spec.world_size, gather.version)
+                sec.keep(out, spec.world_size, gather.version)
             return
         if gather.route is Route.SECONDARY:
-            hpz.finish(spec, gather.out, gather.full, sec.p)
-            return
+            return hpz.finish(spec, out, full, sec.p)
         if gather.route is Route.DELTA and sec.pieces is None:
             # The copies were dropped while the delta was in flight (zeropp.refresh, a
             # load): every rank did the same, so every rank gathers in full instead.
-            return self.finish(self.issue(gather.comm, gather.phase, gather.shard, gather.full))
+            return self.finish(self.issue(gather.comm, gather.phase, gather.shard, full))
         if gather.route is Route.HIER:
             if sec is not None:
-                sec.set(gather.out, gather.version)  # stage 1's output is the secondary
-            mine, op, group = gather.out, f"all_gather/{gather.phase}/intra", "intra_node"
+                sec.set(out, gather.version)  # stage 1's output is the secondary
+            mine, op, group = out, f"all_gather/{gather.phase}/intra", "intra_node"
         else:
-            delta.finish(spec, gather.out, sec.pieces.view(spec.world_size // sec.p, -1),
+            delta.finish(spec, out, sec.pieces.view(spec.world_size // sec.p, -1),
                          self.outer_index)
-            sec.applied(gather.version)
+            sec.set(sec.pieces, gather.version)  # the delta applied: current again
             mine, op, group = sec.pieces, f"all_gather/{gather.phase}/hpz", "hpz"
         pending, out = hpz.issue(spec, gather.comm, mine, op, group)
         pending.wait()
-        hpz.finish(spec, out, gather.full, len(gather.comm.ranks[group]))
+        hpz.finish(spec, out, full, len(gather.comm.ranks[group]))

@@ -1,15 +1,12 @@
-"""qWD: secondaries kept across optimizer steps. After a step each owner sends a
-delta of its primary shard to the holders of copies of it (its inter-node
-group); every holder, the owner too, applies it to its copy, bit for bit the
-same everywhere; then the gather inside the node (hpz.py).
+"""qWD: secondaries kept across optimizer steps, moved by deltas (the routes note);
+then the gather inside the node (hpz.py).
 
 [Note: qWD's copies]
-The copies are qwZ's INT8 blocks of the masters, the bytes the node gathers for
-every forward and backward, as ZeRO++'s INT8 secondary; the delta moves their
-integer codes (qwd.py: the copy becomes qwZ's INT8 of the new master, exactly
-whenever no code moved by more than 7). The route depends only on state every
-rank shares (version counters, steps), so every rank issues the same collectives
-in the same order on each group.
+The copies are qwZ's INT8 blocks of the masters, the bytes the node gathers for every
+forward and backward, as ZeRO++'s INT8 secondary; the delta moves their integer codes
+(qwd.py: the copy becomes qwZ's INT8 of the new master, exactly whenever no code moved
+by more than 7). The route depends only on state every rank shares (version counters,
+steps), so every rank issues the same collectives in the same order on each group.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ def issue(spec: WeightSpec, comm: Comm, op: str, shard: torch.Tensor, own_copy: 
     send = torch.empty(qwd.wire_bytes(spec.shard_numel, spec.block), dtype=torch.uint8,
                        device=own_copy.device)
     qwd.encode(shard, own_copy, send, block=spec.block)
-    out = torch.empty(n * send.numel(), dtype=torch.uint8, device=send.device)
+    out = send.new_empty(n * send.numel())
     return comm.all_gather(out, send, op=op, group="inter_node",
                            scale_bytes=n * qwd.meta_bytes(spec.shard_numel, spec.block)), out
 

@@ -1,20 +1,18 @@
-"""hpZ: the secondary shard, and the gather inside the node from it. After a
-world gather a rank keeps the pieces of its column (the note), and a later
-gather of the unit (the backward's) runs inside the hpZ group from them, without
-crossing a node boundary. `issue` / `finish` are also the second stage of the
-hierarchical gather and of qWD's refresh.
+"""hpZ: the secondary shard, and the gather inside the node from it. After a world
+gather a rank keeps the pieces of its column (the note); a later gather of the unit
+(the backward's) runs from them inside the hpZ group, crossing no node boundary.
+`issue` / `finish` are also the second stage of the hierarchical gather and of qWD.
 
 [Note: the secondary shard's layout]
-With hpZ groups of P ranks, rank r (index i = r mod P in its group) keeps the
-primary shards of the W/P ranks k*P + i, k = 0..W/P-1, as its *secondary*
-(piece k = rank k*P+i's shard). For P = D these are the ranks sharing r's local
-index, one per node: exactly the inter-node group, so the first stage of a
-hierarchical gather (an all-gather in that group) outputs the secondary itself,
-with no copy, and the owner of a primary shard and every holder of a copy of it
-are one inter-node group, which is what qWD's deltas travel in. A gather from
-secondaries (inside the hpZ group) receives the pieces in (i, k) order and
-places piece (i, k) at slot k*P + i: the same bytes a world gather puts there.
-The secondary holds wire bytes when the weights travel quantized (qwZ: the
+With hpZ groups of P ranks, rank r (index i = r mod P in its group) keeps the primary
+shards of the W/P ranks k*P + i, k = 0..W/P-1, as its *secondary* (piece k = rank
+k*P+i's shard). For P = D these are the ranks sharing r's local index, one per node:
+exactly the inter-node group, so a hierarchical gather's first stage (an all-gather in
+that group) outputs the secondary itself, with no copy, and the owner of a primary
+shard and every holder of a copy of it are one inter-node group, which qWD's deltas
+travel in. A gather from secondaries (inside the hpZ group) receives the pieces in
+(i, k) order and places piece (i, k) at slot k*P + i: the same bytes a world gather
+puts there. The secondary holds wire bytes when the weights travel quantized (qwZ: the
 bytes as received; qWD's copies are these), else weights at the compute dtype.
 """
 
@@ -74,25 +72,19 @@ class Secondary:
             self.invalidate()
 
     def start_delta(self) -> tuple:
-        """A delta is being sent: until `applied`, the copies are mid-update (the
-        owner's piece moved at the encode), so a failure leaves a full refresh due
-        rather than a resend. Returns the version the copies will stand for."""
+        """A delta is being sent: until it is applied (`set` again), the copies are
+        mid-update (the owner's piece moved at the encode), so a failure leaves a full
+        refresh due rather than a resend. Returns the version the copies will stand for."""
         version, self._stepped = self._stepped, None
         return version
-
-    def applied(self, version: tuple) -> None:
-        self._current, self._stepped = version, None
 
     def state(self, version: tuple) -> dict[str, torch.Tensor]:
         """The copies and whether a delta is due ({} when stale by an outside change:
         the next gather refreshes in full anyway)."""
-        if self.pieces is None:
+        due = self._stepped == version
+        if self.pieces is None or not (due or self._current == version):
             return {}
-        due = self._stepped is not None and self._stepped == version
-        if not due and self._current != version:
-            return {}
-        # (the second number, deltas since a full refresh, is no longer used: kept 0 so
-        # that checkpoints keep one format)
+        # (the second number, deltas since a full refresh, is unused: kept 0 for the format)
         return {"secondary": self.pieces.detach().cpu(),
                 "delta_due": torch.tensor([int(due), 0])}
 
@@ -105,18 +97,15 @@ class Secondary:
 
 def issue(spec: WeightSpec, comm: Comm, mine: torch.Tensor, op: str, group: str
           ) -> tuple[Pending, torch.Tensor]:
-    """All-gather every group member's pieces `mine` inside `group` (the hpZ group or
-    the node)."""
-    g = len(comm.ranks[group])
-    out = torch.empty(g * mine.numel(), dtype=mine.dtype, device=mine.device)
-    scales = spec.scale_bytes * spec.world_size if spec.bits is not None else 0
-    return comm.all_gather(out, mine, op=op, group=group, scale_bytes=scales), out
+    """All-gather every member's pieces `mine` inside `group` (the hpZ group or the node)."""
+    out = mine.new_empty(len(comm.ranks[group]) * mine.numel())
+    return comm.all_gather(out, mine, op=op, group=group,
+                           scale_bytes=spec.scale_bytes(spec.world_size)), out
 
 
-def finish(spec: WeightSpec, out: torch.Tensor, full: torch.Tensor, members: int) -> None:
-    """Member i's piece j (at i*k + j in `out`, k = W / members) into slot
-    j*members + i of `full`, dequantized when the pieces are wire bytes."""
-    g = members
+def finish(spec: WeightSpec, out: torch.Tensor, full: torch.Tensor, g: int) -> None:
+    """Member i's piece j (at i*k + j in `out`, k = W / g members) into slot j*g + i
+    of `full`, dequantized when the pieces are wire bytes."""
     k = spec.world_size // g
     if spec.bits is not None:
         dequantize_pieces(out, full, pieces=g * k, bits=spec.bits, block=spec.block,
