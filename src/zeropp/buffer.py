@@ -9,11 +9,10 @@ checkpoints (`state` / `load_state`). The engine's FlatParam holds one per flat,
 the FSDP2 driver one per region of a module's chunk (fsdp2/comms.py).
 
 [Note: why optimizer steps are hooked]
-hpZ's secondaries stand for one version of the master shards: after a step they
-are stale (qWD: a delta is due). Version counters alone cannot tell a step from
-any other write (fused optimizers update in place without bumping them), so both
-drivers hook every optimizer's step globally (there is no engine object to call)
-and act only for an optimizer that holds their shards.
+hpZ's secondaries stand for one version of the master shards: after a step they are
+stale (qWD: a delta is due). Version counters cannot tell a step from any other write
+(fused optimizers update in place without bumping them), so both drivers hook every
+optimizer's step globally (no engine object to call), acting only for their shards'.
 """
 
 from __future__ import annotations
@@ -37,11 +36,11 @@ from .weights import WeightPath, WeightSpec
 
 
 class ShardedBuffer:
-    """The weight path and gradient route of a buffer cut as `layout` says. `version`:
-    what its master weights are now (`version_of`); `bits`: the weights travel as
-    `bits`-bit wire bytes (None: at the compute dtype); `stored_as_wire`: the master
-    shard is those bytes already; `route`: False for none made here (FSDP2's driver
-    reduces exactly without one, and sets qgZ's at the block each reduction asks for)."""
+    """The weight path and gradient route of a buffer cut as `layout` says. `version`: what
+    its master weights are now (`version_of`); `bits`: the weights travel as `bits`-bit
+    wire bytes (None: at the compute dtype); `stored_as_wire`: the master shard is those
+    bytes already; `route`: False: none made here (FSDP2's driver reduces exactly without
+    one, or sets qgZ's at the block each reduction asks for)."""
 
     def __init__(self, layout: ShardLayout, topo: Topology, cfg: Config, *,
                  version: Callable[[], tuple], bits: Optional[int], trainable: bool,

@@ -27,10 +27,9 @@ import torch
 
 
 class FlatGrad:
-    """The gradient of a flat buffer whose parameters are `params` (module attributes,
-    placed as `infos` say) and whose master shard is `master` (its first `valid`
-    elements hold parameters; the rest is padding). Frozen (not `trainable`): none
-    ever arrives."""
+    """The gradient of a flat buffer whose parameters are `params` (module attributes, placed
+    as `infos` say) and whose master shard is `master` (its first `valid` elements hold
+    parameters, the rest padding). Frozen (not `trainable`): none ever arrives."""
 
     def __init__(self, infos: list[Any], params: list[torch.Tensor], padded_numel: int,
                  master: torch.Tensor, valid: int, *, trainable: bool) -> None:

@@ -9,9 +9,8 @@ equal *primary shards*; rank r keeps shard r.
                   bytes): the master weights, an nn.Parameter the optimizer steps
   full weights    `full`: the whole buffer at the compute dtype, alive between a
                   gather and the matching free
-  module attributes  `params`: one tensor per original parameter on `full`'s
-                  storage (0 elements while freed); what the model computes with
-                  (flat_views.py, "how the full weights reach the module")
+  module attributes  `params`: one tensor per original parameter on `full`'s storage
+                  (0 elements while freed), what the model computes with (flat_views.py)
   secondary shard hpZ: W/P primary shards of the ranks in this rank's column, kept after
                   a forward so the backward gathers inside the node (weights/hpz.py's note)
   qWD copy        a secondary kept across steps as qwZ's INT8 blocks, moved by deltas
@@ -50,11 +49,9 @@ class State(enum.Enum):
     """Where a flat buffer's full weights are, and what its module attributes show."""
 
     FREED = "freed"            # `full` holds no storage; the attributes show 0 elements
-    GATHERING = "gathering"    # a gather is in flight (`pending`); the attributes show
-    #                            what they showed before it
+    GATHERING = "gathering"    # a gather is in flight (`pending`); the attributes as before
     GATHERED = "gathered"      # `full` holds the weights; the attributes are its views
-    SHAPED = "shaped"          # freed, the attributes show their shapes: a backward that
-    #                            reads none of these weights is under way (see the note)
+    SHAPED = "shaped"          # freed, the attributes show their shapes (`show_shapes`)
 
 
 # The moves `FlatParam._move` makes: the only place the state changes.

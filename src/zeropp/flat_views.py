@@ -47,7 +47,7 @@ class FlatViews:
     def __init__(self, infos: list[Any], full: torch.Tensor) -> None:
         self.infos = infos
         self.params = [_on(full, info) for info in infos]
-        self._empty = torch.empty(0, dtype=full.dtype, device=full.device)
+        self._empty = full.new_empty(0)
         self.renew(full)
 
     def renew(self, full: torch.Tensor) -> None:
@@ -90,5 +90,4 @@ def own(flat: Any, tensors: list[torch.Tensor]) -> None:
 
 def _on(full: torch.Tensor, info: Any) -> torch.Tensor:
     """A tensor of `info.shape` on `full`'s storage at `info.offset`."""
-    return torch.empty(0, dtype=full.dtype, device=full.device).set_(
-        full.untyped_storage(), info.offset, info.shape)
+    return full.new_empty(0).set_(full.untyped_storage(), info.offset, info.shape)

@@ -23,9 +23,8 @@ if TYPE_CHECKING:
 def make(params: list[nn.Parameter], infos: list[Any], lay: ShardLayout, rank: int, *,
          sync: Optional[Callable[[torch.Tensor], None]], bits: Optional[int],
          trainable: bool) -> nn.Parameter:
-    """Rank `rank`'s shard of `params`, each placed as its `infos` entry says (`bits`:
-    stored as those wire bytes). `sync`: makes the flat buffer every rank's (a
-    broadcast)."""
+    """Rank `rank`'s shard of `params`, each placed as its `infos` entry says (`bits`: stored
+    as those wire bytes). `sync`: makes the flat buffer every rank's (a broadcast)."""
     flat = torch.zeros(lay.padded_numel, dtype=torch.float32, device=params[0].device)
     for p, info in zip(params, infos):
         # A parameter built under deferred_init() gets its values now, one at a time,
