@@ -39,8 +39,7 @@ class ShardedBuffer:
     """The weight path and gradient route of a buffer cut as `layout` says. `version`: what
     its master weights are now (`version_of`); `bits`: the weights travel as `bits`-bit
     wire bytes (None: at the compute dtype); `stored_as_wire`: the master shard is those
-    bytes already; `route`: False: none made here (FSDP2's driver reduces exactly without
-    one, or sets qgZ's at the block each reduction asks for)."""
+    bytes already; `route`: False: none here (FSDP2's driver reduces exactly or sets qgZ's)."""
 
     def __init__(self, layout: ShardLayout, topo: Topology, cfg: Config, *,
                  version: Callable[[], tuple], bits: Optional[int], trainable: bool,

@@ -45,8 +45,7 @@ class FlatGrad:
         me = weakref.ref(self)  # a tensor's hooks are invisible to Python's gc: no cycle
 
         def arrived(t: torch.Tensor, i: int) -> None:
-            grads = me()
-            if grads is not None:
+            if (grads := me()) is not None:
                 grads.arrive(i, t)
         for i, t in enumerate(params if trainable else []):
             t.requires_grad_(True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from typing import Any, Callable, Optional
 
 import torch
@@ -77,12 +78,10 @@ class FlatParam:
         self.trainable, self.compute_dtype, self.persistent = trainable, compute_dtype, persistent
         self.gathered_for: Optional[tuple] = None  # master version the full weights show
         self.world_size, self.rank = topo.world_size, topo.rank
-        self.infos: list[ParamInfo] = []
-        offset = 0
-        for p, regs, fqns in params:
-            self.infos.append(ParamInfo(fqns, regs, p.shape, p.numel(), offset))
-            offset += p.numel()
-        self.numel = offset
+        offsets = [0, *itertools.accumulate(p.numel() for p, _, _ in params)]
+        self.infos = [ParamInfo(fqns, regs, p.shape, p.numel(), offset)
+                      for (p, regs, fqns), offset in zip(params, offsets)]
+        self.numel = offsets[-1]
         # qwZ: weights travel as `weight_bits` integers; frozen ones may be stored so.
         self.int_storage = not trainable and cfg.quantized_nontrainable_weights
         self.quantized_gather = cfg.quantized_weights or self.int_storage
@@ -94,8 +93,7 @@ class FlatParam:
         self.primary_shard = master_shard.make(
             [p for p, _, _ in params], self.infos, lay, topo.rank, sync=sync,
             bits=self.weight_bits if self.int_storage else None, trainable=trainable)
-        device = self.primary_shard.device
-        self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
+        self.full = self.primary_shard.new_empty(self.padded_numel, dtype=compute_dtype)
         # The module attributes (flat_views.py): views of `full` while gathered, else empty.
         self.views = FlatViews(self.infos, self.full)
         self.params = self.views.params
@@ -164,9 +162,8 @@ class FlatParam:
             with torch.inference_mode(False):
                 self.buffer.weights.finish(gather)
         except BaseException:
-            # Not finished twice (a qWD delta would apply twice): the buffer is let go
-            # (a timed-out collective may still write into it) and the secondary,
-            # perhaps half updated, dropped for a full refresh.
+            # Not finished twice (a qWD delta would apply twice): the buffer is let go (a
+            # timed-out collective may still write it), a maybe half-updated secondary dropped.
             self.buffer.invalidate()
             self._new_buffer()
             self._free_storage()

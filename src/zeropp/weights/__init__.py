@@ -117,8 +117,7 @@ class WeightPath:
         return Route.HIER if self.hierarchical else Route.WORLD
 
     def issue(self, comm: Comm, phase: str, shard: torch.Tensor, full: torch.Tensor) -> Gather:
-        """Start gathering every rank's `shard` (this rank's primary shard, detached)
-        into `full`; `finish` completes it."""
+        """Start gathering every rank's `shard` (this one's primary shard, detached) into `full`."""
         route, op, spec = self.route(), f"all_gather/{phase}", self.spec
         version = self.version()  # what the result stands for, whatever happens meanwhile
         if route is Route.SECONDARY:
@@ -134,8 +133,7 @@ class WeightPath:
         return Gather(route, phase, comm, pending, out, full, shard, version)
 
     def finish(self, gather: Gather) -> None:
-        """Wait for `gather`'s first collective, run its second stage, leave the weights in
-        `gather.full`."""
+        """Wait for `gather`'s first collective, run its second stage: the weights in `full`."""
         gather.pending.wait()
         spec, sec, out, full = self.spec, self.secondary, gather.out, gather.full
         if gather.route is Route.WORLD:

@@ -27,8 +27,7 @@ def issue(spec: WeightSpec, comm: Comm, op: str, shard: torch.Tensor, own_copy: 
     """The owner moves its copy of its shard to qwZ's INT8 of `shard` and
     all-gathers how the codes moved to the shard's holders (the inter-node group)."""
     n = spec.world_size // comm.topo.node_size
-    send = torch.empty(qwd.wire_bytes(spec.shard_numel, spec.block), dtype=torch.uint8,
-                       device=own_copy.device)
+    send = own_copy.new_empty(qwd.wire_bytes(spec.shard_numel, spec.block), dtype=torch.uint8)
     qwd.encode(shard, own_copy, send, block=spec.block)
     out = send.new_empty(n * send.numel())
     return comm.all_gather(out, send, op=op, group="inter_node",

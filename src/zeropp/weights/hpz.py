@@ -58,16 +58,14 @@ class Secondary:
         self.pieces = self._current = self._stepped = None
 
     def after_step(self, version: tuple) -> None:
-        """An optimizer step updated the master shard: qWD keeps the copies and sends
-        a delta at the next gather; plain hpZ drops them (its next gather is a full one)."""
+        """A step updated the master shard: qWD keeps the copies (a delta due), hpZ drops them."""
         if self.persists and self.pieces is not None:
             self._stepped, self._current = version, None
         else:
             self.invalidate()
 
     def before_step(self, version: tuple) -> None:
-        """A master shard changed since its copies were made current, not by a step,
-        must be refreshed in full, not by a delta."""
+        """A master shard changed, not by a step, since the copies were current: full refresh."""
         if self.pieces is not None and version not in (self._current, self._stepped):
             self.invalidate()
 
@@ -79,14 +77,12 @@ class Secondary:
         return version
 
     def state(self, version: tuple) -> dict[str, torch.Tensor]:
-        """The copies and whether a delta is due ({} when stale by an outside change:
-        the next gather refreshes in full anyway)."""
+        """The copies and whether a delta is due ({} if stale: the next gather is a full one)."""
         due = self._stepped == version
         if self.pieces is None or not (due or self._current == version):
             return {}
         # (the second number, deltas since a full refresh, is unused: kept 0 for the format)
-        return {"secondary": self.pieces.detach().cpu(),
-                "delta_due": torch.tensor([int(due), 0])}
+        return {"secondary": self.pieces.detach().cpu(), "delta_due": torch.tensor([int(due), 0])}
 
     def load_state(self, state: dict[str, torch.Tensor], device: torch.device,
                    version: tuple) -> None:
