@@ -11,12 +11,44 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BITS = (4, 8)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_NAMES = "torch.float32, torch.bfloat16 or torch.float16"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(low: int) -> Callable[[Any], bool]:
+    return lambda v: _is_int(v) and v >= low
+
+
+def _bits(v) -> bool:
+    return _is_int(v) and v in (4, 8)
+
+
+# Each field that is not a bool: (its test, what is allowed); an Optional field also takes None.
+_RULES = {
+    "hpz_partition_size": (_int(1), "an integer >= 1"),
+    "node_size": (_int(1), "None or an integer >= 1"),
+    "param_dtype": (lambda v: v in _DTYPES, f"None, {_DTYPE_NAMES}"),
+    "reduce_dtype": (lambda v: v in _DTYPES, _DTYPE_NAMES),
+    "weight_bits": (_bits, "4 or 8"),
+    "grad_bits": (_bits, "4 or 8"),
+    "intra_node_grad_bits": (_bits, "None, 4 or 8"),
+    "block_size": (lambda v: _is_int(v) and 8 <= v <= 1 << 20 and v % 8 == 0,
+                   "a multiple of 8 in [8, 1048576] (keeps wire pieces 4-byte aligned)"),
+    "prefetch_depth": (_int(1), "an integer >= 1"),
+    "reduce_buckets": (_int(1), "an integer >= 1"),
+    "persistence_threshold": (_int(0), "an integer >= 0"),
+    "model_persistence_threshold": (_int(0), "None or an integer >= 0"),
+    "collective_timeout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                           and 0 < v < float("inf"), "None or a positive number of seconds"),
+}
 
 
 @dataclass(frozen=True)
@@ -79,45 +111,17 @@ class Config:
     the process group's timeout."""
 
     def __post_init__(self) -> None:
-        for name in ("quantized_weights", "quantized_gradients",
-                     "quantized_nontrainable_weights", "prefetch", "async_reduce",
-                     "gradient_error_feedback", "hierarchical_gather", "weight_delta"):
-            _check(name, getattr(self, name), isinstance(getattr(self, name), bool),
-                   "True or False")
-        _check_int("hpz_partition_size", self.hpz_partition_size, 1, "an integer >= 1")
-        _check_int("prefetch_depth", self.prefetch_depth, 1, "an integer >= 1")
-        _check_int("reduce_buckets", self.reduce_buckets, 1, "an integer >= 1")
-        _check_int("persistence_threshold", self.persistence_threshold, 0, "an integer >= 0")
-        if self.model_persistence_threshold is not None:
-            _check_int("model_persistence_threshold", self.model_persistence_threshold, 0,
-                       "None or an integer >= 0")
-        if self.node_size is not None:
-            _check_int("node_size", self.node_size, 1, "None or an integer >= 1")
-        if self.param_dtype is not None:
-            _check("param_dtype", self.param_dtype, self.param_dtype in _FLOAT_DTYPES,
-                   "None, torch.float32, torch.bfloat16 or torch.float16")
-        _check("reduce_dtype", self.reduce_dtype, self.reduce_dtype in _FLOAT_DTYPES,
-               "torch.float32, torch.bfloat16 or torch.float16")
-        for name in ("weight_bits", "grad_bits", "intra_node_grad_bits"):
-            v = getattr(self, name)
-            if v is not None or name != "intra_node_grad_bits":
-                _check(name, v, _is_int(v) and v in _BITS,
-                       "None, 4 or 8" if name == "intra_node_grad_bits" else "4 or 8")
-        _check("block_size", self.block_size,
-               _is_int(self.block_size) and 8 <= self.block_size <= 1 << 20
-               and self.block_size % 8 == 0,
-               "a multiple of 8 in [8, 1048576] (keeps wire pieces 4-byte aligned)")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            ok, allowed = _RULES.get(f.name) or (lambda v: isinstance(v, bool), "True or False")
+            if not (ok(v) or (v is None and f.type.startswith("Optional"))):
+                raise ValueError(f"zeropp.Config: {f.name}={v!r} is invalid; allowed: {allowed}")
         if self.weight_delta and self.hpz_partition_size == 1:
             raise ValueError("zeropp.Config: weight_delta=True needs hpZ (the secondary copies "
                              "it refreshes): set hpz_partition_size to the node size")
         if self.weight_delta and not (self.quantized_weights and self.weight_bits == 8):
             raise ValueError("zeropp.Config: weight_delta=True moves the codes of qwZ's INT8 "
                              "copies: it needs quantized_weights=True and weight_bits=8")
-        if self.collective_timeout is not None:
-            t = self.collective_timeout
-            _check("collective_timeout", t, isinstance(t, (int, float))
-                   and not isinstance(t, bool) and 0 < t < float("inf"),
-                   "None or a positive number of seconds")
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
@@ -141,9 +145,7 @@ class Config:
         with one switch flipped, e.g. "zeropp-plus~ef" (see SWITCHES).
         hpZ is sized to `node_size` (None: LOCAL_WORLD_SIZE, else the world size,
         else 1); `overrides` are Config fields that win."""
-        if node_size is None:
-            node_size = _default_node_size()
-        return named(name, node_size, **overrides)
+        return named(name, _default_node_size() if node_size is None else node_size, **overrides)
 
     @classmethod
     def from_deepspeed(cls, ds_config: Union[dict, str, os.PathLike], **overrides) -> Config:
@@ -228,15 +230,3 @@ def _default_node_size() -> int:
         return dist.get_world_size()
     return 1
 
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check(name: str, value, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"zeropp.Config: {name}={value!r} is invalid; allowed: {allowed}")
-
-
-def _check_int(name: str, value, minimum: int, allowed: str) -> None:
-    _check(name, value, _is_int(value) and value >= minimum, allowed)

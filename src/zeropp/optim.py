@@ -26,17 +26,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     st.comm.unit = "<all: gradient norm>"
     grads = [f.primary_shard.grad for f in st.flats if f.primary_shard.grad is not None]
     device = st.flats[0].primary_shard.device if st.flats else torch.device("cpu")
-    if norm_type == 2.0:
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            local += g.float().pow(2).sum()
-        total = st.comm.all_reduce(local.reshape(1), op="all_reduce/grad_norm")[0].sqrt()
-    else:
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            local = torch.maximum(local, g.float().abs().max())
-        total = st.comm.all_reduce(local.reshape(1), op="all_reduce/grad_norm",
-                                   reduce_op=dist.ReduceOp.MAX)[0]
+    l2 = norm_type == 2.0
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        local = (local + g.float().pow(2).sum() if l2
+                 else torch.maximum(local, g.float().abs().max()))
+    total = st.comm.all_reduce(local.reshape(1), op="all_reduce/grad_norm",
+                               reduce_op=dist.ReduceOp.SUM if l2 else dist.ReduceOp.MAX)[0]
+    total = total.sqrt() if l2 else total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

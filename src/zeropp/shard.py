@@ -11,6 +11,7 @@ The model class is untouched and the training loop stays plain PyTorch.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable, Optional
 
@@ -204,78 +205,69 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     holds more than one unit's full weights.
     """
     with paused():  # called inside an open deferred_init() / zero.Init(): nothing recorded
-        return _shard(model, cfg, unit_types, param_groups, sync_module_states)
-
-
-def _shard(model: nn.Module, cfg: Optional[Config], unit_types: Optional[tuple],
-           param_groups: Optional[list], sync_module_states: bool) -> nn.Module:
-    cfg = cfg if cfg is not None else Config()
-    if not isinstance(cfg, Config):
-        raise TypeError(f"zeropp.shard: cfg must be a zeropp.Config, got {type(cfg).__name__}")
-    for m in model.modules():
-        if hasattr(m, "_zeropp_state") or hasattr(m, "_zeropp_unit"):
-            raise RuntimeError("zeropp.shard: this model (or a submodule of it) is already "
-                               "sharded; call shard() once, on the root model")
-    show_module(model)  # parameters that show 0 elements until sharded (zero.Init's)
-    if unit_types is not None:
-        unit_types = tuple(unit_types) if isinstance(unit_types, (list, tuple)) else (unit_types,)
-    topo = get_topology(cfg.node_size)
-    if any(p.device.type in ("cpu", "meta") for p in model.parameters()):  # (meta: built on CPU)
-        threshold = mmap_threshold_for(sum(p.numel() for p in model.parameters()))
-        if threshold is not None:  # freed buffers go back to the OS (memory.py)
-            release_freed_host_memory(threshold)
-    state = ShardState(cfg, topo)
-    if any(p.is_meta for p in model.parameters()):
-        defer_meta(model)  # then materialized one unit at a time, as deferred_init's
-    units = unit_modules(model, unit_types)
-    check_same_model(model, list(units.values()))  # one small all-gather; raises on all ranks
-    sync = None
-    if sync_module_states and topo.world_size > 1:
-        def sync(t: torch.Tensor) -> None:
-            dist.broadcast(t, src=0)
-        with torch.no_grad():
-            for b in model.buffers():
-                dist.broadcast(b.data, src=0)
-    owned = assign_params(model, units)
-    group_of = {id(p): k for k, ps in enumerate(param_groups or []) for p in ps}
-    order = {m: list(m._parameters) for plist in owned.values() for _, regs, _ in plist
-             for m, _ in regs}  # for the state dict's key order
-    persistent = _persistent(model, cfg)
-    for plist in owned.values():
-        for _, regs, _ in plist:
-            for m, attr in regs:
-                del m._parameters[attr]
-    forget_parameters([p for plist in owned.values() for p, _, _ in plist])
-    for mod, name in units.items():
-        groups: dict[tuple, list] = {}
-        for entry in owned[mod]:
-            p = entry[0]
-            key = (p.requires_grad, cfg.param_dtype or p.dtype, group_of.get(id(p), -1),
-                   id(p) in persistent)
-            groups.setdefault(key, []).append(entry)
-        prefix = f"{name}." if name else ""
-        flats = [FlatParam(plist, topo=topo, cfg=cfg, compute_dtype=dtype, trainable=trainable,
-                           name=f"{prefix}_zeropp_flat{k}", param_group=group, sync=sync,
-                           persistent=keep)
-                 for k, ((trainable, dtype, group, keep), plist) in enumerate(groups.items())]
-        for k, f in enumerate(flats):
-            mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)
-        unit = Unit(name, mod, flats, state)
-        mod._zeropp_unit = unit
-        # Under torch.compile(model) the hooks (collectives, storage resizes) run
-        # eagerly, each a graph break at the unit's boundary; the units' compute compiles.
-        mod.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True)
-        mod.register_forward_hook(_eager(unit.post_forward))
-        state.units.append(unit)
-    install_state_dict_hooks(state.units, order)
-    model._zeropp_state = state
-    state.root_ref = weakref.ref(model)
-    _step_hooks(state)
-    hooks = getattr(model, "_zeropp_tensor_hooks", None)  # a front door's (FlatParam.set_hooks)
-    if hooks is not None:
-        for f in state.flats:
-            f.set_hooks(hooks)
-    return model
+        cfg = cfg if cfg is not None else Config()
+        if not isinstance(cfg, Config):
+            raise TypeError("zeropp.shard: cfg must be a zeropp.Config, got "
+                            f"{type(cfg).__name__}")
+        for m in model.modules():
+            if hasattr(m, "_zeropp_state") or hasattr(m, "_zeropp_unit"):
+                raise RuntimeError("zeropp.shard: this model (or a submodule of it) is already "
+                                   "sharded; call shard() once, on the root model")
+        show_module(model)  # parameters that show 0 elements until sharded (zero.Init's)
+        if unit_types is not None and not isinstance(unit_types, tuple):
+            unit_types = tuple(unit_types) if isinstance(unit_types, list) else (unit_types,)
+        topo = get_topology(cfg.node_size)
+        if any(p.device.type in ("cpu", "meta") for p in model.parameters()):  # meta: built on CPU
+            threshold = mmap_threshold_for(sum(p.numel() for p in model.parameters()))
+            if threshold is not None:  # freed buffers go back to the OS (memory.py)
+                release_freed_host_memory(threshold)
+        state = ShardState(cfg, topo)
+        if any(p.is_meta for p in model.parameters()):
+            defer_meta(model)  # then materialized one unit at a time, as deferred_init's
+        units = unit_modules(model, unit_types)
+        check_same_model(model, list(units.values()))  # one small all-gather; raises on all ranks
+        sync = None
+        if sync_module_states and topo.world_size > 1:
+            sync = functools.partial(dist.broadcast, src=0)
+            with torch.no_grad():
+                for b in model.buffers():
+                    sync(b.data)
+        owned = assign_params(model, units)
+        group_of = {id(p): k for k, ps in enumerate(param_groups or []) for p in ps}
+        regs = [r for plist in owned.values() for _, rs, _ in plist for r in rs]
+        order = {m: list(m._parameters) for m, _ in regs}  # for the state dict's key order
+        persistent = _persistent(model, cfg)
+        for m, attr in regs:
+            del m._parameters[attr]
+        forget_parameters([p for plist in owned.values() for p, _, _ in plist])
+        for mod, name in units.items():
+            groups: dict[tuple, list] = {}
+            for entry in owned[mod]:
+                p = entry[0]
+                groups.setdefault((p.requires_grad, cfg.param_dtype or p.dtype,
+                                   group_of.get(id(p), -1), id(p) in persistent), []).append(entry)
+            prefix = f"{name}." if name else ""
+            flats = [FlatParam(plist, topo=topo, cfg=cfg, compute_dtype=dtype, trainable=trainable,
+                               name=f"{prefix}_zeropp_flat{k}", param_group=group, sync=sync,
+                               persistent=keep)
+                     for k, ((trainable, dtype, group, keep), plist) in enumerate(groups.items())]
+            for k, f in enumerate(flats):
+                mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)
+            unit = Unit(name, mod, flats, state)
+            mod._zeropp_unit = unit
+            # Under torch.compile(model) the hooks (collectives, storage resizes) run
+            # eagerly, each a graph break at the unit's boundary; the units' compute compiles.
+            mod.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True)
+            mod.register_forward_hook(_eager(unit.post_forward))
+            state.units.append(unit)
+        install_state_dict_hooks(state.units, order)
+        model._zeropp_state = state
+        state.root_ref = weakref.ref(model)
+        _step_hooks(state)
+        if (hooks := getattr(model, "_zeropp_tensor_hooks", None)) is not None:  # a front door's
+            for f in state.flats:
+                f.set_hooks(hooks)
+        return model
 
 
 def _eager(hook: Callable) -> Callable:
@@ -301,15 +293,13 @@ def _persistent(model: nn.Module, cfg: Config) -> set[int]:
 
 
 def get_state(model: nn.Module) -> ShardState:
-    st = getattr(model, "_zeropp_state", None)
-    if st is None:
+    if (st := getattr(model, "_zeropp_state", None)) is None:
         raise ValueError("zeropp: this model was not sharded with zeropp.shard()")
     return st
 
 
 def _stats(model: nn.Module) -> CommStats:
-    fsdp2 = getattr(model, "_zeropp_fsdp2", None)  # zeropp.fsdp2.install
-    if fsdp2 is not None:
+    if (fsdp2 := getattr(model, "_zeropp_fsdp2", None)) is not None:  # zeropp.fsdp2.install
         return fsdp2.stats
     ft = getattr(model, "_zeropp", None)  # a process group from zeropp.ft.wrap
     if ft is not None and not isinstance(model, nn.Module):
@@ -332,8 +322,7 @@ def refresh(model: nn.Module) -> None:
     until deltas caught up). Optimizer steps, checkpoint loads, `load_state_dict`
     and in-place ops on the parameters are detected without it. Call it on
     every rank. Also for a model under `zeropp.fsdp2.install`."""
-    fsdp2 = getattr(model, "_zeropp_fsdp2", None)
-    if fsdp2 is not None:
+    if (fsdp2 := getattr(model, "_zeropp_fsdp2", None)) is not None:
         return fsdp2.refresh()
     st = get_state(model)
     for f in st.flats:

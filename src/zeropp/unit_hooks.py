@@ -86,8 +86,7 @@ class Unit:
             f.use_views()
         if st.cfg.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), st.cfg.param_dtype)
-        if (torch.is_grad_enabled() and not any(f.trainable for f in self.flats)
-                and self.flats):
+        if self.flats and torch.is_grad_enabled() and not any(f.trainable for f in self.flats):
             # No leaf gradient will tell us when backward is done with frozen
             # weights: learn it from the gradient reaching the unit's inputs.
             args, kwargs = _PostBackward.attach(self, args, kwargs)
@@ -98,12 +97,9 @@ class Unit:
         if st.backward_active:
             return output  # recomputation inside backward: weights still needed
         self.free()
-        hooked = False
-        if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(self._pre_backward)
-                    hooked = True
+        hooked = [t for t in _tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        for t in hooked:
+            t.register_hook(self._pre_backward)
         if hooked:  # only units that backward will reach are worth prefetching
             st.finished_order.append(self)
         if self.is_root:
@@ -133,8 +129,7 @@ class Unit:
         self.wait()
 
     def _flat_grad_ready(self, flat: FlatParam) -> None:
-        st = self.state
-        st.begin_backward()
+        self.state.begin_backward()
         self.reduce(flat)
         if not any(f.grads.needs_reduce for f in self.flats):
             self.free()
@@ -177,7 +172,6 @@ class _PostBackward(torch.autograd.Function):
         for i, o in zip(idx, outs):
             leaves[i] = o
         return tree_unflatten(leaves, spec)
-
 
 
 def _graph_task() -> int:
