@@ -1,10 +1,8 @@
 """Config: every knob of zeropp in one frozen, validated dataclass.
 
-Names follow DeepSpeed's ZeRO++ keys where one exists (`zero_quantized_weights`
--> `quantized_weights`, ...), so a DeepSpeed user finds each switch at once.
-A bad value raises `ValueError` naming the field, the value and what is allowed,
-at construction time rather than deep inside a collective.
-"""
+Names follow DeepSpeed's ZeRO++ keys where one exists (`zero_quantized_weights` ->
+`quantized_weights`, ...). A bad value raises `ValueError` naming the field, the value and
+what is allowed, at construction rather than deep inside a collective."""
 
 from __future__ import annotations
 
@@ -33,17 +31,15 @@ def _bits(v) -> bool:
 
 # Each field that is not a bool: (its test, what is allowed); an Optional field also takes None.
 _RULES = {
-    "hpz_partition_size": (_int(1), "an integer >= 1"),
+    **dict.fromkeys(("hpz_partition_size", "prefetch_depth", "reduce_buckets"),
+                    (_int(1), "an integer >= 1")),
     "node_size": (_int(1), "None or an integer >= 1"),
     "param_dtype": (lambda v: v in _DTYPES, f"None, {_DTYPE_NAMES}"),
     "reduce_dtype": (lambda v: v in _DTYPES, _DTYPE_NAMES),
-    "weight_bits": (_bits, "4 or 8"),
-    "grad_bits": (_bits, "4 or 8"),
+    **dict.fromkeys(("weight_bits", "grad_bits"), (_bits, "4 or 8")),
     "intra_node_grad_bits": (_bits, "None, 4 or 8"),
     "block_size": (lambda v: _is_int(v) and 8 <= v <= 1 << 20 and v % 8 == 0,
                    "a multiple of 8 in [8, 1048576] (keeps wire pieces 4-byte aligned)"),
-    "prefetch_depth": (_int(1), "an integer >= 1"),
-    "reduce_buckets": (_int(1), "an integer >= 1"),
     "persistence_threshold": (_int(0), "an integer >= 0"),
     "model_persistence_threshold": (_int(0), "None or an integer >= 0"),
     "collective_timeout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -139,27 +135,24 @@ class Config:
 
     @classmethod
     def preset(cls, name: str, node_size: Optional[int] = None, **overrides) -> Config:
-        """A named configuration: "zero3", "zeropp" (the paper's three techniques, INT4
-        on both gradient hops), "zeropp-plus" (everything beyond the paper at the
-        measured defaults), the single techniques "qwz", "hpz", "qgz", and any of them
-        with one switch flipped, e.g. "zeropp-plus~ef" (see SWITCHES).
-        hpZ is sized to `node_size` (None: LOCAL_WORLD_SIZE, else the world size,
-        else 1); `overrides` are Config fields that win."""
+        """A named configuration: "zero3", "zeropp" (the paper's three techniques, INT4 on
+        both gradient hops), "zeropp-plus" (everything beyond the paper at the measured
+        defaults), the single techniques "qwz", "hpz", "qgz", and any of them with one switch
+        flipped, e.g. "zeropp-plus~ef" (see SWITCHES). hpZ is sized to `node_size` (None:
+        LOCAL_WORLD_SIZE, else the world size, else 1); `overrides` are Config fields that win."""
         return named(name, _default_node_size() if node_size is None else node_size, **overrides)
 
     @classmethod
     def from_deepspeed(cls, ds_config: Union[dict, str, os.PathLike], **overrides) -> Config:
         """A Config from a DeepSpeed config (a dict or a JSON file's path).
 
-        Reads `zero_optimization` (stage must be 3), its ZeRO++ keys and the
-        persistence thresholds (DeepSpeed's default 1e5 when absent), the
-        `bf16` / `fp16` sections for the compute dtype, and an optional `zeropp`
-        section of zeropp's own: `{"preset": "zeropp-plus", "node_size": 2, ...}`
-        (a named configuration and/or Config fields by name; they win over the
-        ZeRO++ keys). Keys that do not apply to zeropp are listed in one warning;
-        a bad value is an error naming the key. `overrides` are Config fields
-        that win over the file.
-        """
+        Reads `zero_optimization` (stage must be 3), its ZeRO++ keys and the persistence
+        thresholds (DeepSpeed's default 1e5 when absent), the `bf16` / `fp16` sections for the
+        compute dtype, and an optional `zeropp` section of zeropp's own, e.g. `{"preset":
+        "zeropp-plus", "node_size": 2}` (a named configuration and/or Config fields by name;
+        they win over the ZeRO++ keys). Keys that do not apply to zeropp are listed in one
+        warning; a bad value is an error naming the key. `overrides` are Config fields that
+        win over the file."""
         return _DEEPSPEED[0](ds_config, **overrides)
 
 

@@ -1,10 +1,9 @@
 """How a flat buffer is cut into W shards of whole quantization blocks.
 
-Quantized shards hold whole blocks, so a block never straddles two ranks: any
-size, any W. Each shard is cut into as few blocks of at most `block_size` as it
-needs, of equal size rounded up to a multiple of 8 (keeps wire pieces 4-byte
-aligned): padding stays under 8 per block. Unquantized, a block is one
-element: a shard is ceil(numel / W) elements.
+Quantized shards hold whole blocks, so a block never straddles two ranks: any size, any W.
+Each shard is cut into as few blocks of at most `block_size` as it needs, of equal size rounded
+up to a multiple of 8 (keeps wire pieces 4-byte aligned): padding stays under 8 per block.
+Unquantized, a block is one element: a shard is ceil(numel / W) elements.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """shard(model, cfg): ZeRO-3 in place, by hooks on the model's units.
 
-A *unit* is a module whose parameters are gathered and freed together: by
-default every entry of every `nn.ModuleList` (a transformer's blocks) plus the
-root for the rest (units.py). `shard()` flattens each unit's parameters into
-flat buffers (flat_param.py) and hooks the unit (unit_hooks.py); `ShardState`
-here is the model's side: the order units ran in, prefetch, the phase of the
-step, the end of backward, and the hooks around optimizer steps.
-The model class is untouched and the training loop stays plain PyTorch.
+A *unit* is a module whose parameters are gathered and freed together: by default every
+entry of every `nn.ModuleList` (a transformer's blocks) plus the root for the rest (units.py).
+`shard()` flattens each unit's parameters into flat buffers (flat_param.py) and hooks the unit
+(unit_hooks.py); `ShardState` here is the model's side: the order units ran in, prefetch, the
+phase of the step, the end of backward, and the hooks around optimizer steps. The model class
+is untouched and the training loop stays plain PyTorch.
 """
 
 from __future__ import annotations
@@ -109,9 +108,8 @@ class ShardState:
     def end_forward(self) -> None:
         for u in self.units:  # e.g. a prefetch that the model did not use this time
             u.free()
-        # Backward reaches a unit when its output's gradient is ready, so the
-        # unit whose forward finished last (the root, around all others) comes
-        # first: reverse the order in which forwards finished.
+        # Backward reaches a unit when its output's gradient is ready: the reverse of the order
+        # in which forwards finished (the root, around all others, first).
         self.backward_order = list(reversed(self.finished_order))
         self.last_forward_order = self.forward_order
         release_scratch()  # qWD's delta temporaries: reused within the forward only
@@ -121,10 +119,9 @@ class ShardState:
         if self.backward_active:
             return
         if self.gathered_depth:
-            raise RuntimeError(
-                "zeropp: backward inside zeropp.gathered() is not supported (the resident "
-                "weights would go stale at the next optimizer step); leave the context, then "
-                "run the training forward and backward")
+            raise RuntimeError("zeropp: backward inside zeropp.gathered() is not supported (the "
+                               "resident weights would go stale at the next optimizer step); "
+                               "leave the context, then run the training forward and backward")
         self.backward_active = True
         for u in self.units:
             u.backward_gathered = False
@@ -194,25 +191,23 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
 
     `unit_types`: module classes whose instances become units; default: the
     entries of every `nn.ModuleList`. The root is always a unit.
-    `param_groups`: lists of the model's parameters that an optimizer will
-    treat differently (e.g. no weight decay); a unit's parameters of different
-    groups go to different flat buffers, and `FlatParam.param_group` says which
-    (the index in this list; parameters in none: -1).
-    `sync_module_states`: every rank starts from rank 0's weights and buffers
-    (broadcast one unit at a time, as FSDP's flag of that name does).
+    `param_groups`: lists of the model's parameters that an optimizer will treat differently
+    (e.g. no weight decay); a unit's parameters of different groups go to different flat
+    buffers, and `FlatParam.param_group` says which (the index in this list; in none: -1).
+    `sync_module_states`: every rank starts from rank 0's weights and buffers (broadcast one
+    unit at a time, as FSDP's flag of that name does).
     A model built under `zeropp.deferred_init()` (or on the meta device: see
-    deferred.defer_meta) is materialized here, one unit at a time: no rank ever
-    holds more than one unit's full weights.
+    deferred.defer_meta) is materialized here, one unit at a time: no rank ever holds more
+    than one unit's full weights.
     """
     with paused():  # called inside an open deferred_init() / zero.Init(): nothing recorded
         cfg = cfg if cfg is not None else Config()
         if not isinstance(cfg, Config):
             raise TypeError("zeropp.shard: cfg must be a zeropp.Config, got "
                             f"{type(cfg).__name__}")
-        for m in model.modules():
-            if hasattr(m, "_zeropp_state") or hasattr(m, "_zeropp_unit"):
-                raise RuntimeError("zeropp.shard: this model (or a submodule of it) is already "
-                                   "sharded; call shard() once, on the root model")
+        if any(hasattr(m, "_zeropp_state") or hasattr(m, "_zeropp_unit") for m in model.modules()):
+            raise RuntimeError("zeropp.shard: this model (or a submodule of it) is already "
+                               "sharded; call shard() once, on the root model")
         show_module(model)  # parameters that show 0 elements until sharded (zero.Init's)
         if unit_types is not None and not isinstance(unit_types, tuple):
             unit_types = tuple(unit_types) if isinstance(unit_types, list) else (unit_types,)
@@ -253,8 +248,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
                      for k, ((trainable, dtype, group, keep), plist) in enumerate(groups.items())]
             for k, f in enumerate(flats):
                 mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)
-            unit = Unit(name, mod, flats, state)
-            mod._zeropp_unit = unit
+            mod._zeropp_unit = unit = Unit(name, mod, flats, state)
             # Under torch.compile(model) the hooks (collectives, storage resizes) run
             # eagerly, each a graph break at the unit's boundary; the units' compute compiles.
             mod.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True)
@@ -316,12 +310,11 @@ def comm_stats(model: nn.Module) -> dict:
 def refresh(model: nn.Module) -> None:
     """Make the next gather of every unit a full one from the master shards.
 
-    Needed only after writing master shards in a way version counters cannot
-    see (through `.data`, or a fused in-place op outside the optimizer): hpZ
-    secondaries (and qWD's copies) would otherwise keep the old weights (qWD:
-    until deltas caught up). Optimizer steps, checkpoint loads, `load_state_dict`
-    and in-place ops on the parameters are detected without it. Call it on
-    every rank. Also for a model under `zeropp.fsdp2.install`."""
+    Needed only after writing master shards in a way version counters cannot see (through
+    `.data`, or a fused in-place op outside the optimizer): hpZ secondaries (and qWD's copies)
+    would otherwise keep the old weights (qWD: until deltas caught up). Optimizer steps,
+    checkpoint loads, `load_state_dict` and in-place ops on the parameters are detected
+    without it. Call it on every rank. Also for a model under `zeropp.fsdp2.install`."""
     if (fsdp2 := getattr(model, "_zeropp_fsdp2", None)) is not None:
         return fsdp2.refresh()
     st = get_state(model)

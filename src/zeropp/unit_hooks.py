@@ -36,10 +36,9 @@ class Unit:
         self.is_root = name == ""
         self.label = name or "<root>"
         self.backward_gathered = False
-        # An embedding lookup's backward scatters the output gradient into rows:
-        # it never reads the weights, so its unit is not gathered for backward
-        # (a 32k x 2048 fp32 vocabulary: 262 MB held at the end of backward, and
-        # its bytes on the wire). Only torch's own forward is known to be so.
+        # An embedding lookup's backward scatters the output gradient into rows without reading the
+        # weights: its unit is not gathered for backward (a 32k x 2048 fp32 vocabulary: 262 MB at
+        # the end of backward, and its wire bytes). Only torch's own forward is known to be so.
         self.backward_reads_weights = type(module).forward not in _WEIGHTLESS_BACKWARD
         self.pins = 0  # zeropp.gathered() contexts holding the full weights resident
         for f in flats:
@@ -108,10 +107,9 @@ class Unit:
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if torch.is_grad_enabled():
-            raise RuntimeError(
-                "zeropp: backward with create_graph=True (double backward, e.g. a gradient "
-                "penalty) through sharded units is not supported: their weights are freed "
-                "after use")
+            raise RuntimeError("zeropp: backward with create_graph=True (double backward, e.g. a "
+                               "gradient penalty) through sharded units is not supported: their "
+                               "weights are freed after use")
         st = self.state
         st.begin_backward()
         if not self.backward_reads_weights:
@@ -180,7 +178,6 @@ def _graph_task() -> int:
 
 
 def _in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread right now."""
     return _graph_task() != -1
 
 

@@ -9,10 +9,9 @@ from torch import nn
 
 
 def unit_modules(model: nn.Module, unit_types: Optional[tuple]) -> dict[nn.Module, str]:
-    """Unit module -> name ("" for the root), in module order. Automatic units:
-    a transformers model's decoder layers (the classes its `_no_split_modules`
-    names) and its input embedding when the head does not share it, else the
-    entries of every nn.ModuleList."""
+    """Unit module -> name ("" for the root), in module order. Automatic units: a transformers
+    model's decoder layers (the classes its `_no_split_modules` names) and its input embedding
+    when the head does not share it, else the entries of every nn.ModuleList."""
     units = {model: ""}
     if unit_types is None:
         units.update(_untied_embeddings(model))
@@ -51,16 +50,14 @@ def _leaf_units(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Module
 
 
 def _untied_embeddings(model: nn.Module) -> dict[nn.Module, str]:
-    """A transformers model's input embedding as a unit of its own when the output
-    head does not share its weight: it is then gathered only around the lookup
-    (and not for backward, see unit_hooks.Unit), not for the whole step as a part of the root
-    (a 32k x 2048 vocabulary is 262 MB at fp32). The output head stays in the root:
-    fused losses (TRL's, Liger's) read `lm_head.weight` without calling lm_head."""
+    """A transformers model's input embedding as a unit of its own when the output head does
+    not share its weight: it is then gathered only around the lookup (and not for backward, see
+    unit_hooks.Unit), not for the whole step as a part of the root (a 32k x 2048 vocabulary is
+    262 MB at fp32). The output head stays in the root: fused losses (TRL's, Liger's) read
+    `lm_head.weight` without calling lm_head."""
     try:
-        inp = model.get_input_embeddings() if callable(
-            getattr(model, "get_input_embeddings", None)) else None
-        out = model.get_output_embeddings() if callable(
-            getattr(model, "get_output_embeddings", None)) else None
+        inp, out = (f() if callable(f := getattr(model, f"get_{end}_embeddings", None)) else None
+                    for end in ("input", "output"))
     except (NotImplementedError, AttributeError):
         return {}
     if not isinstance(inp, nn.Module) or inp is model:
@@ -73,9 +70,8 @@ def _untied_embeddings(model: nn.Module) -> dict[nn.Module, str]:
 
 
 def assign_params(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Module, list]:
-    """Each parameter goes to the innermost unit holding it; a parameter held by
-    several units (tied weights across units) goes to the root, which is
-    gathered whenever any unit runs."""
+    """Each parameter goes to the innermost unit holding it; a parameter held by several units
+    (tied weights across units) goes to the root, which is gathered whenever any unit runs."""
     regs: dict[nn.Parameter, list] = {}
 
     def walk(mod: nn.Module, prefix: str, unit: nn.Module) -> None:
@@ -92,6 +88,5 @@ def assign_params(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Modu
     for p, rs in regs.items():
         owners = {r[3] for r in rs}
         owner = owners.pop() if len(owners) == 1 else model
-        regs_unique = list(dict.fromkeys((r[0], r[1]) for r in rs))
-        owned[owner].append((p, regs_unique, [r[2] for r in rs]))
+        owned[owner].append((p, list(dict.fromkeys((r[0], r[1]) for r in rs)), [r[2] for r in rs]))
     return owned
