@@ -295,9 +295,8 @@ def get_state(model: nn.Module) -> ShardState:
 def _stats(model: nn.Module) -> CommStats:
     if (fsdp2 := getattr(model, "_zeropp_fsdp2", None)) is not None:  # zeropp.fsdp2.install
         return fsdp2.stats
-    ft = getattr(model, "_zeropp", None)  # a process group from zeropp.ft.wrap
-    if ft is not None and not isinstance(model, nn.Module):
-        return ft.stats
+    if not isinstance(model, nn.Module) and (ft := getattr(model, "_zeropp", None)) is not None:
+        return ft.stats  # a process group from zeropp.ft.wrap
     return get_state(model).stats
 
 

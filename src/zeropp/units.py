@@ -16,8 +16,7 @@ def unit_modules(model: nn.Module, unit_types: Optional[tuple]) -> dict[nn.Modul
     if unit_types is None:
         units.update(_untied_embeddings(model))
         names = {c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or ())}
-        classes = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
-        unit_types = classes or None
+        unit_types = tuple({type(m) for m in model.modules() if type(m).__name__ in names}) or None
     for name, m in model.named_modules():
         if m is model or m in units:
             continue
