@@ -54,10 +54,9 @@ class _Aliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """`import zeropp.zero` (each None of _FRONT_DOOR): the front door's module itself."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        sub = fullname[len(__name__) + 1:] if fullname.startswith(f"{__name__}.") else ""
-        if sub in _FRONT_DOOR and _FRONT_DOOR[sub] is None:
-            return importlib.util.spec_from_loader(fullname, self)
-        return None
+        parent, _, sub = fullname.rpartition(".")
+        ours = parent == __name__ and sub in _FRONT_DOOR and _FRONT_DOOR[sub] is None
+        return importlib.util.spec_from_loader(fullname, self) if ours else None
 
     def create_module(self, spec: Any) -> Any:
         return importlib.import_module(f"{__name__}.deepspeed.{spec.name.rpartition('.')[2]}")

@@ -137,9 +137,8 @@ class ShardState:
             nxt.issue_gather(prefetch=True)
 
     def end_backward(self) -> None:
-        # A unit whose gradient never arrived (not on the loss's path) keeps
-        # .grad None, as in plain PyTorch. Ranks must agree on which units
-        # those are (as they must in FSDP): collectives follow backward order.
+        # A unit whose gradient never arrived (not on the loss's path) keeps .grad None, as in plain
+        # PyTorch. Ranks must agree on which (as in FSDP): collectives follow backward order.
         try:
             # A unit some of whose parameters backward did not reach (unused this
             # step) is reduced now, in unit order on every rank (flat_param's note).

@@ -73,9 +73,8 @@ class Unit:
         st = self.state
         if self.is_root and not _in_backward():
             st.begin_iteration()
-        # Issue this unit's gather (if not prefetched), then the next ones, then
-        # wait: the link then carries the next gather while this one is
-        # dequantized, instead of idling until this unit is ready.
+        # Issue this unit's gather (if not prefetched), then the next ones, then wait: the link
+        # carries the next gather while this one is dequantized, not idle until this one is ready.
         self.issue_gather()
         if not st.backward_active:
             st.forward_order.append(self)
@@ -117,9 +116,8 @@ class Unit:
             for f in self.flats:
                 f.show_shapes()
             return
-        # Gather even if this backward gathered the unit before: a unit used by
-        # two graphs (or twice in one) may have been freed after its first use.
-        # Issue, prefetch, then wait (as in pre_forward).
+        # Gather even if this backward gathered the unit before: a unit used by two graphs (or twice
+        # in one) may have been freed after its first use. Issue, prefetch, wait (as pre_forward).
         self.issue_gather()
         if not self.backward_gathered:
             self.backward_gathered = True
