@@ -36,20 +36,20 @@ def _traced_worker(events_path: str, argv: list[str]) -> None:
         def traced(self, *a):
             t = now()
             out = real(self, *a)
-            events.append(record(self, a, t, now()))
+            events.append(record(self, a, t, now(), out))
             return out
         setattr(cls, name, traced)
 
-    wrap(reduce_mod.ReducePipeline, "submit", lambda s, a, t, e: ("hand-over", a[0], t, e))
+    wrap(reduce_mod.ReducePipeline, "submit", lambda s, a, t, e, out: ("hand-over", a[0], t, e))
     wrap(reduce_mod.ReducePipeline, "_run_first",
-         lambda s, a, t, e: ("reduce 1", a[0].label, t, e))
+         lambda s, a, t, e, out: ("reduce 1", a[0].label, t, e))
     wrap(reduce_mod.ReducePipeline, "_run_second",
-         lambda s, a, t, e: ("reduce 2", a[0].label, t, e))
-    wrap(shard_mod.Unit, "wait", lambda s, a, t, e: ("gather wait", s.label, t, e))
-    wrap(shard_mod.ShardState, "end_backward", lambda s, a, t, e: ("drain", "", t, e))
+         lambda s, a, t, e, out: ("reduce 2", a[0].label, t, e))
+    wrap(shard_mod.Unit, "wait", lambda s, a, t, e, out: ("gather wait", s.label, t, e))
+    wrap(shard_mod.ShardState, "end_backward", lambda s, a, t, e, out: ("drain", "", t, e))
     import zeropp.weights as weights_mod
-    wrap(weights_mod.WeightPath, "_issue_delta",
-         lambda s, a, t, e: ("delta issue", s.flat.unit.label, t, e))
+    wrap(weights_mod.WeightPath, "issue",
+         lambda s, a, t, e, out: (f"gather issue ({out.route.value})", a[0].unit, t, e))
     from zeropp.bench import worker
     sys.argv = ["worker", *argv]
     worker.main()

@@ -29,7 +29,7 @@ def _bits(v) -> bool:
     return _is_int(v) and v in (4, 8)
 
 
-# Each field that is not a bool: (its test, what is allowed); an Optional field also takes None.
+# Each field that is not a bool: (its test, what is allowed); None passes where allowed says so.
 _RULES = {
     **dict.fromkeys(("hpz_partition_size", "prefetch_depth", "reduce_buckets"),
                     (_int(1), "an integer >= 1")),
@@ -110,7 +110,7 @@ class Config:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             ok, allowed = _RULES.get(f.name) or (lambda v: isinstance(v, bool), "True or False")
-            if not (ok(v) or (v is None and f.type.startswith("Optional"))):
+            if not (ok(v) or (v is None and allowed.startswith("None"))):
                 raise ValueError(f"zeropp.Config: {f.name}={v!r} is invalid; allowed: {allowed}")
         if self.weight_delta and self.hpz_partition_size == 1:
             raise ValueError("zeropp.Config: weight_delta=True needs hpZ (the secondary copies "
