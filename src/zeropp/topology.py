@@ -1,8 +1,8 @@
 """Topology: who is where. World size W, ranks per node D, nodes N = W / D.
 
-Ranks are numbered node-major, as torchrun numbers them: rank r lives on node
-r // D at local index r % D. The process groups every technique needs are built
-here once, collectively, in the same order on every rank:
+Ranks are numbered node-major, as torchrun numbers them: rank r lives on node r // D at
+local index r % D. The process groups every technique needs are built here once,
+collectively, in the same order on every rank:
 - world: all W ranks (ZeRO-3's gather and reduce-scatter);
 - intra_node: the D ranks of this rank's node (hpZ, qgZ's first hop);
 - inter_node: the N ranks sharing this rank's local index (qgZ's second hop);
@@ -11,14 +11,13 @@ here once, collectively, in the same order on every rank:
 Reductions run on two threads of their own, on duplicates of the first three
 (`reduce_groups`; see grads/pipeline.py, "reductions on their own process groups").
 World size 1 needs no process group at all.
-
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -59,10 +58,6 @@ class Topology:
         j = self.local_rank if local_rank is None else local_rank
         return [m * self.node_size + j for m in range(self.num_nodes)]
 
-    def hpz_ranks(self, size: int) -> list[int]:
-        g = self.rank // size
-        return list(range(g * size, (g + 1) * size))
-
     def group_ranks(self, group: str, hpz_size: int = 1) -> list[int]:
         """The ranks of this rank's group named `group`, in group-rank order (ranks of
         this topology: global ones for the world's, `global_rank` maps a sub-group's)."""
@@ -73,11 +68,12 @@ class Topology:
         if group == "inter_node":
             return self.inter_node_ranks()
         if group == "hpz":
-            return self.hpz_ranks(hpz_size)
+            g = self.rank // hpz_size
+            return list(range(g * hpz_size, (g + 1) * hpz_size))
         raise ValueError(f"unknown group {group!r}")
 
 
-_CACHE: dict[tuple, Topology] = {}
+_CACHE: dict[tuple, Any] = {}  # get_topology's, reduce_groups', fsdp2/groups.py's
 _HPZ_CACHE: dict[tuple, Any] = {}
 
 
@@ -95,17 +91,11 @@ def hpz_group(topo: Topology, size: int) -> Any:
         raise ValueError(f"zeropp: on a sub-group, hpz_partition_size must be 1 or the "
                          f"group's ranks per node ({topo.node_size}), got {size}")
     key = (id(topo.world_group), size)
-    if key not in _HPZ_CACHE:
-        mine = None
-        for g in range(topo.world_size // size):
-            grp = dist.new_group(list(range(g * size, (g + 1) * size)))
-            if g == topo.rank // size:
-                mine = grp
-        _HPZ_CACHE[key] = (topo.world_group, mine)  # holds WORLD so its id stays unique
+    if key not in _HPZ_CACHE:  # the entry holds WORLD so its id stays unique
+        groups = [dist.new_group(list(range(g * size, (g + 1) * size)))
+                  for g in range(topo.world_size // size)]
+        _HPZ_CACHE[key] = (topo.world_group, groups[topo.rank // size])
     return _HPZ_CACHE[key][1]
-
-
-_REDUCE_CACHE: dict[tuple, tuple] = {}
 
 
 def reduce_groups(topo: Topology) -> dict[str, Any]:
@@ -114,41 +104,29 @@ def reduce_groups(topo: Topology) -> dict[str, Any]:
     model on it, and each used by one communication thread only (grads/pipeline.py)."""
     if topo.world_size == 1:
         return {"world": None, "intra_node": None, "inter_node": None}
-    key = (id(topo.world_group), topo.world_size, topo.node_size)
-    if key not in _REDUCE_CACHE:  # holds WORLD so its id stays unique
-        _REDUCE_CACHE[key] = (topo.world_group, _new_groups(topo))
-    return _REDUCE_CACHE[key][1]
-
-
-def _new_groups(topo: Topology) -> dict[str, Any]:
-    world = dist.new_group(list(range(topo.world_size)))
-    intra, inter = _node_groups(topo)
-    return {"world": world, "intra_node": intra, "inter_node": inter}
+    key = ("reduce", id(topo.world_group), topo.world_size, topo.node_size)
+    if key not in _CACHE:  # the entry holds WORLD so its id stays unique
+        world = dist.new_group(list(range(topo.world_size)))
+        intra, inter = _node_groups(topo)
+        _CACHE[key] = (topo.world_group, {"world": world, "intra_node": intra,
+                                          "inter_node": inter})
+    return _CACHE[key][1]
 
 
 def _node_groups(topo: Topology, mine: bool = True) -> tuple[Any, Any]:
-    """This rank's new intra-node and inter-node groups (None, None where `mine` is
-    False: another sub-group's). new_group is collective: every rank creates every
-    group, in this order."""
-    intra = inter = None
-    for n in range(topo.num_nodes):
-        g = dist.new_group([topo.global_rank(r) for r in topo.intra_node_ranks(n)])
-        if mine and n == topo.node:
-            intra = g
-    for j in range(topo.node_size):
-        g = dist.new_group([topo.global_rank(r) for r in topo.inter_node_ranks(j)])
-        if mine and j == topo.local_rank:
-            inter = g
-    return intra, inter
+    """This rank's new intra-node and inter-node groups (None, None where `mine` is False:
+    another sub-group's). new_group is collective: every rank makes every group, in order."""
+    def made(ranks: Callable[[int], list[int]], count: int, me: int) -> Any:
+        groups = [dist.new_group([topo.global_rank(r) for r in ranks(i)]) for i in range(count)]
+        return groups[me] if mine else None
+    return (made(topo.intra_node_ranks, topo.num_nodes, topo.node),
+            made(topo.inter_node_ranks, topo.node_size, topo.local_rank))
 
 
 def get_topology(node_size: Optional[int] = None) -> Topology:
     """The topology of the current default process group (built once per layout).
-
-    `node_size` None reads LOCAL_WORLD_SIZE, which torchrun and zeropp's own
-    launcher set (or LOCAL_SIZE, DeepSpeed's launcher's); without either all
-    ranks are taken to share one node.
-    """
+    `node_size` None reads LOCAL_WORLD_SIZE, which torchrun and zeropp's own launcher set
+    (or LOCAL_SIZE, DeepSpeed's launcher's); without either all ranks share one node."""
     if not dist.is_available() or not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise RuntimeError(
@@ -164,9 +142,7 @@ def get_topology(node_size: Optional[int] = None) -> Topology:
             f"zeropp: node_size={node_size} must divide the world size {world} "
             f"(ranks per node; set Config.node_size or LOCAL_WORLD_SIZE)")
     key = (id(dist.group.WORLD), world, node_size)
-    if key in _CACHE:
-        return _CACHE[key]
-    intra, inter = _node_groups(Topology(world, rank, node_size))
-    topo = Topology(world, rank, node_size, dist.group.WORLD, intra, inter)
-    _CACHE[key] = topo
-    return topo
+    if key not in _CACHE:  # the Topology holds WORLD so its id stays unique
+        intra, inter = _node_groups(Topology(world, rank, node_size))
+        _CACHE[key] = Topology(world, rank, node_size, dist.group.WORLD, intra, inter)
+    return _CACHE[key]

@@ -1,5 +1,4 @@
-"""The gradient path: a unit's full gradient becomes this rank's chunk of the
-mean over the world.
+"""The gradient path: a unit's full gradient becomes this rank's chunk of the world's mean.
 
   ring.py      ZeRO-3: one reduce-scatter over the world (RingReduce)
   qgz.py       qgZ: two quantized all-to-all hops, inside the node then across
@@ -7,22 +6,19 @@ mean over the world.
   pipeline.py  the reduce pipeline: the two stages of a route on two threads,
                off backward's critical path
 
-A route has two stages, `first(comm, g)` and `second(comm, state)`, which the
-pipeline runs on its two threads (so one unit's first stage overlaps the
-previous unit's second); `second` returns this rank's chunk of the mean, fp32.
-`reduce(comm, g)` runs both. The engine picks one route per flat buffer, once,
-with `route_for`.
+A route has two stages, `first(comm, g)` and `second(comm, state)`, which the pipeline
+runs on its two threads (so one unit's first stage overlaps the previous unit's second);
+`second` returns this rank's chunk of the mean, fp32. `reduce(comm, g)` runs both. The
+engine picks one route per flat buffer, once, with `route_for`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
+from ..config import Config
 from .qgz import QgzReduce
 from .ring import RingReduce
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 
 def route_for(cfg: Config, *, block: int) -> Union[QgzReduce, RingReduce]:

@@ -1,45 +1,41 @@
 """The reduce pipeline: gradient reduction off the backward's critical path.
 
-When backward finishes a unit, its leaf hook takes the unit's flat gradient and
-hands it here; the hook returns at once and backward goes on to the next unit
-while the reduction runs on two communication threads, the way DeepSpeed and
-FSDP2 run it on a side stream. Stage 1 does the plain ring reduce-scatter, or
-qgZ's intra-node hop and the quantization of its inter-node hop; stage 2 only
-qgZ's inter-node all-to-all, sum and accumulation. So while unit k's bytes
-hold the slow link, unit k+1 is quantized and reduced inside the node (measured
-with benchmarks/probes/timeline.py: one thread doing both kept the link idle half the
-time). The end of backward waits for every reduction (an autograd callback, as
-FSDP2's post-backward), so whatever reads gradients afterwards
-(`clip_grad_norm_`, the optimizer, the next micro-batch's accumulation, a
-checkpoint) sees them complete.
+When backward finishes a unit, its leaf hook hands the unit's flat gradient here and
+returns at once; backward goes on to the next unit while the reduction runs on two
+communication threads (DeepSpeed and FSDP2 run it on a side stream). Stage 1 does the
+plain ring reduce-scatter, or qgZ's intra-node hop and the quantization of its
+inter-node hop; stage 2 only qgZ's inter-node all-to-all, sum and accumulation. So
+while unit k's bytes hold the slow link, unit k+1 is quantized and reduced inside the
+node (benchmarks/probes/timeline.py: one thread doing both kept the link idle half the
+time). The end of backward waits for every reduction (an autograd callback, as FSDP2's
+post-backward), so whatever reads gradients afterwards (`clip_grad_norm_`, the
+optimizer, the next micro-batch's accumulation, a checkpoint) sees them complete.
 
 [Note: reductions on their own process groups]
-The main thread issues gathers (and qWD's deltas) while the stage threads
-issue reductions. Two threads cannot share a process group: the order
-in which their collectives reach a group would differ between ranks, and a
-collective matched against a different one on another rank hangs or corrupts.
-The reductions therefore run on duplicates of the world, intra-node and
-inter-node groups, made once per layout (topology.reduce_groups).
-Each group is used by one thread only (stage 1: world and intra-node; stage 2:
-inter-node), and on each every rank issues the same collectives in the same
-order: gathers in unit-use order from the main thread, reductions in
+The main thread issues gathers (and qWD's deltas) while the stage threads issue
+reductions. Two threads cannot share a process group: the order in which their
+collectives reach a group would differ between ranks, and a collective matched against
+a different one on another rank hangs or corrupts. The reductions therefore run on
+duplicates of the world, intra-node and inter-node groups, made once per layout
+(topology.reduce_groups). Each group is used by one thread only (stage 1: world and
+intra-node; stage 2: inter-node), and on each every rank issues the same collectives in
+the same order: gathers in unit-use order from the main thread, reductions in
 gradient-ready order from the stage threads, all fixed by the model's structure.
 
 [Note: exactness]
 A unit's reduction is the same two functions whether they run here or inline
-(`Config.async_reduce=False`): the same quantization, the same sums in the
-same order, the same accumulation into the shard's `.grad`; units touch
-disjoint gradients, so the interleaving cannot change a bit. Error-feedback
-state is per FlatParam, and a unit's two stages run one after the other.
+(`Config.async_reduce=False`): the same quantization, the same sums in the same order,
+the same accumulation into the shard's `.grad`; units touch disjoint gradients, so the
+interleaving cannot change a bit. Error-feedback state is per FlatParam, and a unit's
+two stages run one after the other.
 
 [Note: CUDA]
-On CUDA the threads run each reduction on a side stream that first waits for
-an event recorded on the compute stream when the gradient was handed over, and
-records its own event when done; `drain()` makes the compute stream wait for
-it. The side stream's work is ordered after everything the compute stream did
-before the hand-over (the previous optimizer step's reads of `.grad`
-included), which is what makes reusing the side stream's memory safe. The
-gradient handed over is marked used by the side stream (`record_stream`).
+On CUDA the threads run each reduction on a side stream that first waits for an event
+recorded on the compute stream at hand-over, and records its own event when done;
+`drain()` makes the compute stream wait for it. The side stream's work is ordered after
+everything the compute stream did before the hand-over (the previous optimizer step's
+reads of `.grad` included), which is what makes reusing the side stream's memory safe.
+The gradient handed over is marked used by the side stream (`record_stream`).
 """
 
 from __future__ import annotations
@@ -48,6 +44,7 @@ import atexit
 import queue
 import threading
 from collections import deque
+from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import torch
@@ -72,11 +69,10 @@ class _Job:
 
 
 class ReducePipeline:
-    """Runs unit reductions in hand-over order, at most `depth` of them holding
-    their unit's full gradient (not yet through stage 1), in two stages on two threads
-    (stage 1 on the world and intra-node groups, stage 2 on the inter-node
-    group), unless `asynchronous` is False (then inline, in the hook: the
-    synchronous path)."""
+    """Runs unit reductions in hand-over order, in two stages on two threads (stage 1 on
+    the world and intra-node groups, stage 2 on the inter-node group), at most `depth` of
+    them holding their unit's full gradient (not yet through stage 1); inline, in the
+    hook, if `asynchronous` is False (the synchronous path)."""
 
     def __init__(self, comm: Comm, *, depth: int, asynchronous: bool) -> None:
         self.comm, self.depth, self.asynchronous = comm, depth, asynchronous
@@ -118,9 +114,8 @@ class ReducePipeline:
         """Wait for every reduction handed over; raise the first failure."""
         first: Optional[BaseException] = None
         while self.inflight:
-            job = self.inflight.popleft()
             try:
-                self._finish(job)
+                self._finish(self.inflight.popleft())
             except BaseException as e:  # keep draining: leave nothing in flight
                 first = first or e
         self._failed.clear()
@@ -144,23 +139,18 @@ class ReducePipeline:
     def _stage(self, job: _Job, comm: Comm, fn: Callable[[], None]) -> bool:
         """Run one stage of `job`; False (and the job done) if it failed or was
         skipped after an earlier failure (whose error, first in line, is raised)."""
-        if self._failed.is_set():
-            job.done.set()
-            return False
-        try:
-            comm.unit = job.label
-            if job.ready is not None:
-                with torch.cuda.stream(self._stream):
+        if not self._failed.is_set():
+            try:
+                comm.unit = job.label
+                with torch.cuda.stream(self._stream) if job.ready is not None else nullcontext():
                     fn()
-            else:
-                fn()
-            return True
-        except BaseException as e:
-            job.error = e
-            if self.asynchronous:
-                self._failed.set()
-            job.done.set()
-            return False
+                return True
+            except BaseException as e:
+                job.error = e
+                if self.asynchronous:
+                    self._failed.set()
+        job.done.set()
+        return False
 
     def _run_first(self, job: _Job) -> None:
         def first() -> None:
@@ -208,15 +198,8 @@ def _worker(groups: dict, stage: int) -> queue.SimpleQueue:
 
 
 def _loop(q: queue.SimpleQueue, stage: int) -> None:
-    while True:
-        item = q.get()
-        if item is None:  # _stop_workers
-            return
-        pipeline, job = item
-        if stage == 1:
-            pipeline._run_first(job)
-        else:
-            pipeline._run_second(job)
+    for pipeline, job in iter(q.get, None):  # until _stop_workers' None
+        (pipeline._run_first if stage == 1 else pipeline._run_second)(job)
 
 
 @atexit.register

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from ..collectives import Comm
+from ..collectives import Comm
 
 
 class RingReduce:
@@ -22,13 +19,9 @@ class RingReduce:
     def first(self, comm: Comm, g: torch.Tensor) -> torch.Tensor:
         """The whole reduce-scatter: this rank's chunk of the mean, fp32."""
         w, rd = comm.topo.world_size, self.reduce_dtype
-        g = g.to(rd)
-        if rd != torch.float32:
-            g = g / w
+        g = g.to(rd) if rd == torch.float32 else g.to(rd) / w
         part = comm.reduce_scatter_sum(g, op="reduce_scatter").float()
-        if rd == torch.float32:
-            part.div_(w)
-        return part
+        return part.div_(w) if rd == torch.float32 else part
 
     def second(self, comm: Comm, part: torch.Tensor) -> torch.Tensor:
         return part  # nothing left for the second stage
