@@ -1,18 +1,16 @@
 """ShardedBuffer: one flat buffer's comm side, the object both drivers hold.
 
-What travels for a flat buffer cut into W shards (layout.py), and what it keeps
-between steps: its weight path (weights/: each gather's route, hpZ's secondary,
-qWD's copies), its gradient route (grads/: ZeRO-3's ring or qgZ's hops, with
-error feedback), and the master version a secondary stands for. It answers the
-optimizer-step hooks (`step_hooks`), `zeropp.refresh` (`invalidate`) and
-checkpoints (`state` / `load_state`). The engine's FlatParam holds one per flat,
-the FSDP2 driver one per region of a module's chunk (fsdp2/comms.py).
+What travels for a flat buffer cut into W shards (layout.py), and what it keeps between steps: its
+weight path (weights/: each gather's route, hpZ's secondary, qWD's copies), its gradient route
+(grads/: ZeRO-3's ring or qgZ's hops, with error feedback), and the master version a secondary
+stands for. It answers the optimizer-step hooks (`step_hooks`), `zeropp.refresh` (`invalidate`) and
+checkpoints (`state` / `load_state`). The engine's FlatParam holds one per flat, the FSDP2 driver
+one per region of a module's chunk (fsdp2/comms.py).
 
 [Note: why optimizer steps are hooked]
-hpZ's secondaries stand for one version of the master shards: after a step they are
-stale (qWD: a delta is due). Version counters cannot tell a step from any other write
-(fused optimizers update in place without bumping them), so both drivers hook every
-optimizer's step globally (no engine object to call), acting only for their shards'.
+hpZ's secondaries stand for one master version, stale after a step (qWD: a delta is due). Version
+counters cannot tell a step from other writes (fused optimizers skip bumping them), so both drivers
+hook every optimizer's step globally (no engine object to call), acting only for their shards'.
 """
 
 from __future__ import annotations
@@ -120,11 +118,10 @@ def make_comm(cfg: Config, topo: Topology, stats: CommStats) -> Comm:
 def step_hooks(owner: Any, stats: CommStats, select: Callable[[torch.optim.Optimizer], list],
                before: Callable[[list], None] = lambda b: None,
                after: Callable[[list], None] = lambda b: None) -> None:
-    """Around every optimizer step that updates the ShardedBuffers `select(optimizer)`
-    returns (asked once per optimizer; none: nothing runs), while `owner` lives (the
-    callbacks must not hold it): before, `before(buffers)`, then each buffer's
-    `before_step`; after, the step is counted, `after(buffers)` runs (a driver's own
-    step count, which its versions may read, moves there), then each `after_step`."""
+    """Around every optimizer step over the ShardedBuffers `select(optimizer)` returns (asked once
+    per optimizer; none: no-op), while `owner` lives (callbacks must not hold it): before,
+    `before(buffers)` then each buffer's `before_step`; after, the step is counted, `after(buffers)`
+    runs (a driver's step count, read by its versions, moves there), then each `after_step`."""
     chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def items(opt: torch.optim.Optimizer) -> list:

@@ -15,16 +15,14 @@ crosses a node boundary only where rank i's successor lives on another node:
 - ring all-reduce: 2 * (G-1)/G * S per rank.
 - all-to-all of an S-byte input over G ranks: S/G to each peer, inter-node exactly
   when the peer is on another node; nothing for the piece kept.
-Scales are counted apart from payload, in the same proportion as they sit in the
-buffer. These rules were checked against the emulated cluster's interface counters
-(within 0.3%).
+Scales are counted apart from payload, in the same proportion as they sit in the buffer. These rules
+were checked against the emulated cluster's interface counters (within 0.3%).
 
 [Note: reduce-scatter on gloo]
-gloo's `reduce_scatter_tensor` is an all-reduce inside: twice the bytes of a real
-reduce-scatter. On gloo we therefore run the ring ourselves with point-to-point sends
-(G-1 steps of S/G bytes), the algorithm NCCL runs, so the ZeRO-3 baseline moves exactly
-what ZeRO-3 moves on a GPU cluster. On NCCL the native `reduce_scatter_tensor` is that
-ring already.
+gloo's `reduce_scatter_tensor` is an all-reduce inside: twice the bytes of a real reduce-scatter. On
+gloo we therefore run the ring ourselves with point-to-point sends (G-1 steps of S/G bytes), the
+algorithm NCCL runs, so the ZeRO-3 baseline moves exactly what ZeRO-3 moves on a GPU cluster. On
+NCCL the native `reduce_scatter_tensor` is that ring already.
 """
 
 from __future__ import annotations
@@ -195,14 +193,13 @@ class Comm:
             out = torch.empty_like(full.view(g, -1)[0])
             self._wait(_reduce_scatter_flat(out, full, group=group, async_op=True), op)
             return out
-        # Ring, in place: at step s rank i sends the partial sum of chunk (i-1-s) and
-        # receives that of chunk (i-2-s), adds it into its own chunk of `full` (consumed:
-        # the caller's gradient) and sends that on; the last sum goes into the receive
-        # buffer, the one chunk-sized allocation (51 MB at GPT-2 355M: the root's tied
-        # embedding), which is the result (own + received equals received + own bit for
-        # bit: IEEE addition commutes). gloo's send and recv read host memory: with a CUDA
-        # tensor's pointer they fail in writev ("Bad address", gpu_check on an H200 with
-        # torch 2.11), where its collectives stage through the host. So: a host copy.
+        # Ring, in place: at step s rank i sends the partial sum of chunk (i-1-s) and receives that
+        # of chunk (i-2-s), adds it to its chunk of `full` (consumed: the caller's gradient) and
+        # sends that on; the last sum goes into the receive buffer, the one chunk-sized allocation
+        # (51 MB at GPT-2 355M: the root's tied embedding), which is the result (own + received
+        # equals received + own bitwise: IEEE addition commutes). gloo's send and recv read host
+        # memory: with a CUDA tensor's pointer they fail in writev ("Bad address", gpu_check on an
+        # H200 with torch 2.11), where its collectives stage through the host. So: a host copy.
         chunks = (full.cpu() if full.is_cuda else full).view(g, -1)
         right, left = self.topo.global_rank((i + 1) % g), self.topo.global_rank((i - 1) % g)
         send, recv = chunks[(i - 1) % g], torch.empty_like(chunks[0])

@@ -76,9 +76,8 @@ class Config:
     """Gather weights across nodes among same-local-index ranks first, then inside the
     node: (N-1)/N of the payload crosses per node instead of (W-1)/W."""
     weight_delta: bool = False
-    """qWD (needs qwZ's INT8 and hpZ at the node size): secondaries persist across
-    steps as qwZ's INT8 blocks and are moved after each optimizer step by INT4 code
-    deltas from each shard's owner (qwd.py)."""
+    """qWD (needs qwZ's INT8 and hpZ at the node size): secondaries persist across steps as INT8
+    blocks, moved after each optimizer step by INT4 code deltas from each shard's owner (qwd.py)."""
     block_size: int = 2048
     """Elements per quantization block (one fp32 scale each)."""
     prefetch: bool = True
@@ -94,17 +93,15 @@ class Config:
     stage, at most: the hook waits beyond this (bounds the memory of full gradients;
     with 1 a rank holds the unit being reduced and the one backward is filling)."""
     persistence_threshold: int = 0
-    """Parameters of at most this many elements stay gathered between steps (DeepSpeed
-    `stage3_param_persistence_threshold`): each unit's small ones (biases, norms) in one
-    flat buffer, gathered once after every optimizer step instead of in every forward
-    and backward, resident at the compute dtype. 0 = none."""
+    """Parameters of at most this many elements stay gathered between steps, each unit's small ones
+    (biases, norms) in one flat buffer at the compute dtype, gathered after each optimizer step, not
+    in every forward and backward (DeepSpeed `stage3_param_persistence_threshold`). 0 = none."""
     model_persistence_threshold: Optional[int] = None
     """At most this many elements persistent in all, in model order (DeepSpeed
     `stage3_model_persistence_threshold`); None = no cap."""
     collective_timeout: Optional[float] = None
-    """Seconds any one collective may take before it fails with an error naming
-    the operation and the unit (a rank died or runs different code); None =
-    the process group's timeout."""
+    """Seconds any one collective may take before it fails with an error naming the operation and
+    the unit (a rank died or runs different code); None = the process group's timeout."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -146,19 +143,17 @@ class Config:
     def from_deepspeed(cls, ds_config: Union[dict, str, os.PathLike], **overrides) -> Config:
         """A Config from a DeepSpeed config (a dict or a JSON file's path).
 
-        Reads `zero_optimization` (stage must be 3), its ZeRO++ keys and the persistence
-        thresholds (DeepSpeed's default 1e5 when absent), the `bf16` / `fp16` sections for the
-        compute dtype, and an optional `zeropp` section of zeropp's own, e.g. `{"preset":
-        "zeropp-plus", "node_size": 2}` (a named configuration and/or Config fields by name;
-        they win over the ZeRO++ keys). Keys that do not apply to zeropp are listed in one
-        warning; a bad value is an error naming the key. `overrides` are Config fields that
-        win over the file."""
+        Reads `zero_optimization` (stage must be 3), its ZeRO++ keys and the persistence thresholds
+        (DeepSpeed's default 1e5 when absent), the `bf16` / `fp16` sections for the compute dtype,
+        and an optional `zeropp` section of zeropp's own, e.g. `{"preset": "zeropp-plus",
+        "node_size": 2}` (a named configuration and/or Config fields by name; they win over the
+        ZeRO++ keys). Keys that do not apply to zeropp are listed in one warning; a bad value is an
+        error naming the key. `overrides` are Config fields that win over the file."""
         return _DEEPSPEED[0](ds_config, **overrides)
 
 
-# The DeepSpeed front door's parser of a ds_config.json's ZeRO section
-# (zeropp/deepspeed/zero_config.py; `import zeropp` registers a stand-in that imports
-# it on first use): DeepSpeed JSON is read in one place, outside the core.
+# DeepSpeed JSON's one reader, outside the core: the front door's ZeRO-section parser
+# (zeropp/deepspeed/zero_config.py; `import zeropp` registers a stand-in importing it at first use).
 _DEEPSPEED: list = []
 
 
@@ -176,9 +171,8 @@ NAMED = {
     "zeropp-plus": {**_ZEROPP, "intra_node_grad_bits": 8, "hierarchical_gather": True,
                     "weight_delta": True, "gradient_error_feedback": True},
 }
-# The switches "NAME~SWITCH" flips (ablations): field -> the two values it toggles
-# between (intra8: the intra-node gradient hop's bits; deep and buckets: the
-# prefetch depth and the reduce pipeline's full gradients).
+# The switches "NAME~SWITCH" flips (ablations): field -> the two values it toggles (intra8: the
+# intra-node gradient hop's bits; deep, buckets: prefetch depth, reduce pipeline's full gradients).
 SWITCHES = {"hier": ("hierarchical_gather", (False, True)),
             "qwd": ("weight_delta", (False, True)),
             "ef": ("gradient_error_feedback", (False, True)),

@@ -1,20 +1,18 @@
 """FlatGrad: a flat buffer's gradient, assembled from its parameters' own.
 
 [Note: how a unit's gradient is assembled]
-Autograd accumulates each module attribute's gradient like a plain parameter's
-(AccumulateGrad, run as soon as the gradient is complete); its post-accumulate hook
-hands it here: copied into the flat gradient `grad` and dropped, and when every
-parameter the unit's backward reaches has arrived the unit is told (`on_ready`) and
-hands the flat to the reduce pipeline. Per-parameter leaves, not one flat leaf cut by
-`split`, because a split's backward node is made when the unit's forward begins: for
-the root that is the first node of the graph, which autograd's CPU engine runs last,
-so the head's gradient and the root's weights waited for the end of backward; and the
-split's `cat` held every gradient of the unit twice. A parameter that a step's
-backward does not reach (unused) is learnt: the unit is reduced at the end of that
-backward, and from then on when the parameters it did reach have arrived (one arriving
-later still gets reduced, at the end of backward). A graph backwarded later
-accumulates again. This rank's chunk of the reduced mean lands in the master shard's
-`.grad` (`accumulate`), adding micro-batches.
+Autograd accumulates each module attribute's gradient like a plain parameter's (AccumulateGrad, run
+once the gradient is complete); its post-accumulate hook hands it here: copied into the flat
+gradient `grad` and dropped. When every parameter the unit's backward reaches has arrived, the unit
+is told (`on_ready`) and hands the flat to the reduce pipeline. Per-parameter leaves, not one flat
+leaf cut by `split`: a split's backward node is made when the unit's forward begins, for the root
+the graph's first node, which autograd's CPU engine runs last (the head's gradient and the root's
+weights waited for the end of backward); and the split's `cat` held every gradient of the unit
+twice. Parameters a step's backward does not reach (unused) are learnt: the unit is reduced at the
+end of that backward, and from then on once the parameters it did reach have arrived (one arriving
+later is still reduced at the end of backward). A graph backwarded later accumulates again. This
+rank's chunk of the reduced mean is added to the master shard's `.grad` (`accumulate`), summing
+micro-batches.
 """
 
 from __future__ import annotations
@@ -81,8 +79,7 @@ class FlatGrad:
             t.grad = None
 
     def take(self) -> torch.Tensor:
-        """This backward's full flat gradient (zeros where nothing arrived); the
-        next backward starts a fresh one."""
+        """The backward's full flat gradient (zeros where nothing arrived); the next starts anew."""
         self.needs_reduce = False
         g, self.grad = self.grad, None
         for i, info in enumerate(self.infos):

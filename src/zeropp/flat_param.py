@@ -1,8 +1,7 @@
 """FlatParam: one unit's parameters flattened into one buffer and cut into W shards.
 
-A unit's parameters of one kind (trainable or frozen, one compute dtype) are
-concatenated in a fixed order, zero-padded to a multiple of W, and cut into W
-equal *primary shards*; rank r keeps shard r.
+A unit's parameters of one kind (trainable or frozen, one compute dtype) are concatenated in fixed
+order, zero-padded to a multiple of W and cut into W equal *primary shards*; rank r keeps shard r.
 
 [Note: zeropp's tensors]
   primary shard   rank r's 1/W of a flat buffer, fp32 (frozen: maybe INT8 wire
@@ -73,8 +72,7 @@ class FlatParam:
         self.param_group = param_group  # index into shard()'s param_groups (-1: in none)
         self.unit: Any = None  # the Unit that gathers it (set by the Unit)
         self.meter: Any = None  # its model's meter.GatherMeter (set by the Unit)
-        # persistent: stays gathered between steps (Config.persistence_threshold), freed
-        # only to be gathered again from new master weights
+        # persistent (Config.persistence_threshold): freed only to be gathered from new masters
         self.trainable, self.compute_dtype, self.persistent = trainable, compute_dtype, persistent
         self.gathered_for: Optional[tuple] = None  # master version the full weights show
         self.world_size, self.rank = topo.world_size, topo.rank
@@ -172,10 +170,9 @@ class FlatParam:
         self._move(State.GATHERED)
 
     def free(self, let_go: bool = False, *, force: bool = False) -> None:
-        """Free the full weights: in place (the storage resized to 0 bytes, which the
-        forward relies on: see the note), or with `let_go` by starting a new buffer, so
-        a tensor someone else took from the old one keeps its values (freed when it
-        dies). A persistent flat stays gathered unless `force`d."""
+        """Free the full weights: in place (storage resized to 0 bytes, which the forward relies on:
+        flat_views.py's note), or with `let_go` by starting a new buffer: a tensor taken from the
+        old one keeps its values. A persistent flat stays gathered unless `force`d."""
         self.wait_gather()
         if not self.gathered or (self.persistent and not force):
             return

@@ -3,21 +3,19 @@ parameter (`ParamInfo`) on the storage of the flat's full weights; and which fla
 owns each of them and each master shard (`owner_of`).
 
 [Note: how the full weights reach the module and come back in backward]
-`full` is one flat buffer whose storage is allocated for a gather and resized to zero
-bytes to free it; the same storage object lives on, so tensors autograd saved in
-forward see the weights again once backward re-gathers into it. The module attributes
-are `params`: one leaf tensor per original parameter, made once on `full`'s storage
-(`set_`, not a view: each has a version counter of its own, so the collectives writing
-into `full` do not trip autograd's in-place check). Outside a gather each shows 0
-elements (its `.data` swapped to an empty tensor, and back to its view of `full` when
-a gather completes; `.data` moves no version counter, so a leaf autograd saved finds
-its view again): a freed weight read by mistake is an empty tensor, not freed memory,
-and DeepSpeed's rule (a ZeRO-3 parameter is 0-sized unless gathered, `ds_shape` its
-shape) holds for code written against it. A unit whose backward reads no weights is
-not gathered for it: its attributes take their shapes on the empty storage for that
-backward (flat_param.py, SHAPED), as autograd checks a leaf's shape when its gradient
-arrives. Each one's gradient goes to the flat's (flat_grad.py, "how a unit's gradient
-is assembled").
+`full` is one flat buffer whose storage is allocated for a gather and resized to zero bytes to free
+it; the storage object lives on, so tensors autograd saved in forward see the weights again once
+backward re-gathers into it. The module attributes are `params`: one leaf tensor per original
+parameter, made once on `full`'s storage (`set_`, not a view: each has a version counter of its own,
+so the collectives writing into `full` do not trip autograd's in-place check). Outside a gather each
+shows 0 elements (its `.data` swapped to an empty tensor, and back to its view of `full` when a
+gather completes; `.data` moves no version counter, so a leaf autograd saved finds its view again):
+a freed weight read by mistake is an empty tensor, not freed memory, and DeepSpeed's rule (a ZeRO-3
+parameter is 0-sized unless gathered, `ds_shape` its shape) holds for code written against it. A
+unit whose backward reads no weights is not gathered for it: its attributes take their shapes on the
+empty storage for that backward (flat_param.py, SHAPED), as autograd checks a leaf's shape when its
+gradient arrives. Each one's gradient goes to the flat's (flat_grad.py, "how a unit's gradient is
+assembled").
 """
 
 from __future__ import annotations

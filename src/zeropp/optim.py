@@ -13,10 +13,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """Clip the gradients of a sharded model by their global norm, like
     `torch.nn.utils.clip_grad_norm_` on the unsharded model; returns the norm.
 
-    One all-reduce of one number over the world. Padding elements carry zero gradient, so they
-    do not change the norm. A NaN or Inf gradient on any rank makes the returned norm
-    non-finite on every rank (and, as in torch, the gradients then become non-finite too): a
-    loop can test the norm and skip."""
+    One all-reduce of one number over the world; padding carries zero gradient, so it does not
+    change the norm. A NaN or Inf gradient on any rank makes the returned norm non-finite on every
+    rank (the gradients too, as in torch): a loop can test the norm and skip."""
     st = get_state(model)
     norm_type = float(norm_type)
     if norm_type not in (2.0, float("inf")):

@@ -1,11 +1,10 @@
 """shard(model, cfg): ZeRO-3 in place, by hooks on the model's units.
 
-A *unit* is a module whose parameters are gathered and freed together: by default every
-entry of every `nn.ModuleList` (a transformer's blocks) plus the root for the rest (units.py).
-`shard()` flattens each unit's parameters into flat buffers (flat_param.py) and hooks the unit
-(unit_hooks.py); `ShardState` here is the model's side: the order units ran in, prefetch, the
-phase of the step, the end of backward, and the hooks around optimizer steps. The model class
-is untouched and the training loop stays plain PyTorch.
+A *unit* is a module whose parameters are gathered and freed together: by default each entry of
+every `nn.ModuleList` (a transformer's blocks), plus the root for the rest (units.py). `shard()`
+flattens each unit's parameters into flat buffers (flat_param.py) and hooks the unit
+(unit_hooks.py); `ShardState` is the model's side: unit order, prefetch, the step's phase, the end
+of backward, the optimizer-step hooks. Model class and training loop stay plain PyTorch.
 """
 
 from __future__ import annotations
@@ -68,9 +67,8 @@ class ShardState:
 
     # ---- forward -----------------------------------------------------------------
     def begin_iteration(self) -> None:
-        """A root forward outside backward. Leftovers of an interrupted forward
-        or backward (an exception the loop caught) are freed, so every unit is
-        gathered afresh from the current weights."""
+        """A root forward outside backward: what an interrupted forward or backward (an exception
+        the loop caught) left is freed; every unit is gathered afresh from the current weights."""
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order, self.finished_order = [], []
@@ -84,9 +82,8 @@ class ShardState:
         self.reducer.drain()  # an interrupted backward's reductions (raises a failure once)
 
     def regather_persistent(self, flats: list[FlatParam]) -> None:
-        """Gather the persistent ones among `flats` again from their master shards
-        (after an optimizer step, a refresh): all issued, then all waited. A tensor
-        taken from the old weights keeps its values (let go, not emptied)."""
+        """Regather the persistent `flats` from their master shards (after a step, a refresh): all
+        issued, then all waited; old weights are let go (a tensor taken keeps its values)."""
         flats = [f for f in flats if f.persistent]
         for f in flats:
             f.free(let_go=True, force=True)
@@ -97,8 +94,7 @@ class ShardState:
             f.wait_gather()
 
     def prefetch_forward(self) -> None:
-        """Issue the gathers of the units that ran next in the previous forward,
-        `prefetch_depth` of them (issue_gather skips those already in flight)."""
+        """Prefetch the next `prefetch_depth` units of the last forward (in flight: skipped)."""
         if not self.cfg.prefetch:
             return
         k = len(self.forward_order)
@@ -140,8 +136,7 @@ class ShardState:
         # A unit whose gradient never arrived (not on the loss's path) keeps .grad None, as in plain
         # PyTorch. Ranks must agree on which (as in FSDP): collectives follow backward order.
         try:
-            # A unit some of whose parameters backward did not reach (unused this
-            # step) is reduced now, in unit order on every rank (flat_param's note).
+            # Units with parameters unused this step: reduced now, in unit order on every rank.
             for u in self.units:
                 for f in u.flats:
                     if f.trainable and f.grads.end_backward():
@@ -159,9 +154,8 @@ class ShardState:
 
 
 def _step_hooks(state: ShardState) -> None:
-    """Around any optimizer step that updates this model's master shards (buffer.py):
-    before, the reductions are complete; after, the step is counted and the persistent
-    flats it updated are gathered again."""
+    """Around any optimizer step over this model's master shards (buffer.py): before, complete the
+    reductions; after, count the step and gather again the persistent flats it updated."""
     def select(opt: torch.optim.Optimizer) -> list[ShardedBuffer]:
         st, held = state_ref(), held_params(opt)
         return [] if st is None else [f.buffer for f in st.flats if id(f.primary_shard) in held]
@@ -195,9 +189,8 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     buffers, and `FlatParam.param_group` says which (the index in this list; in none: -1).
     `sync_module_states`: every rank starts from rank 0's weights and buffers (broadcast one
     unit at a time, as FSDP's flag of that name does).
-    A model built under `zeropp.deferred_init()` (or on the meta device: see
-    deferred.defer_meta) is materialized here, one unit at a time: no rank ever holds more
-    than one unit's full weights.
+    A model built under `zeropp.deferred_init()` (or on the meta device: deferred.defer_meta) is
+    materialized here one unit at a time: no rank ever holds more than one unit's full weights.
     """
     with paused():  # called inside an open deferred_init() / zero.Init(): nothing recorded
         cfg = cfg if cfg is not None else Config()
@@ -273,9 +266,8 @@ def _eager(hook: Callable) -> Callable:
 
 
 def _persistent(model: nn.Module, cfg: Config) -> set[int]:
-    """Ids of the parameters that stay gathered between steps: at most
-    `persistence_threshold` elements each, taken in model order while their sum
-    stays within `model_persistence_threshold` (DeepSpeed's rule)."""
+    """Ids of the parameters kept gathered between steps (DeepSpeed's rule): each of at most
+    `persistence_threshold` elements, in model order up to `model_persistence_threshold` in all."""
     cap, total, chosen = cfg.model_persistence_threshold, 0, set()
     for p in model.parameters():
         n = p.numel()

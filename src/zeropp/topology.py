@@ -1,16 +1,14 @@
 """Topology: who is where. World size W, ranks per node D, nodes N = W / D.
 
-Ranks are numbered node-major, as torchrun numbers them: rank r lives on node r // D at
-local index r % D. The process groups every technique needs are built here once,
-collectively, in the same order on every rank:
+Ranks are node-major, as torchrun numbers them: rank r is on node r // D at local index r % D. Every
+technique's process groups are built here once, collectively, in the same order on every rank:
 - world: all W ranks (ZeRO-3's gather and reduce-scatter);
 - intra_node: the D ranks of this rank's node (hpZ, qgZ's first hop);
 - inter_node: the N ranks sharing this rank's local index (qgZ's second hop);
 - hpz: the P consecutive ranks of this rank's hpZ partition (P = the
   `hpz_partition_size`; P = D, the usual choice, is the intra-node group).
-Reductions run on two threads of their own, on duplicates of the first three
-(`reduce_groups`; see grads/pipeline.py, "reductions on their own process groups").
-World size 1 needs no process group at all.
+Reductions run on two threads of their own, on duplicates of the first three (`reduce_groups`;
+grads/pipeline.py, "reductions on their own process groups"). World size 1 needs no process group.
 """
 
 from __future__ import annotations

@@ -85,8 +85,7 @@ class Unit:
         if st.cfg.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), st.cfg.param_dtype)
         if self.flats and torch.is_grad_enabled() and not any(f.trainable for f in self.flats):
-            # No leaf gradient will tell us when backward is done with frozen
-            # weights: learn it from the gradient reaching the unit's inputs.
+            # Frozen: no leaf gradient says when backward is done; the inputs' gradient does.
             args, kwargs = _PostBackward.attach(self, args, kwargs)
         return args, kwargs
 

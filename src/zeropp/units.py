@@ -49,11 +49,10 @@ def _leaf_units(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Module
 
 
 def _untied_embeddings(model: nn.Module) -> dict[nn.Module, str]:
-    """A transformers model's input embedding as a unit of its own when the output head does
-    not share its weight: it is then gathered only around the lookup (and not for backward, see
-    unit_hooks.Unit), not for the whole step as a part of the root (a 32k x 2048 vocabulary is
-    262 MB at fp32). The output head stays in the root: fused losses (TRL's, Liger's) read
-    `lm_head.weight` without calling lm_head."""
+    """A transformers model's input embedding is a unit of its own when the output head does not
+    share its weight: gathered only around the lookup (not for backward: unit_hooks.Unit) instead of
+    the whole step as part of the root (a 32k x 2048 vocabulary: 262 MB at fp32). The head stays in
+    the root: fused losses (TRL's, Liger's) read `lm_head.weight` without calling lm_head."""
     try:
         inp, out = (f() if callable(f := getattr(model, f"get_{end}_embeddings", None)) else None
                     for end in ("input", "output"))

@@ -6,10 +6,9 @@
   pipeline.py  the reduce pipeline: the two stages of a route on two threads,
                off backward's critical path
 
-A route has two stages, `first(comm, g)` and `second(comm, state)`, which the pipeline
-runs on its two threads (so one unit's first stage overlaps the previous unit's second);
-`second` returns this rank's chunk of the mean, fp32. `reduce(comm, g)` runs both. The
-engine picks one route per flat buffer, once, with `route_for`.
+A route's two stages, `first(comm, g)` and `second(comm, state)`, run on the pipeline's two threads
+(so one unit's first stage overlaps the previous unit's second); `second` returns this rank's chunk
+of the mean, fp32. `reduce(comm, g)` runs both. `route_for` picks each flat buffer's route, once.
 """
 
 from __future__ import annotations

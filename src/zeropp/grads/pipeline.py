@@ -1,26 +1,24 @@
 """The reduce pipeline: gradient reduction off the backward's critical path.
 
-When backward finishes a unit, its leaf hook hands the unit's flat gradient here and
-returns at once; backward goes on to the next unit while the reduction runs on two
-communication threads (DeepSpeed and FSDP2 run it on a side stream). Stage 1 does the
-plain ring reduce-scatter, or qgZ's intra-node hop and the quantization of its
-inter-node hop; stage 2 only qgZ's inter-node all-to-all, sum and accumulation. So
-while unit k's bytes hold the slow link, unit k+1 is quantized and reduced inside the
-node (benchmarks/probes/timeline.py: one thread doing both kept the link idle half the
+When backward finishes a unit, its leaf hook hands the unit's flat gradient here and returns at
+once; backward goes on to the next unit while the reduction runs on two communication threads
+(DeepSpeed and FSDP2 run it on a side stream). Stage 1 does the plain ring reduce-scatter, or qgZ's
+intra-node hop and the quantization of its inter-node hop; stage 2 only qgZ's inter-node all-to-all,
+sum and accumulation. So while unit k's bytes hold the slow link, unit k+1 is quantized and reduced
+inside the node (benchmarks/probes/timeline.py: one thread doing both kept the link idle half the
 time). The end of backward waits for every reduction (an autograd callback, as FSDP2's
-post-backward), so whatever reads gradients afterwards (`clip_grad_norm_`, the
-optimizer, the next micro-batch's accumulation, a checkpoint) sees them complete.
+post-backward), so whatever reads gradients afterwards (`clip_grad_norm_`, the optimizer, the next
+micro-batch's accumulation, a checkpoint) sees them complete.
 
 [Note: reductions on their own process groups]
-The main thread issues gathers (and qWD's deltas) while the stage threads issue
-reductions. Two threads cannot share a process group: the order in which their
-collectives reach a group would differ between ranks, and a collective matched against
-a different one on another rank hangs or corrupts. The reductions therefore run on
-duplicates of the world, intra-node and inter-node groups, made once per layout
-(topology.reduce_groups). Each group is used by one thread only (stage 1: world and
-intra-node; stage 2: inter-node), and on each every rank issues the same collectives in
-the same order: gathers in unit-use order from the main thread, reductions in
-gradient-ready order from the stage threads, all fixed by the model's structure.
+The main thread issues gathers (and qWD's deltas) while the stage threads issue reductions. Two
+threads cannot share a process group: the order in which their collectives reach a group would
+differ between ranks, and a collective matched against a different one on another rank hangs or
+corrupts. The reductions therefore run on duplicates of the world, intra-node and inter-node groups,
+made once per layout (topology.reduce_groups). Each group is used by one thread only (stage 1: world
+and intra-node; stage 2: inter-node), and on each every rank issues the same collectives in the same
+order: gathers in unit-use order from the main thread, reductions in gradient-ready order from the
+stage threads, all fixed by the model's structure.
 
 [Note: exactness]
 A unit's reduction is the same two functions whether they run here or inline
@@ -30,12 +28,11 @@ interleaving cannot change a bit. Error-feedback state is per FlatParam, and a u
 two stages run one after the other.
 
 [Note: CUDA]
-On CUDA the threads run each reduction on a side stream that first waits for an event
-recorded on the compute stream at hand-over, and records its own event when done;
-`drain()` makes the compute stream wait for it. The side stream's work is ordered after
-everything the compute stream did before the hand-over (the previous optimizer step's
-reads of `.grad` included), which is what makes reusing the side stream's memory safe.
-The gradient handed over is marked used by the side stream (`record_stream`).
+On CUDA each reduction runs on a side stream that first waits for an event recorded on the compute
+stream at hand-over, and records its own event when done; `drain()` makes the compute stream wait
+for it. The side stream's work is ordered after everything the compute stream did before the
+hand-over (the previous optimizer step's reads of `.grad` included), which makes reusing the side
+stream's memory safe. The gradient handed over is marked used by the side stream (`record_stream`).
 """
 
 from __future__ import annotations
@@ -204,10 +201,9 @@ def _loop(q: queue.SimpleQueue, stage: int) -> None:
 
 @atexit.register
 def _stop_workers() -> None:
-    """At exit, stop the communication threads and wait for them (and drop their
-    process groups) before the interpreter tears itself down: a daemon thread cut
-    off inside torch's C++ can abort the process ("terminate called without an
-    active exception") after the program has finished."""
+    """At exit, stop the communication threads and wait for them (and drop their process groups)
+    before the interpreter tears itself down: a daemon thread cut off inside torch's C++ can abort
+    the process ("terminate called without an active exception") after the program has finished."""
     with _WORKERS_LOCK:
         entries = list(_WORKERS.values())
         _WORKERS.clear()

@@ -1,13 +1,12 @@
 """qgZ: the hierarchical quantized gradient reduce-scatter, and the quantizer of each
 of its two hops.
 
-Hop 1 (inside the node) quantizes with `intra_node_grad_bits` (8 by default: it costs
-no inter-node byte). Hop 2 (across nodes) is where bytes are scarce and INT4 error
-hurts; its codec (`HopCodec`) may add error feedback (`gradient_error_feedback`): the
-sender keeps what quantization lost and adds it to its next send (LoCo-style moving
-average e <- b*e + (1-b)*r, b = 0.8, reset every 1024 sends). State: (N-1) chunks of
-fp32 per unit per rank, i.e. (N-1)/W of the unit's padded size; saved in checkpoints.
-A rank never quantizes the piece it keeps for itself (the all-to-all's own slot): it
+Hop 1 (inside the node) quantizes with `intra_node_grad_bits` (8 by default: it costs no inter-node
+byte). Hop 2 (across nodes) is where bytes are scarce and INT4 error hurts; its codec (`HopCodec`)
+may add error feedback (`gradient_error_feedback`): the sender keeps what quantization lost and adds
+it to its next send (LoCo-style moving average e <- b*e + (1-b)*r, b = 0.8, reset every 1024 sends).
+State: (N-1) chunks of fp32 per unit per rank, i.e. (N-1)/W of the unit's padded size; saved in
+checkpoints. A rank never quantizes the piece it keeps for itself (the all-to-all's own slot): it
 adds it in fp32, so only bytes that travel are rounded.
 """
 
@@ -97,15 +96,14 @@ class QgzReduce:
     """qgZ's gradient route: the mean over the world of `g` (W equal chunks of whole
     blocks), this rank's chunk, by two quantized all-to-alls.
 
-    Hop 1 (inside the node): chunk p is for rank p = m*D + j; the N chunks for local
-    index j go, quantized, to local peer j, which sums the D pieces it holds in fp32.
-    Hop 2 (across nodes, among the ranks of local index j): the node-partial sum for
-    node m goes, quantized by `codec`, to node m, which sums the N pieces in fp32.
-    Across its boundary a node sends (N-1)/N of |g| values at `codec.bits` each (plus
-    scales) where a ring sends (W-1)/W of them at full width. One node or one rank per
-    node skips the hop that would move nothing; padding, not fallbacks, handles any
-    size. Stage 1 is hop 1 and hop 2's quantization; stage 2 only hop 2's exchange, so
-    the thread holding the slow link only sends. Sums are fp32 whatever the reduce dtype.
+    Hop 1 (inside the node): chunk p is for rank p = m*D + j; the N chunks for local index j go,
+    quantized, to local peer j, which sums the D pieces it holds in fp32. Hop 2 (across nodes, among
+    the ranks of local index j): the node-partial sum for node m goes, quantized by `codec`, to node
+    m, which sums the N pieces in fp32. Across its boundary a node sends (N-1)/N of |g| values at
+    `codec.bits` each (plus scales) where a ring sends (W-1)/W of them at full width. One node or
+    one rank per node skips the hop that would move nothing; padding, not fallbacks, handles any
+    size. Stage 1 is hop 1 and hop 2's quantization; stage 2 only hop 2's exchange, so the thread
+    holding the slow link only sends. Sums are fp32 whatever the reduce dtype.
     """
 
     def __init__(self, *, block: int, intra_bits: int, codec: HopCodec,

@@ -1,10 +1,9 @@
 """The weight path: how a flat buffer's full weights are assembled from the shards.
 
-A driver (the engine's `FlatParam`, or FSDP2's all-gather slot) makes two calls per
-gather, as FSDP2 does with its all-gather and copy-out: `WeightPath.issue(comm, phase,
-shard, full)` starts the route's first collective, `WeightPath.finish(gather)` waits
-for it, runs any second stage, and leaves the full weights in `full`. Each route is a
-pair of functions over tensors, one file per technique:
+A driver (the engine's `FlatParam`, or FSDP2's all-gather slot) makes two calls per gather, as FSDP2
+does with its all-gather and copy-out: `WeightPath.issue(comm, phase, shard, full)` starts the
+route's first collective, `WeightPath.finish(gather)` waits for it, runs any second stage and leaves
+the weights in `full`. A route is a pair of functions over tensors, one file per technique:
   world.py         ZeRO-3's ring all-gather over the world; qwZ's INT8 payload on it
   hierarchical.py  stage 1 of the two-stage gather: across nodes
   hpz.py           hpZ: the secondary shard (`Secondary`, its one owner), and stage 2
@@ -24,14 +23,13 @@ Stage 2 is issued by `finish`, after stage 1 is waited for: issued earlier, rank
 reach the intra-node group in different orders, and a collective matched wrongly hangs.
 
 [Note: when qWD refreshes in full]
-A full refresh (the HIER or WORLD route, qwZ's INT8) runs on the first gather, after
-a checkpoint load at another layout, when the master shard changed by anything but a
-step (its version counter moved after the step hook ran, or its storage was replaced),
-and after `zeropp.refresh(model)`. An in-place write through `.data` is invisible to
-version counters: it reaches the copies through the next delta (`zeropp.refresh(model)`
-sends it at once). Memory: the persistent secondary costs W/P shards per rank (1/D of
-the model) as INT8 blocks, 1 byte/param / D, where qwZ+hpZ keeps the same bytes only
-between a forward and the next step.
+A full refresh (the HIER or WORLD route, qwZ's INT8) runs on the first gather, after a checkpoint
+load at another layout, when the master shard changed by anything but a step (its version counter
+moved after the step hook ran, or its storage was replaced), and after `zeropp.refresh(model)`. An
+in-place write through `.data` is invisible to version counters: it reaches the copies through the
+next delta (`zeropp.refresh(model)` sends it at once). Memory: the persistent secondary costs W/P
+shards per rank (1/D of the model) as INT8 blocks, 1 byte/param / D, where qwZ+hpZ keeps the same
+bytes only between a forward and the next step.
 """
 
 from __future__ import annotations

@@ -4,16 +4,15 @@ gather a rank keeps the pieces of its column (the note); a later gather of the u
 `issue` / `finish` are also the second stage of the hierarchical gather and of qWD.
 
 [Note: the secondary shard's layout]
-With hpZ groups of P ranks, rank r (index i = r mod P in its group) keeps the primary
-shards of the W/P ranks k*P + i, k = 0..W/P-1, as its *secondary* (piece k = rank
-k*P+i's shard). For P = D these are the ranks sharing r's local index, one per node:
-exactly the inter-node group, so a hierarchical gather's first stage (an all-gather in
-that group) outputs the secondary itself, with no copy, and the owner of a primary
-shard and every holder of a copy of it are one inter-node group, which qWD's deltas
-travel in. A gather from secondaries (inside the hpZ group) receives the pieces in
-(i, k) order and places piece (i, k) at slot k*P + i: the same bytes a world gather
-puts there. The secondary holds wire bytes when the weights travel quantized (qwZ: the
-bytes as received; qWD's copies are these), else weights at the compute dtype.
+With hpZ groups of P ranks, rank r (index i = r mod P in its group) keeps the primary shards of the
+W/P ranks k*P + i, k = 0..W/P-1, as its *secondary* (piece k = rank k*P+i's shard). For P = D these
+are the ranks sharing r's local index, one per node: exactly the inter-node group, so a hierarchical
+gather's first stage (an all-gather in that group) outputs the secondary itself, with no copy, and
+the owner of a primary shard and every holder of a copy of it are one inter-node group, which qWD's
+deltas travel in. A gather from secondaries (inside the hpZ group) receives the pieces in (i, k)
+order and places piece (i, k) at slot k*P + i: the same bytes a world gather puts there. The
+secondary holds wire bytes when the weights travel quantized (qwZ: the bytes as received; qWD's
+copies are these), else weights at the compute dtype.
 """
 
 from __future__ import annotations
