@@ -136,7 +136,8 @@ class ShardState:
         # A unit whose gradient never arrived (not on the loss's path) keeps .grad None, as in plain
         # PyTorch. Ranks must agree on which (as in FSDP): collectives follow backward order.
         try:
-            # Units with parameters unused this step: reduced now, in unit order on every rank.
+            # Units with parameters unused this step: reduced now, in unit order on every rank
+            # (flat_grad.py's note).
             for u in self.units:
                 for f in u.flats:
                     if f.trainable and f.grads.end_backward():
