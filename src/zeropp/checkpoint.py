@@ -1,23 +1,21 @@
 """Checkpoints of a sharded model: save and load (resharding to any world size), and the
-consolidated state dict. The on-disk format, verification and export: checkpoint_files.py.
+consolidated state dict. On-disk format, verification and export: checkpoint_files.py.
 
 [Note: atomic saves]
-Every rank writes and fsyncs its file in `.NAME.partial` beside the target; rank 0 then
-writes the manifest (with every file's sha256), fsyncs, and renames the directory into
-place (moving the previous checkpoint to `.NAME.old` first, deleting it after). A save
-that dies at any point leaves the previous checkpoint intact: before the rename nothing
-at NAME changed, and between the two renames `load_checkpoint(NAME)` finds `.NAME.old`.
-One rank's failure (disk full) becomes the same error on every rank, not a hang.
+Every rank writes and fsyncs its file in `.NAME.partial` beside the target; rank 0 then writes
+the manifest (every file's sha256), fsyncs, and renames the directory into place (the previous
+checkpoint moved to `.NAME.old` first, deleted after). A save dying at any point leaves the
+previous checkpoint intact: NAME is untouched before the rename, and `load_checkpoint(NAME)`
+finds `.NAME.old` between the two. One rank's failure (disk full) is every rank's error, no hang.
 
 [Note: what a load restores]
-Master shards (resharded if the world size or layout differs), optimizer state (sharded
-tensors resharded; hyper-parameters and step counts as saved), buffers, each rank's RNG
-states (torch, CUDA, Python, NumPy; only at an unchanged world size: ranks do not map
-otherwise), and the extras given to save: each rank gets its own back (at another world
-size, rank 0's JSON and state-dict extras on every rank, and no per-rank tensors).
-Everything is read and checked on every rank before anything is written, so a failed
-load leaves the model and optimizer as they were. hpZ secondaries and any gathered
-weights are dropped: the next gather is from the loaded masters (DeepSpeed #7130, #7606).
+Master shards (resharded if the world size or layout differs), optimizer state (sharded tensors
+resharded; hyper-parameters and step counts as saved), buffers, each rank's RNG states (torch,
+CUDA, Python, NumPy; same world size only: ranks do not map otherwise), and save's extras, each
+rank its own (at another world size, rank 0's JSON and state-dict extras for all and no per-rank
+tensors). All is read and checked on every rank before any write: a failed load changes nothing.
+hpZ secondaries and gathered weights are dropped: the next gather reads the loaded masters
+(DeepSpeed #7130, #7606).
 """
 
 from __future__ import annotations
@@ -58,9 +56,9 @@ from .shard import ShardState, get_state
 
 
 def full_state_dict(model: nn.Module, *, all_ranks: bool = False) -> dict[str, torch.Tensor]:
-    """The unsharded model's state dict (original names, fp32 parameters, buffers as
-    they are), assembled from the master shards with one all-gather per flat parameter.
-    Collective. Returned on rank 0 (on every rank with `all_ranks=True`); others get {}."""
+    """The unsharded model's state dict (original names, fp32 parameters, buffers as they
+    are), from the master shards with one all-gather per flat parameter. Collective. Returned
+    on rank 0 (on every rank with `all_ranks=True`); others get {}."""
     st = get_state(model)
     st.comm.unit = "<all: full_state_dict>"
     out: dict[str, torch.Tensor] = {}
@@ -95,10 +93,9 @@ def _hf_model(model: nn.Module) -> Optional[dict]:
 # ---- save ---------------------------------------------------------------------------
 def save_checkpoint(path: os.PathLike, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer] = None, **extra: Any) -> Path:
-    """Save a sharded checkpoint to the directory `path` (collective). `extra`: anything
-    else to keep, returned by `load_checkpoint`: JSON values, tensors, torch.Generators
-    and objects with state_dict() such as an LR scheduler, each rank's own (as DeepSpeed
-    ZeRO-3 keeps each rank's client_state); see the note on what a load restores."""
+    """Save a sharded checkpoint to the directory `path` (collective). `extra`: anything else
+    to keep, returned by `load_checkpoint` (JSON values, tensors, torch.Generators, objects with
+    state_dict() such as an LR scheduler), each rank's own as DeepSpeed ZeRO-3's client_state."""
     st = get_state(model)
     rank = st.topo.rank
     path = Path(path)
@@ -146,8 +143,8 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
     """This rank's tensors and file metadata, and the manifest (used on rank 0)."""
     rank = st.topo.rank
     tensors: dict[str, torch.Tensor] = {}
-    # Serialized before anything can change them, so shards and optimizer state
-    # are not copied first; buffers and user tensors are, as they may share storage.
+    # Written before anything can change them, so shards and optimizer state are not copied
+    # first; buffers and user tensors are, as they may share storage.
     for f in st.flats:
         tensors[f"model/{f.name}"] = f.primary_shard.detach().cpu()
         tensors.update({f"engine/{f.name}/{k}": v for k, v in f.buffer.state().items()})
@@ -185,8 +182,8 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
 
 
 def _optimizer_state(st: ShardState, opt: torch.optim.Optimizer, tensors: dict) -> dict:
-    """Hyper-parameters and per-flat state kinds for the manifest; the state
-    tensors go into `tensors` ("sharded" ones are shaped like the shard)."""
+    """Hyper-parameters and per-flat state kinds for the manifest; the state tensors go into
+    `tensors` ("sharded" ones are shaped like the shard)."""
     names = {id(f.primary_shard): f.name for f in st.flats}
     params = [p for g in opt.param_groups for p in g["params"]]
     foreign = sum(1 for p in params if id(p) not in names)
@@ -215,11 +212,10 @@ def _optimizer_state(st: ShardState, opt: torch.optim.Optimizer, tensors: dict) 
 def load_checkpoint(path: os.PathLike, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer] = None,
                     **restore: Any) -> dict[str, Any]:
-    """Load a checkpoint saved by `save_checkpoint` into the sharded `model`
-    (and `optimizer`), at this world size. Collective. Returns the extras:
-    JSON values, this rank's tensors, Generators and state dicts. A Generator
-    or stateful object passed by keyword in `restore` is restored in place.
-    Any problem is a CheckpointError naming it, raised on every rank."""
+    """Load a checkpoint saved by `save_checkpoint` into the sharded `model` (and `optimizer`)
+    at this world size. Collective. Returns the extras: JSON values, this rank's tensors,
+    Generators and state dicts; a Generator or stateful object passed by keyword in `restore`
+    is restored in place. Any problem is a CheckpointError naming it, raised on every rank."""
     st = get_state(model)
     if st.gathered_depth:
         raise CheckpointError("load_checkpoint inside zeropp.gathered(): the resident weights "
@@ -243,8 +239,8 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     rank = st.topo.rank
     where = param_index(man)
     shards, engine = {}, {}
-    # qWD copies and error-feedback residuals continue only in the same world, node size
-    # and config; otherwise the next gather refreshes in full and the residuals start from 0.
+    # qWD copies and error-feedback residuals continue only at the same world, node size and
+    # config; otherwise the next gather refreshes in full and residuals start from 0.
     same_setting = (same_world and man.get("node_size") == st.topo.node_size
                     and same_config(man.get("config"), st.cfg))
     for f in st.flats:
@@ -264,8 +260,7 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     meta = json.loads(rd.file(rank).metadata()["zeropp"]) if same_world else None
     rng = {k: rd.get(rank, f"rng/{k}") for k in ("torch", "cuda")
            if same_world and f"rng/{k}" in rd.file(rank).keys()}
-    # JSON and state-dict extras: this rank's own; at another world size ranks do
-    # not map, and every rank gets rank 0's (the manifest's).
+    # JSON and state-dict extras: this rank's own, or at another world size rank 0's (manifest)
     src = meta if meta is not None and "extra_kinds" in meta else man
     kinds = src.get("extra_kinds", {})
     missing = sorted(set(restore) - set(kinds))
@@ -295,8 +290,7 @@ def flat_layout(f: FlatParam) -> dict:
 
 
 def gather_master(f: FlatParam, comm: Comm) -> torch.Tensor:
-    """A flat buffer's full fp32 master weights (every rank's shard), for export.
-    Frozen weights stored as integers come back dequantized."""
+    """A flat buffer's full fp32 master weights (every rank's shard; int storage dequantized)."""
     shard = f.primary_shard.detach()
     full = torch.empty(f.padded_numel, dtype=torch.float32, device=shard.device)
     out = (torch.empty(f.world_size * shard.numel(), dtype=torch.uint8, device=shard.device)
@@ -314,9 +308,8 @@ def unflatten(f: FlatParam, flat: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def same_config(saved: Optional[dict], cfg: Config) -> bool:
-    """Whether a checkpoint's config is `cfg`. A field the checkpoint lacks was added to
-    zeropp after it was saved, and the run that saved it behaved as that field's
-    default: an upgrade alone does not drop qWD copies or error-feedback residuals."""
+    """Whether a checkpoint's config is `cfg`. A field the checkpoint lacks postdates it (its run
+    behaved as the default): an upgrade alone keeps qWD copies and error-feedback residuals."""
     if saved is None or any(saved.get(k, v) != v for k, v in _RETIRED.items()):
         return False
     default = Config().to_dict()
@@ -348,8 +341,8 @@ def _check_names(man: dict, st: ShardState, model: nn.Module, path: Path) -> Non
 
 
 def _assemble(f: Any, rank: int, rd: Reader, where: dict, key: Any) -> torch.Tensor:
-    """This rank's shard of flat `f`, assembled parameter by parameter from the
-    saved flats (`key(saved flat name)` names the tensor to read)."""
+    """This rank's shard of flat `f`, assembled parameter by parameter from the saved flats
+    (`key(saved flat name)` names the tensor to read)."""
     lo, hi = rank * f.shard_numel, (rank + 1) * f.shard_numel
     out = None
     for info in f.infos:

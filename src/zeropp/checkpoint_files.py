@@ -1,30 +1,24 @@
 """A checkpoint on disk: the manifest, verified reads of rank files, and its consolidated
-tensors read from the files alone (no process group; `zeropp export` writes them out,
-cli/export.py).
+tensors read from the files alone (no process group; `zeropp export`, cli/export.py).
 
 A checkpoint is a directory:
-  manifest.json           JSON: format, world and node size, config, step, each flat
-                          parameter's layout (original names, shapes, offsets, shard
-                          size, storage), buffer shapes, optimizer hyper-parameters,
-                          extras, and every rank file's size and sha256
-  rank00000.safetensors   one per rank: its master shards (`model/<flat>`),
-  ...                     optimizer-state shards (`optim/<flat>/<key>`), RNG states,
-                          per-rank extras; rank 0 also the buffers
+  manifest.json           JSON: format, world and node size, config, step, each flat parameter's
+                          layout (original names, shapes, offsets, shard size, storage), buffer
+                          shapes, optimizer hyper-parameters, extras, each rank file's size/sha256
+  rank00000.safetensors   one per rank: master shards (`model/<flat>`), optimizer-state shards
+  ...                     (`optim/<flat>/<key>`), RNG states, per-rank extras; rank 0 also buffers
 
 [Note: data, never code]
-Tensors are read only through safetensors and everything else is JSON, so loading a
-checkpoint runs no code from it. A file is hashed before it is parsed: a replaced,
-truncated or altered file is reported by name, and file names come only from a fixed
-pattern (a manifest cannot point outside its directory).
+Tensors are read only as safetensors and all else is JSON: loading a checkpoint runs no code
+from it. A file is hashed before it is parsed (a replaced, truncated or altered file is named);
+file names come only from a fixed pattern (a manifest cannot point outside its directory).
 
 [Note: resharding]
-A flat parameter's shard r holds elements [r*S, (r+1)*S) of the flat buffer, and the
-manifest records where each original parameter sits in it. So any element of any
-parameter can be read from the saved files, whatever the world size, block size or unit
-split that wrote them: a new shard is assembled parameter by parameter from the byte
-ranges of the saved shards that cover it (safetensors reads slices without loading whole
-files). Frozen weights stored as integers are dequantized and, when the layout differs,
-quantized again.
+A flat parameter's shard r holds elements [r*S, (r+1)*S) of the flat buffer, and the manifest
+records where each original parameter sits in it. So any element of any parameter can be read
+from the saved files, whatever world size, block size or unit split wrote them: a new shard is
+assembled parameter by parameter from byte ranges of the saved shards covering it (slices, not
+whole files). Frozen weights stored as integers are dequantized (requantized if layouts differ).
 """
 
 from __future__ import annotations
@@ -83,9 +77,9 @@ _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str]) -> tuple[str, int]:
-    """Write `tensors` as a safetensors file, streamed tensor by tensor from their
-    own memory (safetensors' `save` builds the whole file in memory first: twice
-    a rank's shards at the peak), fsynced. Returns the file's sha256 and size."""
+    """Write `tensors` as a safetensors file, fsynced, streamed tensor by tensor from their own
+    memory (safetensors' `save` builds the whole file in memory first: twice a rank's shards
+    at the peak). Returns the file's sha256 and size."""
     header: dict[str, Any] = {"__metadata__": metadata}
     flat, offset = {}, 0
     for name, t in tensors.items():
@@ -116,8 +110,7 @@ def jsonable(value: Any, what: str) -> Any:
 
 
 def resolve(path: os.PathLike) -> Path:
-    """The checkpoint directory to read; a save that died between its two
-    renames left the previous checkpoint at `.NAME.old`, used then."""
+    """The checkpoint directory to read: `.NAME.old` if a save died between its two renames."""
     path = Path(path)
     old = path.parent / f".{path.name}.old"
     if not path.exists() and old.is_dir() and (old / MANIFEST).is_file():
@@ -179,10 +172,9 @@ _ST_TORCH = {name: dtype for dtype, name in _ST_DTYPES.items()}
 
 
 class RankFile:
-    """One verified safetensors file, read with plain reads straight into each
-    tensor's memory: safetensors' `safe_open` maps the whole file, and every page
-    it touches counts in the process's resident memory while the file is open
-    (a rank's whole file during a load). Like safe_open's handle: keys, metadata,
+    """One verified safetensors file, read with plain reads straight into tensor memory
+    (safetensors' `safe_open` maps the file, and every page it touches counts as resident while
+    it is open: a rank's whole file during a load). Like safe_open's handle: keys, metadata,
     get_tensor, and read(key, start, count) for a slice of a flat tensor."""
 
     def __init__(self, path: Path) -> None:
@@ -262,8 +254,7 @@ class Reader:
                                   ) from None
 
     def values(self, flat: dict, key: str, a: int, b: int) -> torch.Tensor:
-        """Elements [a, b) of a saved flat buffer (`key` = "model/<flat>" or
-        "optim/<flat>/<state>") from the shards that hold them."""
+        """Elements [a, b) of a saved flat buffer (`key`: "model/<flat>" or "optim/<flat>/<k>")."""
         if key.startswith("model/") and flat["storage"] != "float32":
             return self._dequantize(flat)[a:b]
         s = flat["shard_numel"]
@@ -290,10 +281,9 @@ def param_index(man: dict) -> dict[str, tuple[dict, dict]]:
 # ---- consolidation ----------------------------------------------------------------
 def consolidate(path: os.PathLike, *, optimizer_state: bool = False,
                 trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """The full tensors of a checkpoint, by original name, read from its files alone:
-    parameters (fp32) and buffers; with `optimizer_state`, instead "<name>/<key>" for each
-    sharded optimizer-state tensor (e.g. exp_avg). Tied names share one tensor, as in the
-    model's own state dict. `trainable_only`: frozen parameters left out."""
+    """A checkpoint's full tensors by original name, from its files alone: fp32 parameters and
+    buffers, or with `optimizer_state` "<name>/<key>" per sharded optimizer-state tensor (e.g.
+    exp_avg). Tied names share one tensor, as in a state dict. `trainable_only`: no frozen ones."""
     path = resolve(path)
     man = read_manifest(path)
     rd = Reader(path, man)

@@ -1,25 +1,23 @@
-"""deferred_init(): build a model larger than one process can hold, exactly as it
-would be built whole, and let `shard` materialize one unit at a time.
+"""deferred_init(): build a model larger than one process can hold, exactly as it would be
+built whole, and let `shard` materialize one unit at a time.
 
 [Note: recorded initialization]
-Inside the context constructors run on the CPU as usual, but in-place writes to a
-registered parameter (what `torch.nn.init`, `reset_parameters` and Hugging Face's
-`_init_weights` do: normal_, uniform_, fill_, zero_, mul_, ...) are recorded instead
-of run. The parameter's storage is allocated, never written, so the kernel maps no
-pages for it: a model of any size costs its buffers and small tensors only.
-Exactness: an op that draws random numbers runs once at record time, on a scratch
-tensor of its geometry (freed at once), so the generator advances as in the whole
-build and every later draw (other parameters, buffers, the user's code after the
-context) sees the same stream; the generator's state before the op is kept with it.
-`materialize(p)` replays p's ops from the last one that overwrote it whole, each from
-its saved state: bit-identical to the model built without the context under the same
-seed, in any order, on any rank. A parameter replaced (`p.data = ...`, `model.to()`)
-or written in place after the context cannot be replayed: `materialize` says so.
-An op that reads a parameter inside the build (not a view; e.g. an init that looks at
-values it drew) first gets that parameter's values in its own storage: exact, only
-that memory is spent early. torch.nn.init's functions are recorded whole (their
-result depends on the shape and the generator only), so trunc_normal_'s rejection
-sampling stays deferred.
+Inside the context constructors run on the CPU as usual, but in-place writes to a registered
+parameter (what `torch.nn.init`, `reset_parameters` and Hugging Face's `_init_weights` do:
+normal_, uniform_, fill_, zero_, mul_, ...) are recorded instead of run. The parameter's
+storage is allocated, never written, so the kernel maps no pages for it: a model of any size
+costs its buffers and small tensors only.
+Exactness: an op that draws random numbers runs once at record time on a scratch tensor of its
+geometry (freed at once), so the generator advances as in the whole build and every later draw
+(other parameters, buffers, user code after the context) sees the same stream; the generator's
+state before the op is kept with it. `materialize(p)` replays p's ops from the last one that
+overwrote it whole, each from its saved state: bit-identical to the model built without the
+context under the same seed, in any order, on any rank. A parameter replaced (`p.data = ...`,
+`model.to()`) or written in place after the context cannot be replayed: `materialize` says so.
+An op that reads a parameter inside the build (not a view; e.g. an init looking at values it
+drew) first gets that parameter's values in its own storage: exact, only that memory is spent
+early. torch.nn.init's functions are recorded whole (their result depends on the shape and the
+generator only), so trunc_normal_'s rejection sampling stays deferred.
 """
 
 from __future__ import annotations
@@ -44,8 +42,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .host_memory import release_freed_host_memory
 
-# Ops whose result does not depend on what the tensor held: a whole-tensor one
-# makes every earlier op on the parameter dead (its draws were already made).
+# Ops whose result does not depend on what the tensor held: a whole-tensor one makes every
+# earlier op on the parameter dead (its draws were already made).
 _OVERWRITES = {"normal_", "uniform_", "fill_", "zero_", "random_", "bernoulli_",
                "exponential_", "geometric_", "log_normal_", "cauchy_", "copy_"}
 
@@ -75,8 +73,8 @@ class _Record:
     name: str = ""                     # module class and attribute, for messages
 
 
-# id(parameter) -> (weak reference, value): tensors compare elementwise, so no
-# WeakKeyDictionary. _DEFERRED holds each deferred parameter's record.
+# id(parameter) -> (weak reference, value): tensors compare elementwise, so no WeakKeyDictionary.
+# _DEFERRED holds each deferred parameter's record.
 _DEFERRED: dict[int, tuple[weakref.ref, _Record]] = {}
 
 
@@ -176,10 +174,9 @@ def deferred_init() -> Iterator[None]:
             model = Transformer(cfg)        # parameters allocated, not written
         zeropp.shard(model, cfg)            # each rank materializes one unit at a time
 
-    The shards equal, bit for bit, those of the model built without the context under
-    the same seed (see the note above). Until it is sharded (or passed to
-    `materialize_module`) its parameters hold no values: do not run it. Buffers and
-    tensors that are not parameters are built as usual."""
+    The shards equal, bit for bit, those of the model built without the context under the
+    same seed (see the note). Until sharded (or passed to `materialize_module`) its parameters
+    hold no values: do not run it. Buffers and other non-parameter tensors are built as usual."""
     rec = _Recorder()
     rec.handle = register_module_parameter_registration_hook(rec.register)
     try:
@@ -221,9 +218,8 @@ def _recording(rec: _Recorder) -> Iterator[None]:
 
 
 def _recorded_init(fn: Callable) -> Callable:
-    """torch.nn.init's `fn` while a deferred_init() is open: recorded as one op on a
-    deferred parameter of a context open on this thread (see the note); anything else,
-    and every other thread, gets torch's own."""
+    """torch.nn.init's `fn` while a deferred_init() is open: one recorded op on a deferred
+    parameter of this thread's contexts (see the note); anything else gets torch's own."""
     sig = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -241,9 +237,9 @@ def _recorded_init(fn: Callable) -> Callable:
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
-    """Run the body as if no deferred_init() context were open: `shard` (or
-    DeepSpeed's `initialize`) called inside `with zero.Init():` materializes the
-    model as built so far, and its own tensors and parameters are not recorded."""
+    """Run the body as if no deferred_init() context were open: `shard` (or DeepSpeed's
+    `initialize`) called inside `with zero.Init():` materializes the model as built so far,
+    and its own tensors and parameters are not recorded."""
     if not _OPEN:
         yield
         return
@@ -269,8 +265,7 @@ def _snapshot(rec: _Recorder) -> None:
 
 
 def _close(rec: _Recorder) -> None:
-    """The build is over: from now on a parameter's version must not move, and a
-    module that runs with a parameter still unwritten is refused."""
+    """The build is over: versions must not move; modules with unwritten parameters may not run."""
     global _guard
     _snapshot(rec)
     if _DEFERRED and _guard is None:
@@ -295,15 +290,14 @@ def _refuse_unmaterialized(module: nn.Module, args: Any) -> None:
                 "zeropp.deferred.materialize_module(model) before running it")
 
 
-# id(parameter) -> (weak reference, the tensor it shows when shown): parameters
-# that show 0 elements until sharded or gathered, as DeepSpeed's zero.Init makes them.
+# id(parameter) -> (weak reference, the tensor it shows when shown): parameters that show 0
+# elements until sharded or gathered, as DeepSpeed's zero.Init makes them.
 _HIDDEN: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
 
 def hide(p: nn.Parameter) -> None:
-    """`p` shows 0 elements (`p.data` an empty tensor) until `show(p)`; its
-    tensor, deferred or written, is kept aside unchanged (same storage, same
-    version: a deferred parameter still materializes exactly)."""
+    """`p` shows 0 elements (`p.data` empty) until `show(p)`; its tensor is kept aside unchanged
+    (same storage and version: a deferred one still materializes exactly)."""
     if is_hidden(p) or p.numel() == 0:
         return
     _keep(_HIDDEN, p, p.data)
@@ -322,8 +316,8 @@ def show(p: nn.Parameter) -> None:
 
 def show_module(model: nn.Module) -> None:
     """Show every hidden parameter of `model` (before sharding), then run each distinct
-    `_zeropp_before_shard(model)` its parameters carry (DeepSpeed's zero.Init sets one
-    that makes its partitioned parameters deferred ones)."""
+    `_zeropp_before_shard(model)` its parameters carry (DeepSpeed's zero.Init sets one that
+    makes its partitioned parameters deferred ones)."""
     for p in model.parameters():
         show(p)
     for hook in dict.fromkeys(filter(None, (getattr(p, "_zeropp_before_shard", None)
@@ -332,9 +326,8 @@ def show_module(model: nn.Module) -> None:
 
 
 def materialize(p: nn.Parameter) -> torch.Tensor:
-    """The values of a parameter built under deferred_init(), in a new tensor (of
-    its shape and dtype); the parameter itself stays unwritten. Any parameter
-    that is not deferred is returned as it is."""
+    """The values of a parameter built under deferred_init(), in a new tensor of its shape and
+    dtype; the parameter stays unwritten. A parameter not deferred is returned as it is."""
     rec = _lookup(_DEFERRED, p)
     if rec is None:
         return p.detach()
@@ -373,17 +366,17 @@ def _replay(p: torch.Tensor, rec: _Record) -> torch.Tensor:
 
 def defer(p: nn.Parameter, fill: Callable[[torch.Tensor], Any], name: str = "") -> None:
     """`p`, showing its shape on storage never written, becomes deferred with one op,
-    `fill(out)`, that writes all its values when it is materialized: a parameter whose
-    values are elsewhere (the DeepSpeed alias's per-parameter partitions) is then
-    sharded as a deferred_init() one is, one unit at a time, in model order."""
+    `fill(out)`, writing all its values at materialization: a parameter whose values are
+    elsewhere (the DeepSpeed alias's per-parameter partitions) is then sharded like a
+    deferred_init() one, one unit at a time, in model order."""
     op = _Op(fill, (0, tuple(p.shape), tuple(p.stride())), (), {}, overwrites=True)
     _keep(_DEFERRED, p, _Record(p.untyped_storage().data_ptr(), p.storage_offset(), [op],
                                 p._version, name))
 
 
 def materialize_module(model: nn.Module) -> nn.Module:
-    """Give every deferred parameter of `model` its values in place (the whole
-    model, in this process): the unsharded model deferred_init() stood for."""
+    """Give every deferred parameter of `model` its values in place (the whole model, in this
+    process): the unsharded model deferred_init() stood for."""
     for p in model.parameters():
         show(p)
         if is_deferred(p):
@@ -400,12 +393,11 @@ def release(p: nn.Parameter) -> None:
 
 
 def defer_meta(model: nn.Module) -> None:
-    """Give each meta parameter of `model` (shapes, no values) an unwritten CPU storage and
-    record its module's `reset_parameters()` (FSDP's rule for meta modules), module by
-    module in registration order, so `shard` materializes it one unit at a time like a
-    deferred_init() model. The values equal the whole build's under the same seed when
-    the model's init is its modules' reset_parameters in that order (torch's layers); a
-    meta parameter or buffer whose module has no reset_parameters is refused by name."""
+    """Give each meta parameter of `model` an unwritten CPU storage and record its module's
+    `reset_parameters()` (FSDP's rule for meta modules), module by module in registration
+    order, so `shard` materializes it one unit at a time like a deferred_init() model. Exact
+    (under the same seed) when the model's init is its modules' reset_parameters in that order
+    (torch's layers); a meta tensor whose module has no reset_parameters is refused by name."""
     rec = _Recorder()
     replaced: dict[int, nn.Parameter] = {}
     with _recording(rec):

@@ -1,34 +1,27 @@
 """`model.state_dict()` / `load_state_dict()` after shard(): the model's own names.
 
 [Note: state dicts of a sharded model]
-`shard()` takes a unit's parameters out of their modules and registers the
-unit's flat master shards as `_zeropp_flatK` (what `parameters()` yields and
-optimizers step). The model's state dict keeps the model's own keys, in the
-model's own order, through hooks on every module that held a parameter:
-- Inside a gather (`zeropp.gathered(model)`, DeepSpeed's `GatheredParameters`,
-  or during the unit's own forward) a name maps to a copy of the full weights
-  the module computes with (compute dtype; qwZ's INT8 values under qwZ). A copy:
-  the gathered buffer is freed on exit, and a state dict usually outlives the
-  context. With `keep_vars=True`, the module attribute itself.
-- Outside a gather a name maps to an empty placeholder (`numel() == 0`, its
-  `ds_shape` the parameter's shape), as DeepSpeed ZeRO-3's `module.state_dict()`
-  gives. The alternatives are worse: this rank's piece of a flat shard means
-  nothing to any reader; gathering in full would make `state_dict()` a
-  collective, which the common `if rank == 0: torch.save(model.state_dict())`
-  turns into a hang (FSDP1's trap); refusing breaks libraries that only read
-  the keys (transformers, PEFT). Loading a placeholder fails, naming the key
-  and `zeropp.full_state_dict`, which gives the fp32 masters.
-- `load_state_dict(sd)` of full tensors under the original names outside a
-  gather, on every rank: each rank copies its own slice into its master shard
-  (no collective), and every rank drops the hpZ secondaries / qWD copies of the
-  units it touched, so their next gathers are full ones everywhere alike.
-  Inside a gather the values go into the gathered weights, and the context's
-  exit decides: written into every shard with `writable` / `modifier_rank`
-  (rank 0 alone may load under `GatheredParameters(modifier_rank=0)`), else
-  discarded, as DeepSpeed does.
-Errors are torch's (`strict`'s missing and unexpected keys, size mismatches),
-raised where they happen; one rank's error inside a writable gather is raised
-on every rank at its exit (gathered.py).
+`shard()` takes a unit's parameters out of their modules and registers the unit's flat master
+shards as `_zeropp_flatK` (what `parameters()` yields and optimizers step). The state dict keeps
+the model's own keys, in its own order, through hooks on every module that held a parameter:
+- Inside a gather (`zeropp.gathered(model)`, DeepSpeed's `GatheredParameters`, or the unit's own
+  forward) a name maps to a copy of the full weights the module computes with (compute dtype;
+  INT8 values under qwZ). A copy: the gathered buffer is freed on exit, and a state dict usually
+  outlives the context. With `keep_vars=True`, the module attribute itself.
+- Outside a gather a name maps to an empty placeholder (`numel() == 0`, its `ds_shape` the
+  parameter's shape), as DeepSpeed ZeRO-3's `module.state_dict()` gives. The alternatives are
+  worse: this rank's piece of a flat shard means nothing to any reader; gathering in full makes
+  `state_dict()` a collective, which the common `if rank == 0: torch.save(model.state_dict())`
+  turns into a hang (FSDP1's trap); refusing breaks libraries that only read keys (transformers,
+  PEFT). Loading a placeholder fails, naming the key and `zeropp.full_state_dict` (fp32 masters).
+- `load_state_dict(sd)` of full tensors under the original names, outside a gather, on every
+  rank: each rank copies its own slice into its master shard (no collective) and drops the hpZ
+  secondaries / qWD copies of the units it touched, so their next gathers are full ones on
+  every rank alike. Inside a gather the values go into the gathered weights and the context's
+  exit decides: written into every shard with `writable` / `modifier_rank` (rank 0 alone may
+  load under `GatheredParameters(modifier_rank=0)`), else discarded, as DeepSpeed does.
+Errors are torch's (`strict`'s missing and unexpected keys, size mismatches), raised where they
+happen; one rank's error in a writable gather is raised on every rank at exit (gathered.py).
 """
 
 from __future__ import annotations
@@ -47,8 +40,8 @@ FLAT_PREFIX = "_zeropp_flat"
 
 
 def install(units: list, order: dict[nn.Module, list[str]]) -> None:
-    """Hook every unit module and every module that held a sharded parameter.
-    `order`: each such module's parameter names as they were before shard()."""
+    """Hook every unit module and every module that held a sharded parameter. `order`: each
+    such module's parameter names as they were before shard()."""
     owned: dict[nn.Module, list[tuple[str, FlatParam, int]]] = {u.module: [] for u in units}
     for u in units:
         for f in u.flats:
@@ -76,8 +69,8 @@ def _note_keep_vars(keep_vars: dict, module: nn.Module, prefix: str, keep: bool)
 def _save(entries: list, keep_vars: dict, module: nn.Module, sd: dict, prefix: str,
           local_metadata: Any) -> None:
     keep = keep_vars.pop(prefix, False)
-    # This module's keys (its flat shards, buffers, children's) are the dict's last ones:
-    # taken out, then put back after the parameters, as an unsharded module writes them.
+    # This module's keys (flat shards, buffers, children's) are the dict's last: taken out,
+    # then put back after the parameters, as an unsharded module writes them.
     mine = list(itertools.takewhile(lambda k: k.startswith(prefix), reversed(sd)))
     rest = {k: sd.pop(k) for k in reversed(mine)}
     for attr, f, i in entries:
