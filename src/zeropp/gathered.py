@@ -1,25 +1,22 @@
 """zeropp.gathered(model): full weights resident for a while, gathered once.
 
-Generation under ZeRO-3 re-gathers every unit for every token: an RLHF actor generating
-100 tokens moves its weights 100 times. Inside `gathered()` the units stay gathered, so
-the forwards inside issue no collective; the gather on entry is a training forward's
-(hpZ's secondary inside the node when current, qwZ's INT8 or qWD's copies otherwise), so
-the weights are bit for bit those training uses. Models: PyTorch's `summon_full_params`
-and DeepSpeed's `GatheredParameters`.
+Generation under ZeRO-3 re-gathers every unit for every token: an RLHF actor generating 100
+tokens moves its weights 100 times. Inside `gathered()` the units stay gathered, so forwards
+issue no collective; the gather on entry is a training forward's (hpZ's secondary inside the
+node when current, else qwZ's INT8 or qWD's copies), so the weights are bit for bit those
+training uses. Models: PyTorch's `summon_full_params` and DeepSpeed's `GatheredParameters`.
 
 [Note: writing back]
-With `writable=True` every gathered flat buffer is also kept as gathered (a snapshot);
-on a normal exit each rank compares its own shard's slice of the (possibly edited) full
-weights with the snapshot, bit for bit, and writes the elements that differ into its
-fp32 master shard. Unedited weights keep their exact master values though qwZ's copy is
-rounded; an edit such as `w.mul_(2)` doubles what the forward saw. With
-`modifier_rank=r`, rank r's edits count: it scatters each rank's slice of its full
-weights first (DeepSpeed's GatheredParameters semantics); otherwise every rank must make
-the same edits (PyTorch's writeback semantics). Then every rank drops its hpZ
-secondaries / qWD copies of those units, edited or not, so routes stay identical on
-every rank and the next forward gathers in full. Leaving by an exception on any rank
-discards every rank's edits (the ranks agree with one all-reduce on exit): the master
-shards are untouched.
+With `writable=True` every gathered flat buffer is also kept as gathered (a snapshot); on a
+normal exit each rank compares its own shard's slice of the (possibly edited) full weights with
+the snapshot, bit for bit, and writes the elements that differ into its fp32 master shard.
+Unedited weights keep their exact master values though qwZ's copy is rounded; an edit such as
+`w.mul_(2)` doubles what the forward saw. With `modifier_rank=r`, rank r's edits count: it first
+scatters each rank's slice of its full weights (DeepSpeed's GatheredParameters semantics);
+otherwise every rank must make the same edits (PyTorch's writeback semantics). Then every rank
+drops its hpZ secondaries / qWD copies of those units, edited or not, so routes stay identical
+on every rank and the next forward gathers in full. An exception on any rank discards every
+rank's edits (the ranks agree by one all-reduce on exit): the master shards are untouched.
 """
 
 from __future__ import annotations
@@ -46,28 +43,25 @@ def gathered(model: nn.Module, *, writable: bool = False,
              modifier_rank: Optional[int] = None) -> Iterator[nn.Module]:
     """Gather the units of a sharded `model` once and keep them resident; yields the model.
 
-    Inside, forwards of the gathered units issue no collective (generation: one gather
-    per rollout, not per token), under grad, `no_grad` or `inference_mode`, with HF
-    `generate()` and its KV cache; module attributes (`model.lm_head.weight`, ...) are the
-    full weights. Call it on every rank with the same arguments (it gathers). Nesting is
-    harmless. Backward and optimizer steps inside raise (the gathered weights would go
-    stale): train after the context.
+    Inside, forwards of the gathered units issue no collective (generation: one gather per
+    rollout, not per token), under grad, `no_grad` or `inference_mode`, with HF `generate()` and
+    its KV cache; module attributes (`model.lm_head.weight`, ...) are the full weights. Call it
+    on every rank with the same arguments (it gathers). Nesting is harmless. Backward and
+    optimizer steps inside raise (the gathered weights would go stale): train after the context.
 
-    `units`: which units to keep (names as in `model._zeropp_state.units`, "" or "<root>"
-    for the root, or the unit modules); the others are gathered per forward as in
-    training, so every rank must then run the same number of forwards (HF `generate`:
-    pass `synced_gpus=True` if ranks may stop at different lengths). `max_bytes`: keep
-    units, in model order, while their full weights (compute dtype; twice that with
-    `writable`) fit. What to pick: everything (the default) when the full model fits
-    beside the activations and KV cache; otherwise as many units as fit: each kept unit
-    saves its whole size per token, so which ones matters little; keeping units matters
-    most without hpZ, where a per-token gather crosses nodes (with hpZ it stays inside
-    the node). Memory: each kept unit's full weights at compute precision for the context.
+    `units`: which units to keep (names as in `model._zeropp_state.units`, "" or "<root>" for
+    the root, or the unit modules); the others are gathered per forward as in training, so every
+    rank must then run the same number of forwards (HF `generate`: pass `synced_gpus=True` if
+    ranks may stop at different lengths). `max_bytes`: keep units, in model order, while their
+    full weights (compute dtype; twice that with `writable`) fit. What to pick: everything (the
+    default) when the full model fits beside the activations and KV cache; else as many units as
+    fit: each kept unit saves its whole size per token, so which ones matters little. Keeping
+    units matters most without hpZ, where a per-token gather crosses nodes (with hpZ it stays
+    inside the node). Memory: the kept units' full weights at compute precision, for the context.
 
-    `writable=True`: edits made inside are written into the master shards on exit (see
-    the note above); costs a snapshot of every kept unit during the context and a full
-    (non-hpZ) gather of them afterwards. `modifier_rank`: with `writable`, the rank whose
-    edits are kept.
+    `writable=True`: edits made inside are written into the master shards on exit (the note
+    above), at the cost of a snapshot of every kept unit during the context and a full (non-hpZ)
+    gather of them afterwards. `modifier_rank`: with `writable`, the rank whose edits are kept.
     """
     st = _state(model)
     if _in_backward():
@@ -87,8 +81,8 @@ def gathered(model: nn.Module, *, writable: bool = False,
     snapshots: dict = {}
     pinned: list[Unit] = []
     try:
-        # Issue every gather, then wait: the same collectives in the same order on
-        # every rank (model order), all in flight together.
+        # Issue every gather, then wait: the same collectives in the same (model) order on every
+        # rank, all in flight together.
         with torch.inference_mode(False), torch.no_grad():
             for u in chosen:
                 u.issue_gather()
@@ -116,11 +110,10 @@ def gathered(model: nn.Module, *, writable: bool = False,
         st.gathered_depth -= 1
         try:
             if writable:
-                # Every rank writes back or none does (one rank's exception must not
-                # leave the shards half edited), and every rank drops the secondaries
-                # of these units, so their next gathers take the same route everywhere.
-                # A rank that left normally raises its peer's error: it would otherwise
-                # go on alone into its next collective and wait there for ever.
+                # Every rank writes back or none does (one rank's exception must not leave the
+                # shards half edited), and every rank drops these units' secondaries, so their
+                # next gathers take the same route everywhere. A rank that left normally raises
+                # its peer's error rather than wait for ever alone in its next collective.
                 if _all_ok(st, error is None):
                     _write_back(st, snapshots, modifier_rank)
                 else:

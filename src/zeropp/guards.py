@@ -1,22 +1,20 @@
 """Guard rails: failures that would otherwise hang every rank or train silently wrong.
 
-- `agree`: one rank's error becomes the same error on every rank: all join one small
-  exchange and raise together, where a rank raising alone would leave the others
-  waiting in their next collective until the timeout.
-- `check_same_model`: inside `shard`, ranks whose models differ (parameter names,
-  shapes, dtypes, units) are found with one all-gather of a 32-byte digest, and all
-  raise the same error naming the first difference.
-- `forget_parameters`: an optimizer built on the model's parameters *before* `shard`
-  holds tensors that no longer receive gradients (its step would silently do
-  nothing); a global pre-step hook catches it.
-- `one_line`: a mistake in the user's config (a DeepSpeed key zeropp refuses) is the
-  user's to fix, not a bug to debug: uncaught, it prints as one line, not a traceback
-  per rank.
+- `agree`: one rank's error is raised on every rank after one small exchange; raised alone, it
+  would leave the others waiting in their next collective until the timeout.
+- `check_same_model`: inside `shard`, one all-gather of a 32-byte digest finds ranks whose
+  models differ (parameter names, shapes, dtypes, units); all raise the same error naming the
+  first difference.
+- `forget_parameters`: an optimizer built on the model's parameters *before* `shard` holds
+  tensors that no longer receive gradients (its step would silently do nothing); a global
+  pre-step hook catches it.
+- `one_line`: a mistake in the user's config (a DeepSpeed key zeropp refuses) is the user's to
+  fix, not a bug to debug: uncaught, it prints as one line, not a traceback per rank.
 
-Everything here exchanges raw bytes in tensors: no pickle crosses ranks, and every
-exchange opens with a header (a mark, the exchange's name, the length) that each rank
-checks, so a rank that is in another collective meanwhile (a script that calls a
-collective on one rank only) is named in one line, never read as a message.
+Everything here exchanges raw bytes in tensors (no pickle crosses ranks), each exchange opening
+with a header (a mark, the exchange's name, the length) that every rank checks: a rank in
+another collective meanwhile (a script calling a collective on one rank only) is named in one
+line, never read as a message.
 """
 
 from __future__ import annotations
@@ -48,9 +46,8 @@ class MismatchedCollective(RuntimeError):
 
 
 def all_gather_bytes(data: bytes, what: str = "exchange", hint: str = "") -> list[bytes]:
-    """Every rank's `data` (any length), by rank: two all-gathers, the first of the header
-    that `check_peers` checks (a rank in another collective raises MismatchedCollective,
-    with `hint`)."""
+    """Every rank's `data` (any length), by rank: two all-gathers, the first of the header that
+    `check_peers` checks (a rank in another collective raises MismatchedCollective, with `hint`)."""
     if not _distributed():
         return [data]
     dev, w = collective_device(), dist.get_world_size()
@@ -65,9 +62,8 @@ def all_gather_bytes(data: bytes, what: str = "exchange", hint: str = "") -> lis
 
 
 def check_peers(what: str, hint: str = "", size: int = 0) -> list[int]:
-    """Collective (one all-gather of 24 bytes): every rank's `size`, after checking
-    that every rank is in this exchange (`what`); MismatchedCollective names those that
-    are not, and `hint`."""
+    """Collective (one all-gather of 24 bytes): every rank's `size`, after checking that every
+    rank is in this exchange (`what`); MismatchedCollective names those that are not, and `hint`."""
     if not _distributed():
         return [size]
     dev, w = collective_device(), dist.get_world_size()
@@ -85,10 +81,9 @@ def check_peers(what: str, hint: str = "", size: int = 0) -> list[int]:
     return [n for _, _, n in rows]
 
 
-def agree(error: Optional[str], exc_type: type = RuntimeError, what: str = "agreement"
-          ) -> None:
-    """Collective: if any rank passes an error message, every rank raises
-    `exc_type` with the lowest failing rank's message (and the list of ranks)."""
+def agree(error: Optional[str], exc_type: type = RuntimeError, what: str = "agreement") -> None:
+    """Collective: if any rank passes an error message, every rank raises `exc_type` with the
+    lowest failing rank's message (and the list of ranks)."""
     msgs = all_gather_bytes((error or "").encode(), what)
     failed = [r for r, m in enumerate(msgs) if m]
     if failed:
@@ -103,9 +98,9 @@ def in_one_line(e: BaseException) -> str:
 
 
 def first_failure(error: Optional[str], what: str = "agreement", hint: str = "") -> str:
-    """Collective: "rank r raised MESSAGE" for the lowest rank that passes an error
-    (an exception it is about to re-raise), "" when none does. The ranks that left
-    normally raise it themselves instead of going on alone into a collective."""
+    """Collective: "rank r raised MESSAGE" for the lowest rank that passes an error (an exception
+    it is about to re-raise), "" when none does. The ranks that left normally raise it
+    themselves instead of going on alone into a collective."""
     msgs = all_gather_bytes((error or "").encode(), what, hint)
     r = next((r for r, m in enumerate(msgs) if m), None)
     return "" if r is None else f"rank {r} raised {msgs[r].decode(errors='replace')}"
@@ -129,8 +124,8 @@ def _describe(item: Optional[list]) -> str:
 
 
 def check_same_model(model: torch.nn.Module, unit_names: list[str]) -> None:
-    """Collective: raise the same ValueError on every rank unless all ranks
-    hold the same units and parameters (names, shapes, dtypes, trainability)."""
+    """Collective: raise the same ValueError on every rank unless all ranks hold the same units
+    and parameters (names, shapes, dtypes, trainability)."""
     if not _distributed():
         return
     sig = json.dumps(model_signature(model, unit_names)).encode()
@@ -158,8 +153,7 @@ _hook: Any = None
 
 
 def forget_parameters(params: list[torch.nn.Parameter]) -> None:
-    """Remember parameters that `shard` took out of a model, and make sure the
-    pre-step check is installed (once per process)."""
+    """Remember parameters that `shard` took out of a model; install the pre-step check once."""
     global _hook
     for p in params:
         _replaced[id(p)] = p
@@ -186,10 +180,10 @@ _hook_installed = False
 
 
 def one_line(error: BaseException) -> BaseException:
-    """Mark `error` so that, if it ends the program uncaught, it prints as
-    `Type: message` alone (exit status 1, as any uncaught exception). One
-    excepthook, installed once, holds no exception; other exceptions, and hooks
-    installed before it, are untouched. Returns `error`, to be raised."""
+    """Mark `error` so that, if it ends the program uncaught, it prints as `Type: message` alone
+    (exit status 1, as any uncaught exception). One excepthook, installed once, holds no
+    exception; other exceptions, and hooks installed before it, are untouched. Returns `error`,
+    to be raised."""
     global _hook_installed
     setattr(error, _ONE_LINE, True)
     if not _hook_installed:

@@ -1,21 +1,18 @@
 """Host memory that freed buffers keep, and how zeropp gives it back to the OS.
 
 [Note: host memory that freed buffers keep]
-On the CPU every step allocates and frees unit-sized buffers (gathered weights,
-full gradients, wire buffers), some on the reduce threads. glibc serves a large
-allocation by mmap and returns it on free, but after the first such free it
-raises its mmap threshold to that size, so later unit-sized buffers come from
-heap arenas (one per thread) that fragment and rarely shrink: the process keeps
-the peak of every thread's arena. `release_freed_host_memory` pins the threshold
-(unless MALLOC_MMAP_THRESHOLD_ is set, or ZEROPP_KEEP_MALLOC=1), as `zeropp.shard`
-does for a CPU model, at `mmap_threshold_for(parameters)`:
-- none below 100M parameters: there the page faults of buffers mmap'd afresh every
-  step cost more time than the memory the heap keeps (at 50M parameters the pin cost
-  2.1x the step for 25% less peak RSS);
-- 128 KiB (glibc's own starting value) from 100M: there every buffer of zeropp's is
-  over 1 MiB anyway, and what sits between is the model's activations and their
-  gradients, which fragmented the heap in backward; pinned, the rank peaks lower and
-  keeps no freed memory, at the same step time.
+On the CPU every step allocates and frees unit-sized buffers (gathered weights, full gradients,
+wire buffers), some on the reduce threads. glibc serves a large allocation by mmap and returns
+it on free, but after the first such free it raises its mmap threshold to that size, so later
+unit-sized buffers come from heap arenas (one per thread) that fragment and rarely shrink: the
+process keeps the peak of every thread's arena. `release_freed_host_memory` pins the threshold
+(unless MALLOC_MMAP_THRESHOLD_ is set, or ZEROPP_KEEP_MALLOC=1), as `zeropp.shard` does for a
+CPU model, at `mmap_threshold_for(parameters)`:
+- none below 100M parameters: page faults of buffers mmap'd afresh every step cost more time
+  than the memory the heap keeps (at 50M the pin cost 2.1x the step for 25% less peak RSS);
+- 128 KiB (glibc's own starting value) from 100M: every zeropp buffer is over 1 MiB anyway, and
+  what sits between is the model's activations and their gradients, which fragmented the heap in
+  backward; pinned, the rank peaks lower and keeps no freed memory, at the same step time.
 The measurements behind both, a 1 MiB threshold among the settings compared, are in
 docs/notebook.md ("Moved out of the code", memory.py).
 """

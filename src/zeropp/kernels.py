@@ -1,38 +1,35 @@
-"""The codecs as compiled kernels: INT8 / INT4 blockwise quantize (with nibble packing
-and the sender's dequantized copy) and dequantize, each one fused torch.compile kernel
-(inductor: C++ on the CPU, Triton on a GPU), bitwise equal to quant.py's eager ops,
-which stay the fallback. quant.py calls them on whole blocks and finishes around them:
-the scales from the absmax a kernel returns, and the codes of a non-finite block.
+"""The codecs as compiled kernels: INT8 / INT4 blockwise quantize (with nibble packing and the
+sender's dequantized copy) and dequantize, each one fused torch.compile kernel (inductor: C++ on
+the CPU, Triton on a GPU), bitwise equal to quant.py's eager ops, which stay the fallback.
+quant.py calls them on whole blocks and does the rest: the scales from the absmax a kernel
+returns, and a non-finite block's codes.
 
 [Note: what makes them equal]
-The same fp32 arithmetic: max |x| is exact; values are divided by the scale absmax /
-qmax with a true division (inductor's C++ keeps it; a multiplication by the reciprocal
-would differ in the last bit); rounding is half to even. The scale inside a kernel is
-fp32(fp64(absmax) * fp64(1 / qmax)), not a division: it equals fp32(absmax / qmax) for
-every finite fp32 absmax and +inf, for qmax 127 and 7 (fp64 carries the quotient to
-within 2^-52 of itself, and a quotient of two fp32 numbers is never within 2^-49 of a
-midpoint between fp32 numbers; checked over all 2^31 of them, docs/notebook.md, and
-over a sample in tests/comm/test_kernels.py). A division there would sit inside the
-loop over a block's values (the int8 stores may alias the absmax, so the compiler
-reloads it and recomputes the scale at each step): 0.3 to 0.5 ms of a 3.5 ms kernel.
-tests/comm/test_kernels.py checks them on the CPU over shapes, block sizes, dtypes,
-zero, subnormal and non-finite blocks; `benchmarks/conformance/gpu_check.py` the same
-on a GPU, where Triton compiles them (told to divide exactly and keep subnormals);
-until it has run on one, the kernels run on a GPU only with ZEROPP_COMPILE=1.
+The same fp32 arithmetic: max |x| is exact; values are divided by the scale absmax / qmax
+exactly (inductor's C++ keeps the true division; a multiplication by the reciprocal would differ
+in the last bit); rounding is half to even. The scale inside a kernel is fp32(fp64(absmax) *
+fp64(1 / qmax)), not a division: it equals fp32(absmax / qmax) for every finite fp32 absmax and
++inf, for qmax 127 and 7 (fp64 carries the quotient to within 2^-52 of itself, and a quotient of
+two fp32 numbers is never within 2^-49 of a midpoint between fp32 numbers; checked over all 2^31
+of them, docs/notebook.md, and over a sample in tests/comm/test_kernels.py). A division there
+would sit inside the loop over a block's values (the int8 stores may alias the absmax, so the
+compiler reloads it and recomputes the scale at each step): 0.3 to 0.5 ms of a 3.5 ms kernel.
+tests/comm/test_kernels.py checks them on the CPU over shapes, block sizes, dtypes, zero,
+subnormal and non-finite blocks; `benchmarks/conformance/gpu_check.py` does on a GPU, where
+Triton compiles them (told to divide exactly and keep subnormals); until it has run on one, they
+run on a GPU only with ZEROPP_COMPILE=1.
 
 [Note: one pass, pairs]
-A quantize kernel is one loop over the blocks: each block's max |x|, then its codes
-while it is in cache. Returning the scale (a per-block result computed from the max)
-splits it into passes that read the input twice, so the kernel returns the max and
-quant.py makes the scales (8K values for 64 MiB). INT4 packs elements 2i and 2i+1 into
-a byte: with fp32 values read (and the dequantized copy written) as int64 pairs every
-access is contiguous and vectorized; a strided pair view ran scalar (INT4 quantize
-4.8 ms against 2.8, dequantize 40 against 2.9, benchmarks/quant.py's tensor).
+A quantize kernel is one loop over the blocks: each block's max |x|, then its codes while it is
+in cache. Returning the scale (computed from the max) would split it into two passes over the
+input, so the kernel returns the max and quant.py makes the scales (8K values for 64 MiB). INT4
+packs elements 2i and 2i+1 into a byte: with fp32 values read (and the dequantized copy written)
+as int64 pairs every access is contiguous and vectorized; a strided pair view ran scalar (INT4
+quantize 4.8 ms against 2.8, dequantize 40 against 2.9, benchmarks/quant.py's tensor).
 
-The blocks' count is a dynamic dimension: one compile per variant (op, bits, dtypes,
-outputs), not per tensor size, once per process (inductor's on-disk cache makes later
-processes' compiles cheap). `ZEROPP_COMPILE=0` turns them off; a compile that fails
-turns them off for the process, with one warning.
+The block count is a dynamic dimension: one compile per variant (op, bits, dtypes, outputs) and
+process, not per size (inductor's disk cache makes later processes' cheap). `ZEROPP_COMPILE=0`
+turns the kernels off, as does a failed compile (for the process, with one warning).
 """
 
 from __future__ import annotations
@@ -48,11 +45,10 @@ import torch
 _failed = False
 
 
-# Per bit width, the tensor size from which the kernels run: below it a call's fixed
-# cost (dynamo's guards, quant.py's scales) is more than the kernel saves over the
-# eager ops, which work in cache-sized chunks (benchmarks/quant.py, "by size", three
-# runs: INT8 0.87-0.93 of eager at 2M values, 1.04-1.09 at 1M; INT4 0.83-1.18 at
-# 256K, 0.56-0.78 at 1M); ZEROPP_COMPILE_MIN_NUMEL overrides both.
+# Per bit width, the size from which the kernels run: below it a call's fixed cost (dynamo's
+# guards, quant.py's scales) exceeds what the kernel saves over the eager ops in cache-sized
+# chunks (benchmarks/quant.py, "by size", 3 runs: INT8 0.87-0.93 of eager at 2M values, 1.04-1.09
+# at 1M; INT4 0.83-1.18 at 256K, 0.56-0.78 at 1M). ZEROPP_COMPILE_MIN_NUMEL overrides both.
 MIN_NUMEL = {8: 1 << 21, 4: 1 << 18}
 
 
@@ -69,11 +65,10 @@ def enabled(device: torch.device, numel: int, bits: int) -> bool:
             and not torch.compiler.is_compiling())
 
 
-# Triton writes `/` as an approximate division and flushes subnormals unless told:
-# eager's exact division and subnormal scales need both (no effect on the CPU). On
-# the CPU, inductor's unsafe-math switch (an environment variable can set it) links
-# the kernel with flush-to-zero, which then holds for every op of the thread, eager
-# ones too, and fp contraction would fuse a multiply-add: both pinned off.
+# Triton writes `/` as an approximate division and flushes subnormals unless told: eager's exact
+# division and subnormal scales need both (no effect on the CPU). On the CPU, inductor's
+# unsafe-math switch (an environment variable can set it) links in flush-to-zero, which then
+# holds for every op of the thread, eager too; fp contraction would fuse multiply-adds. Both off.
 _OPTIONS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True,
             "cpp.enable_unsafe_math_opt_flag": False,
             "cpp.enable_floating_point_contract_flag": "off"}
@@ -136,9 +131,8 @@ def _pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:
 
 
 def _as_pairs(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """fp32 as int64, bf16 as int32: the view _halves reads. Made outside the compiled
-    functions: a dtype view of an input made inside one is written back in a second
-    pass (INT4 dequantize 39 ms instead of 2.9)."""
+    """fp32 as int64, bf16 as int32: the view _halves reads. Made outside the compiled functions:
+    one made inside is written back in a second pass (INT4 dequantize 39 ms instead of 2.9)."""
     return None if t is None else t.view(torch.int64 if t.dtype == torch.float32 else torch.int32)
 
 
@@ -231,11 +225,10 @@ def quantize_into(x: torch.Tensor, data: torch.Tensor, bits: int,
 
 
 def compiles_dequantize(bits: int, dtype: torch.dtype) -> bool:
-    """Whether a dequantize at `bits` into `dtype` has a kernel. INT8 into fp32 stays
-    eager: its two ops over cache-sized chunks ran faster than the kernel at the sizes
-    a unit's pieces have (1M values: 60 us against 87) and no slower on 64 MiB; into
-    bf16 / fp16 and INT4 into fp32 the kernel is faster (4M values: 300 us against
-    530 and 1000). INT4 into 16-bit outputs: not written."""
+    """Whether a dequantize at `bits` into `dtype` has a kernel. INT8 into fp32 stays eager: its
+    two ops over cache-sized chunks beat the kernel at a unit's piece sizes (1M values: 60 us
+    against 87), no slower on 64 MiB; into bf16 / fp16, and INT4 into fp32, the kernel is faster
+    (4M values: 300 us against 530 and 1000). INT4 into 16-bit outputs: not written."""
     return (bits == 8 and dtype in (torch.bfloat16, torch.float16)
             or bits == 4 and dtype == torch.float32)
 

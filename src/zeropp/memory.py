@@ -1,12 +1,11 @@
 """Memory accounting: where this rank's bytes go under zeropp.
 
-ZeRO-3 promises 16 bytes per parameter / W for the training state (fp32 master,
-gradient, two AdamW moments) plus the full weights of the units gathered at one
-time. `memory_stats(model, optimizer)` says what this rank holds, by kind, from
-the tensors themselves (storage sizes, not estimates), and the peak of gathered
-units' full weights, which `GatherMeter` follows as gathers allocate and frees
-release: with prefetch it is bounded by `prefetch_depth + 1` units in forward.
-How freed host memory goes back to the OS: host_memory.py.
+ZeRO-3 promises 16 bytes per parameter / W for the training state (fp32 master, gradient, two
+AdamW moments) plus the full weights of the units gathered at one time. `memory_stats(model,
+optimizer)` says what this rank holds, by kind, from the tensors themselves (storage sizes, not
+estimates), and the peak of gathered units' full weights, which `GatherMeter` follows through
+gathers and frees: with prefetch, at most `prefetch_depth + 1` units in forward. How freed host
+memory goes back to the OS: host_memory.py.
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 """Blockwise symmetric quantization (INT8 / INT4 / 2-bit), pure PyTorch on any device.
 
-The flat input is cut into blocks of `block_size` elements (the last one
-zero-padded); each block gets one fp32 scale `absmax / qmax` (qmax = 127 for
-8 bits, 7 for 4 bits) and integer values `round(x / scale)` in [-qmax, qmax].
-The range is symmetric (DeepSpeed divides by 128 and clips +absmax to 127);
-an all-zero block has scale 0 and comes back as exact zeros. Arithmetic is in
-fp32 whatever the input dtype (DeepSpeed's kernels read every input as fp16).
+The flat input is cut into blocks of `block_size` elements (the last one zero-padded); each
+block gets one fp32 scale `absmax / qmax` (qmax = 127 for 8 bits, 7 for 4 bits) and integers
+`round(x / scale)` in [-qmax, qmax]. The range is symmetric (DeepSpeed divides by 128 and clips
++absmax to 127); an all-zero block has scale 0 and decodes to exact zeros. Arithmetic is fp32
+whatever the input dtype (DeepSpeed's kernels read every input as fp16).
 
 [Note: 2 bits]
-Levels -3, -1, +1, +3 scales, code c for 2c - 3 (no zero level: error feedback,
-which 2 bits needs, carries what a level misses). The scale is min(rms / 2,
-absmax / 3), not absmax / 3, which puts most values far from their level: a
-block's relative squared error 0.12 against 0.52 on Gaussian values, 0.33
-against 20 on Student-t(3) (1000 blocks of 2048). A code counts the thresholds
--2, 0, +2 scales its value reaches (ties upward); four codes a byte, element 4i
+Levels -3, -1, +1, +3 scales, code c for 2c - 3 (no zero level: error feedback, which 2 bits
+needs, carries what a level misses). The scale is min(rms / 2, absmax / 3), not absmax / 3,
+which puts most values far from their level: a block's relative squared error 0.12 against
+0.52 on Gaussian values, 0.33 against 20 on Student-t(3) (1000 blocks of 2048). A code counts
+the thresholds -2, 0, +2 scales its value reaches (ties upward); four codes a byte, element 4i
 lowest; blocks a multiple of 4. An all-zero block decodes to zeros.
 """
 
@@ -59,8 +57,7 @@ class QTensor:
         return self.scales.numel() * 4
 
     def to_bytes(self) -> torch.Tensor:
-        """One uint8 buffer: scales (fp32 bytes), then the data (no copy when
-        they already live in one, as `quantize` lays them out)."""
+        """One uint8 buffer: scales (fp32 bytes), then data; no copy if they share one already."""
         if self.wire is not None:
             return self.wire
         return torch.cat([self.scales.view(torch.uint8), self.data.view(torch.uint8)])
@@ -101,15 +98,13 @@ def _check(bits: int, block_size: int) -> None:
                          "a multiple of 4 (four codes to a byte)")
 
 
-# Work through the blocks in chunks of about this many fp32 bytes: the temporaries
-# stay in cache and are never page-faulted in, which costs more than the arithmetic
-# on this CPU (touching a fresh 64 MB buffer: ~25 ms; an in-cache pass over it: ~3 ms).
-# Larger chunks amortize the per-op dispatch; past the L3 size they lose.
+# Blocks go in chunks of about this many fp32 bytes, so temporaries stay in cache and are never
+# page-faulted in, which costs more than the arithmetic on this CPU (touching a fresh 64 MB
+# buffer: ~25 ms; an in-cache pass: ~3 ms). Larger chunks amortize per-op dispatch until past L3.
 CHUNK_BYTES = 1 << 22  # best of 256 KiB..16 MiB measured here (32 MiB L3)
-# A GPU has no such cache cliff, and each op of a chunk is a kernel launch: on the
-# H200, INT8 quantize of 256 MiB ran at 24 GB/s in 4 MiB chunks (a copy: 1940 GB/s),
-# 190 in 32 MiB, 331 in 128 MiB, 360 whole (benchmarks/gpu/*quant_chunks*). 128 MiB:
-# nearly all of it, while a scratch slot stays at most 128 MiB.
+# A GPU has no cache cliff, and each op of a chunk is a kernel launch: on the H200, INT8 quantize
+# of 256 MiB ran at 24 GB/s in 4 MiB chunks (a copy: 1940), 190 in 32 MiB, 331 in 128 MiB, 360
+# whole (benchmarks/gpu/*quant_chunks*). 128 MiB: nearly all that, scratch slots at most 128 MiB.
 DEVICE_CHUNK_BYTES = 1 << 27
 
 
@@ -122,19 +117,18 @@ def _chunks(nblocks: int, block_size: int, device: torch.device, start: int = 0)
             yield max(r0, start), min(r0 + rows, nblocks)
 
 
-# Reused fp32 scratch buffers, per (thread, stream, slot, device): the reduce pipeline's two
-# stages run at once on their own threads. memory_stats counts them ("scratch");
-# shard.py releases them at the end of every forward and backward.
+# Reused fp32 buffers per (thread, stream, slot, device): the reduce pipeline's two stages run
+# at once on their own threads. memory_stats counts them ("scratch"); shard.py frees them after
+# every forward and backward.
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
 def scratch_buffer(slot: str, numel: int, device: torch.device) -> torch.Tensor:
-    """A reused fp32 buffer of `numel` for temporaries that die within one call. A fresh
-    buffer of a unit's size may be mmap'd and page-faulted in on every call (glibc's mmap
-    threshold: host_memory.py): error feedback's encode of a 1.8M-value unit took 3.1 ms
-    with fresh temporaries, 0.53 ms with these (benchmarks/probes/encode_probe.py). One per
-    CUDA stream: FSDP2 runs its all-gather and reduce-scatter on two streams from one
-    thread, and a buffer one stream still reads must not be written by the other."""
+    """A reused fp32 buffer of `numel` for temporaries that die within one call. A fresh unit-sized
+    one may be mmap'd and page-faulted in every call (host_memory.py): error feedback's encode
+    of a 1.8M-value unit took 3.1 ms with fresh temporaries, 0.53 ms with these
+    (benchmarks/probes/encode_probe.py). One per CUDA stream: FSDP2 all-gathers and
+    reduce-scatters on two streams from one thread; neither may write what the other reads."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (threading.get_ident(), stream, slot, str(device))
     t = _SCRATCH.get(key)
@@ -148,8 +142,8 @@ def scratch_bytes() -> int:
 
 
 def release_scratch() -> None:
-    """Drop the scratch buffers, so they live only while a phase uses them, as the
-    temporaries they replace did (a buffer in use lives on through its user)."""
+    """Drop the scratch buffers: they live only while a phase uses them (one in use lives on
+    through its user), as the temporaries they replace did."""
     _SCRATCH.clear()
 
 
@@ -157,10 +151,9 @@ _DIVISORS: dict[tuple, torch.Tensor] = {}  # (divisor, device) -> it on the devi
 
 
 def div_exact(x: torch.Tensor, c: float) -> torch.Tensor:
-    """x / c correctly rounded on every device. PyTorch's CUDA kernel divides by a
-    Python number as a multiplication by its reciprocal, which is off by an ulp for
-    some x (so the H200 and the CPU gave 23 of 512 scales apart, absmax / 127); a
-    divisor on the device is a true division there, as on the CPU."""
+    """x / c correctly rounded on every device. PyTorch's CUDA kernel divides by a Python
+    number as a multiplication by its reciprocal, an ulp off for some x (the H200 and the CPU
+    gave 23 of 512 scales absmax / 127 apart); by a tensor on the device it truly divides."""
     if x.device.type == "cpu":
         return x / c
     key = (float(c), str(x.device))
@@ -177,9 +170,8 @@ def absmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def canonical_absmax(m: torch.Tensor) -> torch.Tensor:
-    """+0 for an all-zero row (whose max(+0, -0) is either zero, by the kernel's path)
-    and the quiet NaN for any NaN (sign, payload), so the scale's bytes do not depend
-    on the size or the kernel."""
+    """+0 for an all-zero row (max(+0, -0) is either, by kernel path) and the quiet NaN for any
+    NaN (sign, payload), so the scale's bytes depend on neither the size nor the kernel."""
     return torch.where(m == 0, 0.0, torch.where(m.isnan(), math.nan, m))
 
 
@@ -225,12 +217,12 @@ def _fill_non_finite(s: torch.Tensor, v: torch.Tensor, fill: float) -> Optional[
 def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
              out: Optional[torch.Tensor] = None,
              dequantized: Optional[torch.Tensor] = None) -> QTensor:
-    """Blockwise symmetric absmax quantization (the module note), rounding half to even.
-    Data and scales go in wire format into one uint8 buffer (`out`, if given: 4-byte
-    aligned, `QTensor.wire_bytes(...)` long), so `to_bytes()` costs nothing.
-    `dequantized` (contiguous fp32, x.numel() values) receives `dequantize()` of the
-    result, bit for bit, from the rounded values while in cache: a sender that needs
-    what the receiver will see (error feedback, qWD's owner) skips unpacking its bytes."""
+    """Blockwise symmetric absmax quantization (the module note), rounding half to even. Data
+    and scales go in wire format into one uint8 buffer (`out`, if given: 4-byte aligned,
+    `QTensor.wire_bytes(...)` long), so `to_bytes()` costs nothing. `dequantized` (contiguous
+    fp32, x.numel() values) receives `dequantize()` of the result, bit for bit, made in cache:
+    a sender that needs what the receiver will see (error feedback, qWD's owner) skips
+    unpacking its bytes."""
     _check(bits, block_size)
     qmax = _QMAX[bits]
     nbytes = QTensor.wire_bytes(x.numel(), bits, block_size)
@@ -267,8 +259,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, *,
         packed = v.view(-1) if bits == 8 else pack_int4(v) if bits == 4 else pack_int2(v)
         data[r0 * per_block:r1 * per_block].copy_(packed)  # exact: v holds integers
         if deq is not None:
-            # dequantize's arithmetic on the same integers and scales; + 0 first turns
-            # the -0.0 that rounding leaves into the +0.0 an unpacked integer is.
+            # dequantize's arithmetic; + 0 turns rounding's -0.0 into an unpacked integer's +0.0
             v.add_(0.0).mul_(s.unsqueeze(1))
             end = min(r1 * bs, n)
             deq[r0 * bs:end].copy_(v.view(-1)[:end - r0 * bs])
@@ -284,8 +275,8 @@ def _rows(flat: torch.Tensor, r0: int, r1: int, bs: int) -> torch.Tensor:
 
 def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The tensor `q` stands for, in `dtype` (default: the original dtype),
-    written into `out` when given (contiguous, q.numel elements)."""
+    """The tensor `q` stands for, in `dtype` (default: the original), into `out` if given
+    (contiguous, q.numel elements; its dtype wins)."""
     dtype = out.dtype if out is not None else (dtype or q.dtype)
     if out is None:
         out = torch.empty(q.shape, dtype=dtype, device=q.scales.device)
@@ -319,8 +310,7 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
     return out
 
 
-# Packing works on byte pairs read as little-endian int16 (x86 and ARM), which
-# keeps every op contiguous and vectorized instead of strided byte access.
+# Packing reads byte pairs as little-endian int16 (x86, ARM): contiguous, vectorized ops.
 assert sys.byteorder == "little", "INT4 packing assumes a little-endian host"
 
 
@@ -352,12 +342,12 @@ def edit_wire(wire: torch.Tensor, values: torch.Tensor, changed: torch.Tensor, *
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Integer values in [-8, 7] (any integer or float dtype, even count) ->
-    uint8, two per byte (low nibble first)."""
-    # via int8: fp32 -> uint8 conversion is 5x slower than fp32 -> int8 here. Offset
-    # by 8, a pair is lo | hi << 8 with both in 0..15, so pairs | pairs >> 4 holds
-    # lo | hi << 4 in its low byte, which the narrowing keeps: two ops fewer than
-    # masking each nibble, 0.72x the time here (docs/notebook.md, "INT4 packing").
+    """Integers in [-8, 7] (any integer or float dtype, even count) -> uint8, two per byte
+    (low nibble first)."""
+    # via int8: fp32 -> uint8 is 5x slower than fp32 -> int8 here. Offset by 8, a pair is
+    # lo | hi << 8 (both 0..15), so pairs | pairs >> 4 holds lo | hi << 4 in its low byte,
+    # which the narrowing keeps: two ops fewer than masking each nibble, 0.72x the time
+    # here (docs/notebook.md, "INT4 packing").
     pairs = q.reshape(-1).to(torch.int8, copy=True).add_(8).view(torch.int16)
     return (pairs >> 4).bitwise_or_(pairs).to(torch.uint8)
 

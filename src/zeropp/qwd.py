@@ -1,45 +1,44 @@
 """qWD's code deltas: INT8 copies of the weights kept current by integer steps.
 
 [Note: why deltas of codes]
-Each holder keeps its copies of other ranks' shards as qwZ's INT8 blocks (scales and
-codes, the bytes its node gathers for every forward and backward). After an optimizer
-step the owner of a shard quantizes its master exactly as qwZ would (fresh absmax scale
-s' per block, codes t = round(m / s')) and sends each holder how the codes moved. A
-weight moves by a few of its block's INT8 steps per step, so its code's move is a small
-integer: INT4 carries it exactly, and the holder's copy becomes t, bit for bit qwZ's
-INT8 of the master, at half of qwZ's bytes (and one scale per block, as before).
+Each holder keeps its copies of other ranks' shards as qwZ's INT8 blocks (scales and codes, the
+bytes its node gathers for every forward and backward). After an optimizer step a shard's owner
+quantizes its master exactly as qwZ would (fresh absmax scale s' per block, codes
+t = round(m / s')) and sends each holder how the codes moved. A weight moves a few of its
+block's INT8 steps per step, so its code's move is a small integer that INT4 carries exactly:
+the holder's copy becomes t, bit for bit qwZ's INT8 of the master, at half qwZ's bytes (plus
+one scale per block, as qwZ).
 
 Per block, with the holder's codes c at scale s (qmax = QC = 127, qwZ's largest code;
 dmax = QD = 7, the largest move INT4 carries):
     base = clamp(round(c * s / s'))    # the old codes on the new scale's grid
     diff = t - base                    # an integer in [-2 qmax, 2 qmax]
-    k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes (dmax = 7)
+    k    = max(1, ceil(max |diff| / dmax))   # the block's step, in codes
     d    = round(diff / k)             # sent: s', k and d
     c'   = clamp(base + d * k)
-A block whose codes all moved by at most dmax (k = 1) lands exactly on t; a faster one
-(small weights the optimizer moves by many of their steps) lands within k/2 codes of
-it, as an INT4 delta of the values would, and the rest is in the next step's diff
-(carried, not lost). Every holder and the owner run the same float ops on the same
-integers and scales, so their copies stay bitwise identical (integers in fp32 are
-exact below 2^24).
+A block whose codes all moved by at most dmax (k = 1) lands exactly on t; a faster one (small
+weights the optimizer moves by many of their steps) lands within k/2 codes of it, as an INT4
+delta of the values would, and the rest is carried in the next step's diff. The owner and every
+holder run the same float ops on the same integers and scales, so their copies stay bitwise
+identical (integers in fp32 are exact below 2^24).
 
-Most blocks skip the rescaling (k = 0): since |t - base| <= |t - c| + qmax |1 - s/s'|
-+ 1/2, a block where that bound is under dmax + 1 gets k = 1 and t from the formula,
-and the moves on the old grid, d = t - c, land on t as well: an integer subtraction
-for the owner and an int8 add for every holder, the same copies bit for bit. The owner
-runs the formula on the other blocks only, and also sends k = 0 where it gave k = 1
-and t - c fits. A scale moves little per step, so most blocks take k = 0 (97% over
-300 steps of `small` at lr 2e-3, 87% at the peak; benchmarks/probes/qwd_moves.py).
+Most blocks skip the rescaling (k = 0): since |t - base| <= |t - c| + qmax |1 - s/s'| + 1/2, a
+block where that bound is under dmax + 1 gets k = 1 and t from the formula, and the moves on the
+old grid, d = t - c, land on t too: an integer subtraction for the owner, an int8 add for each
+holder, the same copies bit for bit. The owner runs the formula on the other blocks only, and
+sends k = 0 also where it gave k = 1 and t - c fits. Scales move little per step, so most blocks
+take k = 0 (97% over 300 steps of `small` at lr 2e-3, 87% at the peak;
+benchmarks/probes/qwd_moves.py).
 
-The copies cost the holder 1 byte per value (plus a scale per block) instead of 4 for
-fp32 copies and their INT8 payload, and no re-quantization per step. On a GPU the
-same bits come without host syncs: finding the rescaled blocks would sync, so there
-every block goes through both ways and `torch.where` keeps each block's own (`_rows`).
+The holder's copies cost 1 byte per value (plus a scale per block) instead of 4 for fp32 copies
+and their INT8 payload, and no re-quantization per step. On a GPU the same bits come without
+host syncs: finding the rescaled blocks would sync, so every block goes both ways and
+`torch.where` keeps each one's own (`_rows`).
 
 [Note: delta wire format]
-One uint8 buffer per shard: [s' fp32 x nblocks | k uint8 x nblocks (0: moves on the old
-grid), padded to 4 bytes | d in INT4, packed as quant.py packs it]. The scales lead so
-that pieces cut from a gathered buffer keep them 4-byte aligned.
+One uint8 buffer per shard: [s' fp32 x nblocks | k uint8 x nblocks (0: moves on the old grid),
+padded to 4 bytes | d in INT4, packed as quant.py packs it]. The scales lead so that pieces cut
+from a gathered buffer keep them 4-byte aligned.
 """
 
 from __future__ import annotations
@@ -161,10 +160,9 @@ def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, block
         moves = _scratch_copy(c8, torch.int16, "qwd_m16")
         torch.sub(t16, moves, out=moves)
         moved = absmax_rows(moves)
-        # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c and t in range), an
-        # integer: where the bound is under dmax + 1 the formula gives k = 1 and t, and so
-        # do the moves on the old grid (k = 0); fp32's error in c r is under 1e-5. An
-        # unusable scale counts as ratio 0, as in `_base`
+        # |t - clamp(round(c r))| <= |t - c| + qmax |1 - r| + 1/2 (c, t in range), an integer:
+        # under dmax + 1 the formula gives k = 1 and t, as do the moves on the old grid (k = 0);
+        # fp32's error in c r is under 1e-5. An unusable scale counts as ratio 0, as in `_base`
         rows = _rows(~(moved + QC * (1 - _ratio(s_old[r0:r1], sn)).abs() <= QD + 0.499))
         k = steps[r0:r1].zero_()
         if rows is not None:  # the formula on the others

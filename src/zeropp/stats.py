@@ -1,10 +1,10 @@
 """CommStats: what this rank sent, per collective, split the way the paper splits it.
 
-`collectives.py` records every collective zeropp issues with the bytes this rank puts on
-the wire, split into payload and scales (qwZ's / qgZ's fp32 scales) and into the part
-that stays inside the node and the part that crosses a node boundary. `inter_node_bytes`
-summed over a node's ranks is what its network interface transmits: the figure ZeRO++
-exists to cut, and the one the emulated cluster's interface counters check.
+`collectives.py` records every collective zeropp issues with the bytes this rank puts on the
+wire, split into payload and scales (qwZ's / qgZ's fp32 scales), and into the part that stays
+inside the node and the part that crosses a node boundary. `inter_node_bytes` summed over a
+node's ranks is what its network interface transmits: the figure ZeRO++ exists to cut, which the
+emulated cluster's interface counters check.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ class CommStats:
         self.steps = 0
 
     def record(self, op: str, *, group: str, sent: float, inter: float, scale: float = 0.0) -> None:
-        """`group`: "world", "intra_node", "inter_node" or "hpz"; `sent`: all bytes
-        this rank sends (payload + scales); `inter`: the part of `sent` that
-        leaves the node; `scale`: the part of `sent` that is scales."""
+        """`group`: "world", "intra_node", "inter_node" or "hpz"; `sent`: all bytes this rank
+        sends (payload + scales), of which `inter` leave the node and `scale` are scales."""
         with self._lock:
             rec = self.by_op[op]
             rec["group"] = group
