@@ -54,8 +54,10 @@ def _untied_embeddings(model: nn.Module) -> dict[nn.Module, str]:
     the whole step as part of the root (a 32k x 2048 vocabulary: 262 MB at fp32). The head stays in
     the root: fused losses (TRL's, Liger's) read `lm_head.weight` without calling lm_head."""
     try:
-        inp, out = (f() if callable(f := getattr(model, f"get_{end}_embeddings", None)) else None
-                    for end in ("input", "output"))
+        inp = model.get_input_embeddings() if callable(
+            getattr(model, "get_input_embeddings", None)) else None
+        out = model.get_output_embeddings() if callable(
+            getattr(model, "get_output_embeddings", None)) else None
     except (NotImplementedError, AttributeError):
         return {}
     if not isinstance(inp, nn.Module) or inp is model:
@@ -88,3 +90,4 @@ def assign_params(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Modu
         owner = owners.pop() if len(owners) == 1 else model
         owned[owner].append((p, list(dict.fromkeys((r[0], r[1]) for r in rs)), [r[2] for r in rs]))
     return owned
+
