@@ -90,4 +90,3 @@ def assign_params(model: nn.Module, units: dict[nn.Module, str]) -> dict[nn.Modu
         owner = owners.pop() if len(owners) == 1 else model
         owned[owner].append((p, list(dict.fromkeys((r[0], r[1]) for r in rs)), [r[2] for r in rs]))
     return owned
-
