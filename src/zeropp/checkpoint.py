@@ -258,8 +258,8 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     buffers = {n: rd.get(0, f"buffer/{n}") for n in man.get("buffers", {})}
     opt_sd = _read_optimizer(man, rd, st, opt, where, same_world) if opt is not None else None
     meta = json.loads(rd.file(rank).metadata()["zeropp"]) if same_world else None
-    rng = {k: rd.get(rank, f"rng/{k}") for k in ("torch", "cuda")
-           if same_world and f"rng/{k}" in rd.file(rank).keys()}
+    rng = {k: rd.get(rank, f"rng/{k}") for k in ("torch", "cuda")  # (torch's is never optional)
+           if same_world and (k == "torch" or f"rng/{k}" in rd.file(rank).keys())}
     # JSON and state-dict extras: this rank's own, or at another world size rank 0's (manifest)
     src = meta if meta is not None and "extra_kinds" in meta else man
     kinds = src.get("extra_kinds", {})

@@ -160,9 +160,10 @@ class _Recorder(TorchDispatchMode):
 
     def realize(self, p: nn.Parameter) -> None:
         """Something reads `p` inside the build: give it its values now (see the note)."""
-        rec = _DEFERRED.pop(id(p))[1]
-        del self.by_ptr[rec.ptr]
-        p.detach().copy_(_replay(p, rec))
+        rec = _lookup(_DEFERRED, p)
+        value = _replay(p, rec)  # first: a replay that raises leaves `p` deferred
+        del _DEFERRED[id(p)], self.by_ptr[rec.ptr]
+        p.detach().copy_(value)
 
 
 @contextlib.contextmanager
@@ -320,8 +321,8 @@ def show_module(model: nn.Module) -> None:
     makes its partitioned parameters deferred ones)."""
     for p in model.parameters():
         show(p)
-    for hook in dict.fromkeys(filter(None, (getattr(p, "_zeropp_before_shard", None)
-                                            for p in model.parameters()))):
+    hooks = (getattr(p, "_zeropp_before_shard", None) for p in model.parameters())
+    for hook in dict.fromkeys(h for h in hooks if h is not None):
         hook(model)
 
 

@@ -290,11 +290,32 @@ def test_loading_into_a_different_model_names_the_first_difference(tmp_path):
         zeropp.load_checkpoint(tmp_path / "ck", fewer)
 
 
-def test_a_failed_load_leaves_the_model_untouched(tmp_path):
+def _without(path, key: str) -> None:
+    """The rank file at `path` rewritten without tensor `key`, the manifest's hash of it
+    updated: it verifies, and lacks one tensor."""
+    import json
+
+    from zeropp.checkpoint_files import RankFile, write_safetensors
+    rf = RankFile(path)
+    tensors = {k: rf.get_tensor(k) for k in rf.keys() if k != key}
+    sha, n = write_safetensors(path, tensors, rf.metadata())
+    man = json.loads((path.parent / "manifest.json").read_text())
+    man["files"][path.name] = {"sha256": sha, "bytes": n}
+    (path.parent / "manifest.json").write_text(json.dumps(man))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "no torch rng state"])
+def test_a_failed_load_leaves_the_model_untouched(tmp_path, damage):
+    """A file that is not safetensors, or one that verifies but lacks the torch RNG state
+    (read last, after the weights, before this was checked up front)."""
     model, opt = _single(tmp_path)
     before = zeropp.full_state_dict(model)
-    (tmp_path / "ck" / "rank00000.safetensors").write_bytes(b"0" * 10)
-    with pytest.raises(CheckpointError):
+    rank_file = tmp_path / "ck" / "rank00000.safetensors"
+    if damage == "garbage":
+        rank_file.write_bytes(b"0" * 10)
+    else:
+        _without(rank_file, "rng/torch")
+    with pytest.raises(CheckpointError, match="" if damage == "garbage" else "no tensor 'rng/torch'"):
         zeropp.load_checkpoint(tmp_path / "ck", model, opt)
     after = zeropp.full_state_dict(model)
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -117,6 +117,29 @@ def test_an_op_reading_a_deferred_parameter_in_the_build_gets_its_exact_values()
     assert torch.equal(materialize(lazy.out.weight), whole.out.weight)
 
 
+class _FailsAtReplay(nn.Module):
+    """An in-place op of the wrong shape: recorded in the build, it fails when the read
+    that follows replays it; the model code catches that and goes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3))
+        with torch.no_grad():
+            self.w.fill_(1.0).add_(torch.ones(5))
+        with pytest.raises(RuntimeError, match="size of tensor a"):
+            self.w.sum()
+
+
+def test_a_read_whose_replay_raises_leaves_the_parameter_deferred():
+    """Not unwritten storage taken for its values: the parameter stays deferred and
+    materializing it raises the same error again."""
+    with deferred_init():
+        m = _FailsAtReplay()
+    assert is_deferred(m.w)
+    with pytest.raises(RuntimeError, match="size of tensor a"):
+        materialize(m.w)
+
+
 def test_another_thread_builds_and_initializes_as_usual_while_a_build_is_recorded():
     """deferred_init() records the build of its own thread only: a module another thread
     builds meanwhile is not deferred, and torch.nn.init's functions write its values
