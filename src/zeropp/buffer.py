@@ -101,9 +101,14 @@ class ShardedBuffer:
 def version_of(tensors: list[torch.Tensor], steps: Callable[[], int] = lambda: 0
                ) -> Callable[[], tuple]:
     """What master tensors are now: each one's version counter and storage (in-place
-    writes, loads, replacement), and the optimizer steps seen (`steps`)."""
+    writes, loads, replacement), and the optimizer steps seen (`steps`). A DTensor (FSDP2's
+    shards) counts its own writes, not its local tensor's: both are read."""
     def version() -> tuple:
-        return (steps(), *((t._version, t.data_ptr()) for t in tensors))
+        out = [steps()]
+        for t in tensors:
+            x = getattr(t, "_local_tensor", t)
+            out += (t._version, x._version, x.data_ptr())
+        return tuple(out)
     return version
 
 
@@ -118,14 +123,18 @@ def make_comm(cfg: Config, topo: Topology, stats: CommStats) -> Comm:
 def step_hooks(owner: Any, stats: CommStats, select: Callable[[torch.optim.Optimizer], list],
                before: Callable[[list], None] = lambda b: None,
                after: Callable[[list], None] = lambda b: None) -> None:
-    """Around every optimizer step over the ShardedBuffers `select(optimizer)` returns (asked once
-    per optimizer; none: no-op), while `owner` lives (callbacks must not hold it): before,
-    `before(buffers)` then each buffer's `before_step`; after, the step is counted, `after(buffers)`
-    runs (a driver's step count, read by its versions, moves there), then each `after_step`."""
+    """Around every optimizer step over the ShardedBuffers `select(optimizer)` returns (asked anew
+    when its groups' sizes change: `add_param_group`; none: no-op), while `owner` lives (callbacks
+    must not hold it): before, `before(buffers)` then each buffer's `before_step`; after, the step
+    is counted, `after(buffers)` runs (a driver's step count, read by its versions, moves there),
+    then each `after_step`."""
     chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def items(opt: torch.optim.Optimizer) -> list:
-        return chosen[opt] if opt in chosen else chosen.setdefault(opt, select(opt))
+        sizes = tuple(len(g["params"]) for g in opt.param_groups)
+        if chosen.get(opt, (None,))[0] != sizes:
+            chosen[opt] = sizes, select(opt)
+        return chosen[opt][1]
 
     def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if buffers := items(opt):

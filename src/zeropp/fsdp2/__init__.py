@@ -82,8 +82,7 @@ class Installed:
         comm, gcfg = self.group_comm(info.shard_process_group)
         kinds = Kinds(group, label)
         self.params |= {id(p) for p in kinds.params}
-        locals_ = [getattr(p, "_local_tensor", p) for p in kinds.params]
-        buffers = Buffers(comm, gcfg, version_of(locals_, lambda: self.steps))
+        buffers = Buffers(comm, gcfg, version_of(kinds.params, lambda: self.steps))
         gather = WeightGather(comm, gcfg, label, buffers, kinds, self.failures)
         world = comm is self.made.get("world", (None,))[0]  # the engine's: its pipeline's too
         if world and self.later is None and cfg.quantized_gradients and cfg.async_reduce:
