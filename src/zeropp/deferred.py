@@ -191,6 +191,7 @@ def deferred_init() -> Iterator[None]:
 _OPEN: list = []  # the recorders open now, innermost last
 _TORCH_INIT: dict[str, Callable] = {}  # torch.nn.init's own functions while ours stand in
 _LOCAL = threading.local()  # .hidden: the recorders this thread's paused() hides
+_LOCK = threading.Lock()  # over _OPEN and _TORCH_INIT: builds in several threads
 
 
 def _recorders() -> list:
@@ -202,20 +203,22 @@ def _recorders() -> list:
 @contextlib.contextmanager
 def _recording(rec: _Recorder) -> Iterator[None]:
     release_freed_host_memory()  # freed scratch chunks must not be reused as parameters
-    if not _OPEN:  # the first recorder open: torch.nn.init's functions are recorded
-        _TORCH_INIT.update({name: getattr(nn.init, name) for name in _INIT_FUNCTIONS})
-        for name, fn in _TORCH_INIT.items():
-            setattr(nn.init, name, _recorded_init(fn))
-    _OPEN.append(rec)
+    with _LOCK:
+        if not _OPEN:  # the first recorder open: torch.nn.init's functions are recorded
+            _TORCH_INIT.update({name: getattr(nn.init, name) for name in _INIT_FUNCTIONS})
+            for name, fn in _TORCH_INIT.items():
+                setattr(nn.init, name, _recorded_init(fn))
+        _OPEN.append(rec)
     try:
         with rec:
             yield
     finally:
-        _OPEN.remove(rec)
-        if not _OPEN:
-            for name, fn in _TORCH_INIT.items():
-                setattr(nn.init, name, fn)
-            _TORCH_INIT.clear()
+        with _LOCK:
+            _OPEN.remove(rec)
+            if not _OPEN:
+                for name, fn in _TORCH_INIT.items():
+                    setattr(nn.init, name, fn)
+                _TORCH_INIT.clear()
 
 
 def _recorded_init(fn: Callable) -> Callable:
@@ -241,14 +244,15 @@ def paused() -> Iterator[None]:
     """Run the body as if no deferred_init() context were open: `shard` (or DeepSpeed's
     `initialize`) called inside `with zero.Init():` materializes the model as built so far,
     and its own tensors and parameters are not recorded."""
-    if not _OPEN:
+    mine = [rec for rec in list(_OPEN) if rec.thread == threading.get_ident()]
+    if not mine:  # (other threads' recorders record nothing of this one)
         yield
         return
-    opened = [rec for rec in _OPEN if rec.handle is not None]
+    opened = [rec for rec in mine if rec.handle is not None]
     for rec in opened:
         _snapshot(rec)
         rec.handle.remove()
-    hidden, _LOCAL.hidden = getattr(_LOCAL, "hidden", ()), tuple(_OPEN)
+    hidden, _LOCAL.hidden = getattr(_LOCAL, "hidden", ()), tuple(mine)
     try:
         with _disable_current_modes():
             yield

@@ -305,7 +305,9 @@ def refresh(model: nn.Module) -> None:
     `.data`, or a fused in-place op outside the optimizer): hpZ secondaries (and qWD's copies)
     would otherwise keep the old weights (qWD: until deltas caught up). Optimizer steps,
     checkpoint loads, `load_state_dict` and in-place ops on the parameters are detected
-    without it. Call it on every rank. Also for a model under `zeropp.fsdp2.install`."""
+    without it. Call it on every rank. Also for a model under `zeropp.fsdp2.install`, where
+    the tensors of `model.state_dict()` are aliases with counters of their own: a write into
+    them (`dcp.load` in place, without `load_state_dict` / `set_state_dict` after) needs it."""
     if (fsdp2 := getattr(model, "_zeropp_fsdp2", None)) is not None:
         return fsdp2.refresh()
     st = get_state(model)

@@ -162,6 +162,52 @@ def test_another_thread_builds_and_initializes_as_usual_while_a_build_is_recorde
     assert torch.equal(materialize(mine.weight), torch.full((4, 4), 2.0))
 
 
+def test_paused_in_another_thread_leaves_this_threads_build_recorded_and_nothing_after():
+    """A thread pauses its own build (`paused`, as `shard` inside zero.Init does) while this
+    thread's build is open: this thread's module is still deferred, and once both close a
+    plain module is built as usual (before: the pause took this thread's recorder hook and
+    gave it back after the build closed, for good). Builds in two threads at once leave
+    torch.nn.init's own functions in place (before: a race re-patched them)."""
+    import sys
+    import threading
+
+    from zeropp.deferred import paused
+    in_pause, closed = threading.Event(), threading.Event()
+
+    def pause() -> None:
+        with deferred_init(), paused():
+            in_pause.set()
+            closed.wait(30)
+    t = threading.Thread(target=pause)
+    with deferred_init():
+        t.start()
+        in_pause.wait(30)
+        mine = nn.Linear(4, 4)
+    closed.set()
+    t.join()
+    assert is_deferred(mine.weight)
+    assert not is_deferred(nn.Linear(4, 4).weight)
+    init, errors, interval = dict(vars(nn.init)), [], sys.getswitchinterval()
+
+    def builds() -> None:
+        try:
+            for _ in range(500):
+                with deferred_init():
+                    pass
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=builds) for _ in range(2)]
+    sys.setswitchinterval(1e-6)  # threads switch often: the race showed 3 runs in 3
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == [] and dict(vars(nn.init)) == init, errors
+
+
 class _Layers(nn.Module):
     """torch layers only, initialized by their reset_parameters in module order."""
 
