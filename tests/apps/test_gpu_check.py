@@ -25,8 +25,8 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     names = [row["check"] for row in rows]
     assert names == ["train zero3", "train zeropp", "train zeropp-plus", "train zeropp-plus bf16",
-                     "w1 (gloo)", "hf_load (gloo)",
-                     "pipeline async == sync", "quant int8 eager", "quant int8 compiled",
+                     "pipeline async == sync", "w1 (gloo)", "hf_load (gloo)",
+                     "quant int8 eager", "quant int8 compiled",
                      "quant int4 eager", "quant int4 compiled",
                      "codecs int8 compiled == eager", "codecs int4 compiled == eager", "qwd"]
     assert all(row["ok"] for row in rows)
