@@ -102,44 +102,6 @@ def test_hierarchical_gather_trains_bit_identically_to_the_flat_gather(flat, hie
         assert all(torch.equal(ra[1][k], rb[1][k]) for k in ra[1])
 
 
-# ---- optimizer steps reach the secondaries -----------------------------------------------
-def _late_group(late: bool) -> list[float]:
-    """Fused Adam (it bumps no version counter: only the step hooks regather the small,
-    persistent flats), the model's parameters in it from the start or added by
-    `add_param_group` after a first step over another parameter."""
-    torch.manual_seed(0)
-    nn = torch.nn
-    model = zeropp.shard(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                                       nn.Linear(64, 1)),
-                         _plus(2))
-    other = nn.Parameter(torch.zeros(1))
-    params = [other] if late else [other, *model.parameters()]
-    opt = torch.optim.Adam(params, lr=1e-2, fused=True)
-    opt.step()
-    if late:
-        opt.add_param_group({"params": list(model.parameters())})
-    losses = []
-    for step in range(4):
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * dist.get_rank() + step))
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _late_groups() -> tuple[list[float], list[float]]:
-    return _late_group(False), _late_group(True)
-
-
-def test_parameters_added_to_an_optimizer_after_its_first_step_are_hooked():
-    """The same losses bit for bit either way (before: the optimizer was never hooked, and
-    its steps never reached the persistent flats' gathered weights)."""
-    for start, late in spawn(_late_groups, 4, 2, timeout=200):
-        assert start == late and len(set(start)) == 4, (start, late)
-
-
 # ---- every rank sees the same weights ------------------------------------------------------
 def _probe(kind: str, model) -> torch.Tensor:
     """The model's output on one input every rank shares (no grad)."""
