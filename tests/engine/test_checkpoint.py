@@ -315,7 +315,8 @@ def test_a_failed_load_leaves_the_model_untouched(tmp_path, damage):
         rank_file.write_bytes(b"0" * 10)
     else:
         _without(rank_file, "rng/torch")
-    with pytest.raises(CheckpointError, match="" if damage == "garbage" else "no tensor 'rng/torch'"):
+    with pytest.raises(CheckpointError, match="truncated or replaced" if damage == "garbage"
+                       else "no tensor 'rng/torch'"):
         zeropp.load_checkpoint(tmp_path / "ck", model, opt)
     after = zeropp.full_state_dict(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
