@@ -28,15 +28,25 @@ from zeropp.train.replicas import ReplicaArgs, run_replicas  # noqa: E402
 N = 5000  # elements per all-reduce: 3 chunks of 1792 (7 blocks of 256) at W=3
 
 
-def _rounds(codec: str, ef: bool, rounds: int) -> dict:
+def _rounds(codec: str, ef: bool, rounds: int, fragments: bool = False) -> dict:
+    """`fragments`: as under Streaming DiLoCo, a round of another fragment (a tensor of
+    the same size) after each, the round key naming the fragment."""
     rank, w = dist.get_rank(), dist.get_world_size()
     ar = CompressedAllReduce(codec, block_size=256, error_feedback=ef)
+    fragment = [0]
+    ar.round_key = lambda: fragment[0]
     got, want = torch.zeros(N), torch.zeros(N, dtype=torch.float64)
     firsts = []
     for r in range(rounds):
         xs = [torch.randn(N, generator=torch.Generator().manual_seed(1000 * r + k))
               for k in range(w)]
         t = xs[rank].clone()
+        if fragments and r:
+            fragment[0] = 1
+            ar.new_round()
+            other = 100 * torch.randn(N, generator=torch.Generator().manual_seed(7 * r + rank))
+            ar.all_reduce_(dist.group.WORLD, other, dist.ReduceOp.SUM, rank, w)
+            fragment[0] = 0
         ar.new_round()
         ar.all_reduce_(dist.group.WORLD, t, dist.ReduceOp.SUM, rank, w)
         truth = torch.stack(xs).double().sum(0)
@@ -45,15 +55,17 @@ def _rounds(codec: str, ef: bool, rounds: int) -> dict:
         want += truth
     every = [torch.empty(N) for _ in range(w)]
     dist.all_gather(every, got)
-    return {"same": all(torch.equal(e, every[0]) for e in every),
+    return {"same": all(torch.equal(e, every[0]) for e in every), "got": got,
             "err": firsts[0], "acc_err": ((got.double() - want).norm() / want.norm()).item(),
             "stats": ar.stats.as_dict()}
 
 
 def _codecs() -> dict:
-    return {(c, ef): _rounds(c, ef, 1 if c == "fp32" else 12)
-            for c, ef in [("fp32", False), ("int8", False), ("int4", True), ("2bit", True),
-                          ("2bit", False)]}
+    out = {(c, ef): _rounds(c, ef, 1 if c == "fp32" else 12)
+           for c, ef in [("fp32", False), ("int8", False), ("int4", True), ("2bit", True),
+                         ("2bit", False)]}
+    out["fragments"] = _rounds("2bit", True, 12, fragments=True)
+    return out
 
 
 def test_compressed_all_reduce_gives_every_rank_the_same_bits_counts_its_bytes_and_error_feedback_cuts_the_drift():
@@ -67,7 +79,7 @@ def test_compressed_all_reduce_gives_every_rank_the_same_bits_counts_its_bytes_a
         assert all(v["same"] for v in r.values()), {k: v["same"] for k, v in r.items()}
     out = res[0]
     chunk = 7 * 256
-    for (codec, _), v in out.items():
+    for (codec, _), v in [(k, v) for k, v in out.items() if k != "fragments"]:
         s = v["stats"]
         if codec == "fp32":
             assert s["inter_node_bytes"] == round(2 * 2 / 3 * N * 4) and v["err"] < 1e-6
@@ -81,6 +93,9 @@ def test_compressed_all_reduce_gives_every_rank_the_same_bits_counts_its_bytes_a
     assert out[("2bit", True)]["err"] < 0.6
     assert out[("2bit", True)]["acc_err"] < 0.15
     assert out[("2bit", True)]["acc_err"] < 0.5 * out[("2bit", False)]["acc_err"]
+    # another fragment's rounds in between (100x its values): this tensor's residuals are
+    # its own, bit for bit those of the rounds without them (before: the other's were added)
+    assert torch.equal(out["fragments"]["got"], out[("2bit", True)]["got"])
 
 
 def test_wrap_names_what_is_wrong():

@@ -12,8 +12,12 @@ server residuals): each rank keeps what its hop-1 codes lost per peer, each
 owner what its hop-2 code lost, and adds it to the next send of the same
 tensor. Residuals are kept per tensor in call order within a round (torchft
 starts one per quorum: every step, or every sync under DiLoCo) and dropped
-when the membership changes, on every replica alike. The result's bits never
-depend on them being equal across replicas: everyone decodes the same bytes.
+when the membership changes, on every replica alike. A round meets the
+residuals of the last round of the same `round_key()`: under Streaming DiLoCo
+each fragment's sync is a quorum of its own, so the key is the fragment
+(`CompressedGroup.follow_fragments`); else every round shares one. The result's
+bits never depend on them being equal across replicas: everyone decodes the
+same bytes.
 
 A tensor whose fp32 ring all-reduce costs no more bytes than the quantized one
 (small tensors: a chunk is at least one block per rank) goes exact.
@@ -23,7 +27,7 @@ scale per block, against fp32's 2 (R-1)/R 4P: 1/16 of it at 2 bits.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,21 +69,25 @@ class CompressedAllReduce:
         self.ef = (self.bits is not None and self.bits <= 4) if error_feedback is None \
             else bool(error_feedback and self.bits is not None)
         self.stats = CommStats()
-        self.slots: list[_Slot] = []
+        self.round_key: Callable[[], Any] = lambda: None  # which residuals a round meets
+        self._rounds: dict[Any, list[_Slot]] = {}
+        self.slots: Optional[list[_Slot]] = None  # this round's, chosen at its first tensor
         self.cursor = 0
 
     # ---- rounds -----------------------------------------------------------------------
     def new_round(self) -> None:
         """A new step (torchft computes a quorum): residuals are matched from the first."""
-        self.cursor = 0
+        self.slots, self.cursor = None, 0
         self.stats.steps += 1
 
     def reset(self) -> None:
         """The membership changed: every residual goes."""
-        self.slots.clear()
-        self.cursor = 0
+        self._rounds.clear()
+        self.slots, self.cursor = None, 0
 
     def _slot(self, key: tuple) -> _Slot:
+        if self.slots is None:  # read at the first all-reduce: a healed replica's step is set
+            self.slots = self._rounds.setdefault(self.round_key(), [])
         if self.cursor < len(self.slots) and self.slots[self.cursor].key == key:
             slot = self.slots[self.cursor]
         else:  # another tensor than last round's at this position: start it afresh

@@ -51,6 +51,12 @@ class CompressedGroup(ProcessGroupWrapper):
         self._zeropp.new_round()
         return self._inner.get_reconfigure_handle()
 
+    def follow_fragments(self, manager: Any, fragments: int) -> None:
+        """Streaming DiLoCo over `fragments` fragments: each sync's residuals are those of
+        the fragment torchft syncs (its own choice: the manager's step modulo their
+        number), not the previous sync's (allreduce.py's note)."""
+        self._zeropp.round_key = lambda: manager.current_step() % fragments
+
     def reconfigure(self, opts: Any) -> dist._Work:
         self._zeropp.reset()
         return super().reconfigure(opts)

@@ -235,6 +235,8 @@ def replica_worker(rank: int, group: int, host: str, port: int, lighthouse: str,
                       quorum_timeout=timedelta(seconds=3 * ra.timeout_s),
                       use_async_quorum=False,
                       init_sync=ra.driver == "engine")  # FSDP2: the same seed, the same init
+    if ra.fragments > 1:
+        pg.follow_fragments(manager, ra.fragments)
     if ra.driver != "engine":
         _replica_mean_hook(model, manager)
     victim = Path(run_dir) / f"replica{ra.replicas - 1}"
