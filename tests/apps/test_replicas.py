@@ -65,6 +65,10 @@ def _codecs() -> dict:
            for c, ef in [("fp32", False), ("int8", False), ("int4", True), ("2bit", True),
                          ("2bit", False)]}
     out["fragments"] = _rounds("2bit", True, 12, fragments=True)
+    ar = CompressedAllReduce("int8", block_size=256)  # 300 bf16 values: 800 bytes exact,
+    t = torch.ones(300, dtype=torch.bfloat16)         # 1040 quantized (1600 in fp32)
+    ar.all_reduce_(dist.group.WORLD, t, dist.ReduceOp.SUM, dist.get_rank(), 3)
+    out["bf16"] = {"ops": list(ar.stats.as_dict()["by_op"]), "sum": t.tolist()}
     return out
 
 
@@ -73,13 +77,15 @@ def test_compressed_all_reduce_gives_every_rank_the_same_bits_counts_its_bytes_a
     each rank sends 2 (W-1) pieces of one chunk's wire bytes per all-reduce (fp32: the
     ring's 2 (W-1)/W of 20,000 bytes); one all-reduce's relative error is at most 0.01
     (int8), 0.2 (int4), 0.6 (2 bits); over 12 rounds error feedback keeps the summed
-    result within 0.15 at 2 bits, under half the drift without it."""
+    result within 0.15 at 2 bits, under half the drift without it; another fragment's
+    rounds in between change none of a tensor's bits (Streaming DiLoCo); a small bf16
+    tensor goes exact where its own ring is cheaper than the codec."""
     res = spawn(_codecs, 3, 3, timeout=120)
     for r in res:
-        assert all(v["same"] for v in r.values()), {k: v["same"] for k, v in r.items()}
+        assert all(v["same"] for k, v in r.items() if k != "bf16"), r.keys()
     out = res[0]
     chunk = 7 * 256
-    for (codec, _), v in [(k, v) for k, v in out.items() if k != "fragments"]:
+    for (codec, _), v in [(k, v) for k, v in out.items() if isinstance(k, tuple)]:
         s = v["stats"]
         if codec == "fp32":
             assert s["inter_node_bytes"] == round(2 * 2 / 3 * N * 4) and v["err"] < 1e-6
@@ -96,6 +102,8 @@ def test_compressed_all_reduce_gives_every_rank_the_same_bits_counts_its_bytes_a
     # another fragment's rounds in between (100x its values): this tensor's residuals are
     # its own, bit for bit those of the rounds without them (before: the other's were added)
     assert torch.equal(out["fragments"]["got"], out[("2bit", True)]["got"])
+    # exact where its own dtype's ring is the cheaper (before: weighed as fp32, quantized)
+    assert out["bf16"] == {"ops": ["allreduce/exact"], "sum": [3.0] * 300}
 
 
 def test_wrap_names_what_is_wrong():

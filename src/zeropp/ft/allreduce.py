@@ -19,8 +19,8 @@ each fragment's sync is a quorum of its own, so the key is the fragment
 bits never depend on them being equal across replicas: everyone decodes the
 same bytes.
 
-A tensor whose fp32 ring all-reduce costs no more bytes than the quantized one
-(small tensors: a chunk is at least one block per rank) goes exact.
+A tensor whose exact ring all-reduce (in its own dtype) costs no more bytes than
+the quantized one (small tensors: a chunk is at least one block per rank) goes exact.
 Bytes per rank per all-reduce of P elements: 2 (R-1)/R P bits/8 plus one fp32
 scale per block, against fp32's 2 (R-1)/R 4P: 1/16 of it at 2 bits.
 """
@@ -109,7 +109,7 @@ class CompressedAllReduce:
         group: alltoall_base, allgather, allreduce)."""
         n = t.numel()
         exact = (self.bits is None or op != dist.ReduceOp.SUM or not t.is_floating_point()
-                 or ring_send(n * 4, size, 2) <= self.quantized_bytes(n, size))
+                 or ring_send(n * t.element_size(), size, 2) <= self.quantized_bytes(n, size))
         if size == 1:
             return
         if exact:

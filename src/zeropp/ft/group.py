@@ -31,6 +31,9 @@ class _Done(dist._Work):
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
     def get_future(self) -> torch.futures.Future:
         return self._future
 
