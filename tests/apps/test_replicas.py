@@ -114,6 +114,8 @@ def test_wrap_names_what_is_wrong():
         zeropp.ft.wrap(ProcessGroupGloo(), "3bit")
     with pytest.raises(ValueError, match="multiple of 16"):
         zeropp.ft.wrap(ProcessGroupGloo(), "2bit", block_size=100)
+    with pytest.raises(ValueError, match="fragments=0 is invalid"):
+        zeropp.ft.wrap(ProcessGroupGloo(), "2bit").follow_fragments(None, 0)
 
 
 @pytest.mark.parametrize("args, says", [

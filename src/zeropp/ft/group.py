@@ -58,6 +58,8 @@ class CompressedGroup(ProcessGroupWrapper):
         """Streaming DiLoCo over `fragments` fragments: each sync's residuals are those of
         the fragment torchft syncs (its own choice: the manager's step modulo their
         number), not the previous sync's (allreduce.py's note)."""
+        if not (isinstance(fragments, int) and fragments >= 1):
+            raise ValueError(f"zeropp.ft: fragments={fragments!r} is invalid; allowed: an int >= 1")
         self._zeropp.round_key = lambda: manager.current_step() % fragments
 
     def reconfigure(self, opts: Any) -> dist._Work:
