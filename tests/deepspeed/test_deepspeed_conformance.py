@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from cases import batch, build, loss_of
 from torch import nn
 
@@ -172,6 +173,25 @@ def _user_backward() -> dict:
                                                     master_shards(b.module))
         if p.requires_grad)
     out["needs_scaler_fp32"] = a.optimizer.needs_scaler() is False
+    # DeepSpeed's PyTorch-style backward: loss.backward() on what the engine returned gives
+    # engine.backward's gradients (divided by GAS=2 once), also when the model returns its
+    # loss beside the output it was computed from (a hook on that output would divide twice).
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = build("mlp")
+
+        def forward(self, x, y):
+            out = self.net(x)
+            return {"loss": F.mse_loss(out.float(), y), "out": out}
+    for name, make, loss in [("direct", lambda: build("mlp"), lambda e: loss_of("mlp", e, x, y)),
+                             ("direct_both", Both, lambda e: e(x, y)["loss"])]:
+        c, _, _, _ = zeropp.initialize(model=make(), config=cfg)
+        d, _, _, _ = zeropp.initialize(model=make(), config=cfg)
+        c.backward(loss(c))
+        loss(d).backward()
+        out[name] = all(torch.equal(p.grad, q.grad) for p, q in zip(
+            master_shards(c.module), master_shards(d.module)) if p.requires_grad)
     try:
         a.scale(torch.ones(3, requires_grad=True))
         out["non_scalar"] = None
@@ -230,17 +250,27 @@ def _fp16_direct_backward() -> str:
     engine, _, _, _ = zeropp.initialize(model=Wrapped(), config=_config(
         fp16={"enabled": True, "initial_scale_power": 8}))
     x, y = batch("mlp", 0, 0, dist.get_world_size(), dist.get_rank())
-    loss = engine(x, y)
-    try:
-        loss.backward()
-        return "no error"
-    except RuntimeError as e:
-        return str(e)
+    out = {}
+    for name, run in [("scalar", lambda: engine(x, y).backward()),  # refused
+                      ("tuple", lambda: (engine(x, y),)[0].backward()),  # refused
+                      ("two_forwards", lambda: engine.backward(engine(x, y) + engine(x, y))),
+                      ("two_scaled", lambda: engine.scale(engine(x, y) + engine(x, y)).backward()),
+                      ("after_scaled", lambda: engine(x, y).backward())]:  # refused again
+        try:
+            run()
+            out[name] = "no error"
+        except RuntimeError as e:
+            out[name] = str(e)
+    return out
 
 
 def test_fp16_loss_backward_without_scale_is_refused_at_w2():
-    for msg in spawn(_fp16_direct_backward, 2, timeout=180):
-        assert "Loss scaling is required" in msg
+    """A direct backward of an fp16 engine's output, a scalar or inside a tuple, is refused;
+    backward() or scale() over two forwards' outputs is not (nor refused after)."""
+    for r in spawn(_fp16_direct_backward, 2, timeout=180):
+        assert {k: "Loss scaling is required" in v for k, v in r.items()} == {
+            "scalar": True, "tuple": True, "two_forwards": False, "two_scaled": False,
+            "after_scaled": True}, r
 
 
 # ---- launch, accelerator, refusals ----------------------------------------------------

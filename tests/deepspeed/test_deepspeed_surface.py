@@ -145,8 +145,18 @@ def _surface_worker(ckpt: str) -> dict:
     parts = [torch.zeros(1) for _ in range(world)]
     comm.all_gather(parts, torch.tensor([float(rank * 10)]))
     out["all_gather"] = [p.item() for p in parts]
-    comm.barrier()
+    comm.barrier(log_name="barrier", prof=False)  # DeepSpeed's profiling keywords
     out["world_group"] = comm.get_world_group() is dist.group.WORLD
+    objs = [None] * world  # the rest of DeepSpeed's comm that scripts call
+    comm.all_gather_object(objs, {"r": rank})
+    names = [f"from{rank}"]
+    comm.broadcast_object_list(names, src=1)
+    ts = [torch.tensor([float(rank)]), torch.tensor([2.0 * rank])]
+    comm.all_reduce_coalesced(ts)
+    a2a = [torch.zeros(1) for _ in range(world)]
+    comm.all_to_all(a2a, [torch.tensor([float(10 * rank + j)]) for j in range(world)])
+    out["more_comm"] = (objs, names, [t.item() for t in ts], [t.item() for t in a2a],
+                        comm.get_all_ranks_from_group(), comm.has_all_gather_into_tensor())
 
     # (No persistent parameters: the lifecycle below is that of a partitioned one.)
     zo = {"stage": 3, "stage3_param_persistence_threshold": 0}
@@ -222,7 +232,16 @@ def test_comm_engine_methods_ds_status_and_per_rank_client_state(tmp_path):
         assert o["rest"] and o["in_forward"] and o["after_step"] and o["gathered"]
         assert o["ds_shape"] and o["consolidated"] and o["cache_empty"]
         assert o["per_token_bytes"] == 0
+        assert o["more_comm"] == ([{"r": 0}, {"r": 1}], ["from1"], [1.0, 2.0], [r, 10 + r],
+                                  [0, 1], True)
         assert o["client"] == (r, f"r{r}", [float(r)] * 2, {"k": [r, 2 * r]}, True)
     # At another world size ranks do not map: rank 0's JSON values, no per-rank tensors.
     cs = spawn(_load_elsewhere_worker, 1, args=(str(tmp_path / "ck"),), timeout=300)[0]
     assert cs == {"rank_value": 0, "name": "r0", "nested": {"k": [0, 0]}}
+
+
+def test_a_deepspeed_comm_name_zeropp_lacks_is_an_attribute_error_naming_it():
+    import zeropp.deepspeed.comm as comm
+    with pytest.raises(AttributeError, match="deepspeed.comm.mpi_discovery is not provided"):
+        _ = comm.mpi_discovery
+    assert not hasattr(comm, "in_aml")

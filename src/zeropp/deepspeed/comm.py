@@ -2,7 +2,9 @@
 torch.distributed (which is what DeepSpeed's own is on its torch backend), so
 scripts' `dist = deepspeed.comm; dist.get_rank(); dist.barrier()` run
 unchanged. `init_distributed` is the front door's (gloo on the CPU, NCCL with
-CUDA). `ReduceOp` is torch's, so the two can be mixed.
+CUDA). `ReduceOp` is torch's, so the two can be mixed. DeepSpeed's profiling
+keywords (`prof`, `log_name`, `debug`) are accepted everywhere and ignored; a name
+of DeepSpeed's module not here is an AttributeError saying so.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ __all__ = ["init_distributed", "is_initialized", "is_available", "get_rank", "ge
            "all_gather", "all_gather_into_tensor", "allgather_fn", "reduce", "reduce_scatter",
            "reduce_scatter_tensor", "reduce_scatter_fn", "all_to_all_single", "gather",
            "scatter", "send", "recv", "isend", "irecv", "destroy_process_group", "ReduceOp",
-           "configure", "log_summary"]
+           "configure", "log_summary", "broadcast_object_list", "all_gather_object",
+           "all_to_all", "all_reduce_coalesced", "all_gather_coalesced",
+           "get_all_ranks_from_group", "has_all_gather_into_tensor",
+           "has_reduce_scatter_tensor", "has_all_reduce_coalesced", "has_coalescing_manager"]
 
 
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
@@ -115,13 +120,14 @@ def destroy_process_group(group: Any = None) -> None:
         dist.destroy_process_group(group)
 
 
-def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None,
+            **kwargs: Any) -> Any:
     _need()
     return dist.barrier(group=group, async_op=async_op)
 
 
 def monitored_barrier(group: Any = None, timeout: Any = None,
-                      wait_all_ranks: bool = False) -> Any:
+                      wait_all_ranks: bool = False, **kwargs: Any) -> Any:
     _need()
     if dist.get_backend(group) == "gloo":
         return dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
@@ -229,6 +235,82 @@ def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Any = None, ta
           **kwargs: Any) -> Any:
     _need()
     return dist.irecv(tensor, src=src, group=group, tag=tag)
+
+
+def broadcast_object_list(object_list: list, src: int, group: Any = None,
+                          device: Any = None) -> None:
+    _need()
+    dist.broadcast_object_list(object_list, src=src, group=group, device=device)
+
+
+def all_gather_object(object_list: list, obj: Any, group: Any = None, **kwargs: Any) -> None:
+    _need()
+    dist.all_gather_object(object_list, obj, group=group)
+
+
+def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
+               group: Any = None, async_op: bool = False, **kwargs: Any) -> Any:
+    _need()
+    return dist.all_to_all(output_tensor_list, input_tensor_list, group=group,
+                           async_op=async_op)
+
+
+class _Works:
+    """Several collectives' works as one (what DeepSpeed's coalesced calls return)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = [w for w in works if w is not None]
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Any = None,
+                         async_op: bool = False, **kwargs: Any) -> Any:
+    """Each tensor all-reduced in place (one collective each)."""
+    _need()
+    works = _Works([dist.all_reduce(t, op=op, group=group, async_op=async_op) for t in tensors])
+    return works if async_op else None
+
+
+def all_gather_coalesced(output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                         group: Any = None, async_op: bool = False) -> Any:
+    """`all_gather_into_tensor` for each (output, input) pair."""
+    _need()
+    return _Works([dist.all_gather_into_tensor(o, i, group=group, async_op=async_op)
+                   for o, i in zip(output_tensors, input_tensors)])
+
+
+def get_all_ranks_from_group(group: Any = None) -> list[int]:
+    _need()
+    return dist.get_process_group_ranks(group or dist.group.WORLD)
+
+
+def has_all_gather_into_tensor() -> bool:
+    return True
+
+
+def has_reduce_scatter_tensor() -> bool:
+    return True
+
+
+def has_all_reduce_coalesced() -> bool:
+    return True
+
+
+def has_coalescing_manager() -> bool:
+    """False: callers take their one-collective-per-tensor path."""
+    return False
+
+
+def __getattr__(name: str) -> Any:
+    raise AttributeError(f"zeropp: deepspeed.comm.{name} is not provided by zeropp's "
+                         "deepspeed.comm (torch.distributed has the collectives)")
 
 
 def configure(deepspeed_config: Any = None, enabled: Any = None, prof_all: Any = None,

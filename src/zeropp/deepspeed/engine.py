@@ -5,7 +5,8 @@ model, so a DeepSpeed script runs on zeropp by changing its import
 The loop DeepSpeed scripts write, per micro-batch:
     loss = engine(batch); engine.backward(loss); engine.step()
 `backward` scales the loss by 1/gradient_accumulation_steps (and by the fp16
-loss scale) and runs autograd; zeropp reduces each unit's gradient into the
+loss scale) and runs autograd (a direct `loss.backward()` gets the same gradients:
+direct_backward.py); zeropp reduces each unit's gradient into the
 shards as it goes (inside `coalesce_grad_reduction()`, grad_sync.py: once, at
 the block's exit). `step` counts micro-steps and, at an accumulation boundary
 ((micro_steps + 1) % gas == 0), unscales, takes the global gradient norm and
@@ -26,10 +27,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
 from ..optim import clip_grad_norm_
 from ..shard import get_state
+from ..unit_hooks import _graph_task
 from .config import DSConfig, LossScaling
+from .direct_backward import through
 from .engine_checkpoints import EngineCheckpoints
 from .errors import EngineAssertionError
 from .grad_sync import GradSyncContexts
@@ -105,7 +109,9 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
         self._is_compiled = False
         self._global_grad_norm: Optional[float] = None
         self._is_gradient_accumulation_boundary: Optional[bool] = None  # DeepSpeed's name
-        self._scaled = False  # a loss went through scale() and awaits its backward
+        self._scaled = False  # a loss went through scale(): its backward is the caller's
+        self._in_backward = False  # inside backward()'s autograd call
+        self._task = -1  # the last backward that reached an output (_direct)
         # DeepSpeed's set of modules whose gradients it reduces as sparse: zeropp reduces
         # every gradient dense, so none (checkpoint helpers compare it across engines).
         self.sparse_tensor_module_names: set = set()
@@ -119,11 +125,7 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
             return getattr(self.module, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.module(*args, **kwargs)
-        if (self.loss_scaler is not None and isinstance(out, torch.Tensor)
-                and out.numel() == 1 and out.requires_grad):
-            out.register_hook(self._check_scaled)
-        return out
+        return through(self, self.module(*args, **kwargs))  # (direct_backward.py)
 
     # ---- the config's numbers ----------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -257,7 +259,11 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("zeropp engine.backward(loss): loss must be a scalar tensor")
         loss = self._per_micro_step(loss, scale_wrt_gas)
-        self._loss_scaled(loss).backward(retain_graph=retain_graph)
+        scaled, self._in_backward = self._loss_scaled(loss), True
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        finally:
+            self._in_backward = self._scaled = False
         return loss
 
     def allreduce_gradients(self, bucket_size: Any = None) -> None:
@@ -266,13 +272,26 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
         makes sure none is still in flight."""
         get_state(self.module).reducer.drain()
 
-    def _check_scaled(self, grad: torch.Tensor) -> None:
-        """Hook on a loss the engine's forward returned under fp16: its backward must
-        go through `backward` or `scale` (an unscaled fp16 gradient underflows)."""
-        if not self._scaled:
+    def _direct(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient reaching one of forward's outputs (direct_backward.py): as it is
+        under backward() or scale() (until that backward ends); a direct backward's divided
+        by gradient_accumulation_steps, and counted once as a micro-batch."""
+        task, first = _graph_task(), False
+        if task != self._task:
+            self._task, first = task, True
+        if self._in_backward or self._scaled:
+            if first and self._scaled and not self._in_backward:
+                Variable._execution_engine.queue_callback(self._end_scaled)
+            return grad
+        if self.loss_scaler is not None:
             raise RuntimeError("zeropp engine: Loss scaling is required with fp16: call "
                                "engine.backward(loss) or engine.scale(loss).backward(), not "
                                "loss.backward()")
+        self._backwards += first  # (backward() and scale() count theirs)
+        gas = self._config.grad_accum
+        return grad / gas if gas > 1 else grad
+
+    def _end_scaled(self) -> None:
         self._scaled = False
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
