@@ -253,7 +253,7 @@ def _engine_run(tmp: str) -> dict:
         fp16={"enabled": True, "initial_scale_power": 24, "hysteresis": 1},
         scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5,
                                                    "warmup_type": "linear"}}))
-    scales, applied = [], []
+    scales, applied, norms = [], [], []
     for step in range(12):
         for micro in range(2):
             x, y = batch("gpt", step, micro, world, rank)
@@ -261,8 +261,9 @@ def _engine_run(tmp: str) -> dict:
             eng3.step()
         scales.append(eng3.loss_scale())
         applied.append(eng3.was_step_applied())
+        norms.append(eng3.get_global_grad_norm())
     out["fp16"] = (scales, applied, eng3.skipped_steps, eng3.global_steps,
-                   eng3.lr_scheduler.last_batch_iteration)
+                   eng3.lr_scheduler.last_batch_iteration, norms)
 
     # Ranks that built different weights all start from rank 0's, as in DeepSpeed.
     mine = build("gpt")
@@ -387,8 +388,12 @@ def test_engine_equals_native_api_and_keeps_deepspeeds_counters(tmp_path):
         assert r["lrs_used"] == pytest.approx([0, 0.0, 1e-4, 2e-4], abs=1e-12)
         assert r["lr_after"] == pytest.approx([3e-4], abs=1e-12)
         assert r["gathered_edit"]
-        scales, applied, skipped, steps, t = r["fp16"]
+        scales, applied, skipped, steps, t, norms = r["fp16"]
         assert skipped >= 1 and scales[0] == 2.0 ** 23 and steps == 12, r["fp16"]
+        # An overflowed step keeps the last applied step's norm (DeepSpeed's ZeRO-3 returns
+        # before taking one): None before the first, finite after it.
+        assert all(n == ([None] + norms)[i] if not a else math.isfinite(n)
+                   for i, (n, a) in enumerate(zip(norms, applied))), (applied, norms)
         assert applied[-3:] == [True] * 3 and scales[-1] == scales[-3] < scales[0]
         assert t == 12 - skipped - 1  # the schedule advanced only on applied steps
     assert r0["latest"] == b"global_step5" and r0["broadcast"]

@@ -317,7 +317,7 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
         clip = self._config.gradient_clipping
         norm = float(clip_grad_norm_(self.module, clip if clip > 0 else math.inf))
         if not math.isfinite(norm):
-            norm = math.inf  # DeepSpeed reports an overflow's norm as inf (NaN included)
+            norm = math.inf  # (NaN included)
         overflow = not math.isfinite(norm) and (self.loss_scaler is not None
                                                 or self._config.skip_non_finite)
         if overflow:
@@ -336,7 +336,8 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
         self.optimizer.zero_grad(set_to_none=True)
         for p in master_shards(self.module):  # trainable ones in no param group too
             p.grad = None
-        self._global_grad_norm = norm
+        if not (overflow and self.loss_scaler is not None):  # (DeepSpeed's ZeRO-3 returns
+            self._global_grad_norm = norm               # before its norm at an fp16 overflow)
         self._step_applied = not overflow
         spp = self._config.steps_per_print
         if spp and (self.global_steps + 1) % spp == 0 and self.global_rank == 0:
