@@ -66,6 +66,10 @@ def test_config_errors_name_the_key_and_unknown_keys_warn_once():
         ds_config.parse({**base, "gradient_clipping": -1}, 4)
     with pytest.raises(ValueError, match=r"fp16.loss_scale=-2"):
         ds_config.parse({**base, "fp16": {"enabled": True, "loss_scale": -2}}, 4)
+    with pytest.raises(ValueError, match=r"fp16.initial_scale_power=-1"):
+        ds_config.parse({**base, "fp16": {"enabled": True, "initial_scale_power": -1}}, 4)
+    zero = ds_config.parse({**base, "fp16": {"enabled": True, "initial_scale_power": 0}}, 4)
+    assert LossScaler(zero.fp16).scale == 1.0  # 2 ** 0, as DeepSpeed allows
     with pytest.raises(ValueError, match=r"zeropp.preset='zeropp-max' is invalid"):
         ds_config.parse({**base, "zeropp": {"preset": "zeropp-max"}}, 4)
     with pytest.raises(ValueError, match=r"optimizer.type='Lamb' is not supported"):

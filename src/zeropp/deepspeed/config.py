@@ -189,7 +189,9 @@ def _fp16(sec: Optional[dict]) -> Optional[LossScaling]:
         raise _err("fp16.loss_scale", v, "0 (dynamic) or a positive number (static)")
     ls.static = float(v)
     for k in ("initial_scale_power", "loss_scale_window", "hysteresis"):
-        if k in sec:
+        if k == "initial_scale_power" and _is_int(sec.get(k)) and sec[k] == 0:
+            ls.initial_scale_power = 0  # a scale of 1, as DeepSpeed allows
+        elif k in sec:
             setattr(ls, k, _pos_int(f"fp16.{k}", sec[k]))
     if "min_loss_scale" in sec:
         m = sec["min_loss_scale"]
