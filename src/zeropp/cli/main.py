@@ -38,7 +38,7 @@ from ..train.resume import find as find_checkpoint
 from ..train.tokenizer import TokenizerError
 from .commands import DTYPES, UsageError, run_bench_cmd, run_export, run_launch, run_plan
 from .launch import WorkerError, spawn
-from .replicas import add_replica_args, run_replica_train
+from .replicas import add_replica_args, refuse_unused, run_replica_train
 
 CACHE = Path.home() / ".cache" / "zeropp"
 
@@ -193,6 +193,7 @@ def run_train(ns: argparse.Namespace) -> int:
         raise UsageError(f"--max-restarts must be 0 or more, got {ns.max_restarts}")
     if ns.resume and ns.compare:
         raise UsageError("--resume continues one run; it cannot be combined with --compare")
+    refuse_unused(ns)
     if ns.replicas != 1:
         return run_replica_train(ns, train_args_from, configs_from, CACHE)
     resume, ns.resume = ns.resume, None  # chosen below, once the run directory is ours

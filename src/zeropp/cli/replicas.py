@@ -51,6 +51,27 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
                         "(a 100 ms round trip)")
 
 
+# What each option of the group does nothing without (given anyway: refused by name, so a
+# run believed to be DiLoCo, or on a shaped link, is not silently something else).
+_NEEDS = {"sync_every": "--replicas", "outer_codec": "--replicas", "inside": "--replicas",
+          "kill_replica_at": "--replicas", "link": "--replicas", "outer_lr": "--sync-every H > 1",
+          "outer_momentum": "--sync-every H > 1", "fragments": "--sync-every H > 1",
+          "restart_after": "--kill-replica-at", "link_delay": "--link"}
+
+
+def refuse_unused(ns: argparse.Namespace) -> None:
+    met = {"--replicas": ns.replicas != 1, "--sync-every H > 1": ns.sync_every != 1,
+           "--kill-replica-at": ns.kill_replica_at is not None, "--link": ns.link is not None}
+    met["--sync-every H > 1"] &= met["--replicas"]
+    probe = argparse.ArgumentParser()
+    add_replica_args(probe)
+    for a in probe._actions:
+        need = _NEEDS.get(a.dest)
+        if need and getattr(ns, a.dest) != a.default and not met[need]:
+            raise UsageError(f"{a.option_strings[0]} {getattr(ns, a.dest)} does nothing "
+                             f"without {need}")
+
+
 def run_replica_train(ns: argparse.Namespace, train_args_from, configs_from,
                       cache: Path) -> int:
     """`--replicas R`: R replica groups under torchft (train/replicas.py). The three
