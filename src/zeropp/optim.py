@@ -16,6 +16,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     One all-reduce of one number over the world; padding carries zero gradient, so it does not
     change the norm. A NaN or Inf gradient on any rank makes the returned norm non-finite on every
     rank (the gradients too, as in torch): a loop can test the norm and skip."""
+    if not max_norm > 0:  # (torch's own would flip or zero every gradient)
+        raise ValueError(f"zeropp.clip_grad_norm_: max_norm must be > 0 (inf: no clipping), got {max_norm}")
     st = get_state(model)
     norm_type = float(norm_type)
     if norm_type not in (2.0, float("inf")):

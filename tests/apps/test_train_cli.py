@@ -43,10 +43,12 @@ def files(tmp_path_factory):
     (["--deepspeed-config", "{d}/bad.json"], "is not valid JSON"),
     (["--deepspeed-config", "{d}/stage2.json"], "zero_optimization.stage=2"),
     (["--compare", "zero3,zero9"], "unknown configuration 'zero9'"),
+    (["--clip", "-1"], "--clip must be more than 0"),
+    (["--hpz", "3"], "--hpz 3 must divide the 4 ranks"),
     (["--sync-every", "8"], "--sync-every 8 does nothing without --replicas"),
     (["--replicas", "2", "--fragments", "2"], "--fragments 2 does nothing without --sync-every"),
 ], ids=["missing", "empty", "short", "nproc", "preset", "ds-json", "ds-stage", "compare",
-        "replica-only", "diloco-only"])
+        "clip", "hpz", "replica-only", "diloco-only"])
 def test_bad_input_is_one_line_and_exit_2_without_traceback(files, args, message, capsys,
                                                            monkeypatch):
     # Input that got past the checks would reach the workers: that fails here at

@@ -183,3 +183,10 @@ def test_in_backward_is_true_only_while_autograd_runs_a_backward_on_this_thread(
     x.register_hook(lambda g: seen.append(_in_backward()))
     y.backward()
     assert seen == [True] and not _in_backward()
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, 0.0, float("nan")])
+def test_clip_grad_norm_refuses_a_max_norm_that_would_flip_or_zero_the_gradients(max_norm):
+    model = zeropp.shard(FrozenMLP())
+    with pytest.raises(ValueError, match=f"max_norm must be > 0 .*, got {max_norm}"):
+        zeropp.clip_grad_norm_(model, max_norm)

@@ -135,6 +135,10 @@ def configs_from(ns: argparse.Namespace) -> list[tuple[str, zeropp.Config]]:
                 print(f"zeropp train: warning: {w.message}", file=sys.stderr)
             return [("run", cfg)]
         runs = [(c, named(c, ns.node_size, **given)) for c in names]
+        world = ns.nproc // max(1, ns.replicas)  # (a replica group's ranks)
+        if any(world % cfg.hpz_partition_size for _, cfg in runs):
+            raise UsageError(f"--hpz {ns.hpz_partition_size} must divide the {world} ranks "
+                             "that shard the model")
         return runs if ns.compare else [("run", runs[0][1])]
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -169,6 +173,12 @@ def train_args_from(ns: argparse.Namespace) -> TrainArgs:
             raise UsageError(f"--{k.replace('_', '-')} must be at least 1, got {getattr(a, k)}")
     if a.save_every < 0:
         raise UsageError(f"--save-every must be 0 or more, got {a.save_every}")
+    for k, ok, rule in [("lr", a.lr > 0, "more than 0"), ("warmup", a.warmup >= 0, "0 or more"),
+                        ("min_lr_ratio", 0 <= a.min_lr_ratio <= 1, "in [0, 1]"),
+                        ("weight_decay", a.weight_decay >= 0, "0 or more"),
+                        ("clip", a.clip > 0, "more than 0 (inf: no clipping)")]:
+        if not ok:  # (NaN fails every rule)
+            raise UsageError(f"--{k.replace('_', '-')} must be {rule}, got {getattr(a, k)}")
     if a.resume:  # (torchrun: every rank checks; only `zeropp train` sets damaged ones aside)
         a.resume = verified_resume(a, a.resume, keep=True)
     if a.hf_model:
