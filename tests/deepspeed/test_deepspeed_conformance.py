@@ -213,6 +213,13 @@ def _user_backward() -> dict:
     un.step()
     samples.append(un.global_samples)
     out["unmanaged_samples_count_micro_batches"] = samples == [12, 24]
+    # A boundary only while step() runs, as DeepSpeed answers
+    seen = []
+    un.optimizer.register_step_pre_hook(lambda *a: seen.append(un.is_gradient_accumulation_boundary()))
+    _step(un, 9)
+    out["unmanaged_boundary_in_step_only"] = not un.is_gradient_accumulation_boundary()
+    un.step()
+    out["unmanaged_boundary_in_step_only"] &= seen == [True]
     try:  # the caller owns the boundary: setting it is refused, as DeepSpeed does
         un.set_gradient_accumulation_boundary(True)
         out["unmanaged_boundary_refused"] = False

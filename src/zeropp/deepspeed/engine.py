@@ -111,6 +111,7 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
         self._is_gradient_accumulation_boundary: Optional[bool] = None  # DeepSpeed's name
         self._scaled = False  # a loss went through scale(): its backward is the caller's
         self._in_backward = False  # inside backward()'s autograd call
+        self._in_step = False  # inside step()
         self._task = -1  # the last backward that reached an output (_direct)
         # DeepSpeed's set of modules whose gradients it reduces as sparse: zeropp reduces
         # every gradient dense, so none (checkpoint helpers compare it across engines).
@@ -217,8 +218,8 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._is_gradient_accumulation_boundary is not None:
             return self._is_gradient_accumulation_boundary
-        if not self._config.managed_accumulation:  # the caller's step() is the boundary
-            return True
+        if not self._config.managed_accumulation:  # the caller's step() is the boundary,
+            return self._in_step                   # while it runs (DeepSpeed's answer)
         return (self.micro_steps + 1) % self._config.grad_accum == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -302,9 +303,12 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
         if get_state(self.module).gathered_depth:
             raise RuntimeError("zeropp engine.step() inside zeropp.gathered(): the gathered "
                                "weights would go stale; step after the context")
-        self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
-            self._take_step(lr_kwargs)
+        self._step_applied, self._in_step = False, True
+        try:
+            if self.is_gradient_accumulation_boundary():
+                self._take_step(lr_kwargs)
+        finally:
+            self._in_step = False
         self.micro_steps += 1
 
     def _take_step(self, lr_kwargs: Optional[dict]) -> None:
