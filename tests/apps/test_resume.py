@@ -25,15 +25,34 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_resume_continues_with_the_same_losses(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
+def _dies_at_step_8_once(a: TrainArgs, cfg, run_dir: str, tokens: str, vocab: int) -> dict:
+    """train_worker, but on the first attempt rank 1 SIGKILLs itself at step 8."""
+    import zeropp.train.loop as loop
+    if torch.distributed.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        def at_step(step: int, record=loop.at_step) -> None:
+            if step == 8:
+                os.kill(os.getpid(), signal.SIGKILL)
+            record(step)
+        loop.at_step = at_step
+    return train_worker(a, cfg, run_dir, tokens, vocab)
+
+
+def test_train_resume_continues_with_the_same_losses(tmp_path, monkeypatch):
+    """`--resume RUN/checkpoints/step_000006` in the run's own directory, its step_000012
+    still there, and rank 1 killed at step 8, before the resumed run's first save: the
+    restart continues from step_000006 (which the resume made `latest`), not from the
+    abandoned step_000012, and every step's numbers are the uninterrupted run's."""
+    import zeropp.cli.main
+    a = tmp_path / "a"
     assert main(["train", *SMALL, "--steps", "12", "--save-every", "6", "--out", str(a)]) == 0
     assert (a / "checkpoints" / "latest").read_text().strip() == "step_000012"
-    assert main(["train", *SMALL, "--steps", "12", "--save-every", "6", "--out", str(b),
+    straight = _rows(a)
+    monkeypatch.setattr(zeropp.cli.main, "train_worker", _dies_at_step_8_once)
+    assert main(["train", *SMALL, "--steps", "12", "--save-every", "6", "--max-restarts", "1",
                  "--resume", str(a / "checkpoints" / "step_000006")]) == 0
-    straight, resumed = _rows(a), _rows(b)
-    assert [r["step"] for r in resumed] == list(range(6, 12))
-    for s, r in zip(straight[6:], resumed):
+    resumed = _rows(a)
+    assert [r["step"] for r in resumed] == list(range(12))
+    for s, r in zip(straight, resumed):
         assert (s["train_loss"], s["grad_norm"], s.get("val_loss")) == \
                (r["train_loss"], r["grad_norm"], r.get("val_loss"))
 

@@ -204,6 +204,7 @@ def _resume(a: TrainArgs, out: Path, model: nn.Module, opt: torch.optim.Optimize
         return 0, 0, history
     try:
         ckpts.check_same_run(extra["train_args"], dataclasses.asdict(a), ck)
+        ckpts.resumed_at(out, ck)  # a restart before this run's first save comes back to ck
     except CheckpointError as e:
         raise no_restart(e) from None
     start = extra["step"]

@@ -8,7 +8,11 @@ as if it had never stopped (tests/apps/test_resume.py checks the losses bit for 
 [Note: which checkpoint a run resumes from]
 The newest that verifies: the one `latest` names, then complete ones of
 earlier steps, newest first (later steps belong to a timeline abandoned by a
-resume from further back). Verifying is what a load checks anyway: every
+resume from further back). A run resumed from one of its own checkpoints names
+that one `latest` before its first step (`resumed_at`): a worker restarted after
+a crash before the run's first save then continues from it, not from the later
+checkpoint of the abandoned timeline (whose steps this run has not run, maybe on
+another LR schedule). Verifying is what a load checks anyway: every
 rank file's size and sha256 against the manifest. A damaged checkpoint is
 named in one line and renamed to `step_N.damaged`, never deleted: the run's
 next save of step N would otherwise replace it without a trace.
@@ -161,10 +165,7 @@ def after_save(run_dir: Path, name: str, keep: int) -> None:
     err = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            d = checkpoint_dir(run_dir)
-            tmp = d / ".latest.tmp"
-            tmp.write_text(name + "\n")
-            os.replace(tmp, d / "latest")
+            _point_latest(run_dir, name)
             step = int(name[5:])
             older = [p for p in _complete(run_dir) if int(p.name[5:]) < step]
             for old in older[:max(0, len(older) - (keep - 1))]:
@@ -172,6 +173,29 @@ def after_save(run_dir: Path, name: str, keep: int) -> None:
         except OSError as e:
             err = f"after saving {name}: {e}"
     agree(err, CheckpointError, "checkpoint")
+
+
+def resumed_at(run_dir: Path, ck: Path) -> None:
+    """Collective. A run that loaded `ck`, one of its own checkpoints, has rank 0
+    name it `latest` (see the note at the top); `ck` of another run leaves `latest`
+    as it is. Pruning stays after_save's: it moves `latest` first, and never deletes
+    later steps. A failure is raised on every rank."""
+    err = None
+    own = ck.parent.resolve() == checkpoint_dir(run_dir).resolve()
+    if own and (not dist.is_initialized() or dist.get_rank() == 0):
+        try:
+            _point_latest(run_dir, ck.name.lstrip(".").removesuffix(".old"))
+        except OSError as e:
+            err = f"naming {ck.name} the latest checkpoint: {e}"
+    agree(err, CheckpointError, "checkpoint")
+
+
+def _point_latest(run_dir: Path, name: str) -> None:
+    """Replace `latest` atomically: a crash leaves the old pointer or the new one."""
+    d = checkpoint_dir(run_dir)
+    tmp = d / ".latest.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, d / "latest")
 
 
 def resume_point(path: str, say: Callable[[str], None], keep: bool = False) -> Path:
