@@ -48,7 +48,7 @@ from .checkpoint_files import (
     write_safetensors,
 )
 from .collectives import Comm
-from .config import Config
+from .config import SCHEDULE_ONLY, Config
 from .flat_param import FlatParam
 from .guards import agree, all_gather_bytes
 from .quant import dequantize_pieces, quantize
@@ -240,12 +240,16 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     where = param_index(man)
     shards, engine = {}, {}
     # qWD copies and error-feedback residuals continue only at the same world, node size and
-    # config; otherwise the next gather refreshes in full and residuals start from 0.
-    same_setting = (same_world and man.get("node_size") == st.topo.node_size
-                    and same_config(man.get("config"), st.cfg))
+    # config; otherwise the next gather refreshes in full and residuals start from 0 (said).
+    same_topology = same_world and man.get("node_size") == st.topo.node_size
+    changes = config_changes(man.get("config"), st.cfg)
+    lost = same_topology and changes and any(k.startswith("engine/") for k in rd.file(rank).keys())
+    if lost and rank == 0:
+        warnings.warn(f"zeropp: {path} was saved with another {', '.join(changes)}: its qWD "
+                      "copies and error-feedback residuals are not restored", stacklevel=3)
     for f in st.flats:
         same_layout = flat_layout(f) in man["flats"]  # (a layout names its flat)
-        if same_setting and same_layout:
+        if same_topology and not changes and same_layout:
             prefix = f"engine/{f.name}/"
             engine[f.name] = {k[len(prefix):]: rd.get(rank, k)
                               for k in rd.file(rank).keys() if k.startswith(prefix)}
@@ -307,13 +311,11 @@ def unflatten(f: FlatParam, flat: torch.Tensor) -> dict[str, torch.Tensor]:
             for fqn in i.fqns}
 
 
-def same_config(saved: Optional[dict], cfg: Config) -> bool:
-    """Whether a checkpoint's config is `cfg`. A field the checkpoint lacks postdates it (its run
-    behaved as the default): an upgrade alone keeps qWD copies and error-feedback residuals."""
-    if saved is None or any(saved.get(k, v) != v for k, v in _RETIRED.items()):
-        return False
-    default = Config().to_dict()
-    return all(saved.get(k, default[k]) == v for k, v in cfg.to_dict().items())
+def config_changes(saved: Optional[dict], cfg: Config) -> dict[str, tuple]:
+    """{field: (saved, now)} where a checkpoint's config and `cfg` differ in the numbers (not
+    SCHEDULE_ONLY); a field the checkpoint lacks postdates it: its run behaved as the default."""
+    now, was = {**_RETIRED, **cfg.to_dict()}, {**Config().to_dict(), **_RETIRED, **(saved or {})}
+    return {k: (was[k], v) for k, v in now.items() if k not in SCHEDULE_ONLY and was[k] != v}
 
 
 # Fields zeropp no longer has, at the value it now always behaves as: a checkpoint

@@ -152,6 +152,11 @@ class Config:
         return _DEEPSPEED[0](ds_config, **overrides)
 
 
+# Fields that decide when work happens, never the numbers (async_reduce: the same bits), and
+# node_size (where the topology is read): a checkpoint saved under other values resumes exactly.
+SCHEDULE_ONLY = frozenset({"prefetch", "prefetch_depth", "async_reduce", "reduce_buckets",
+                           "collective_timeout", "node_size"})
+
 # DeepSpeed JSON's one reader, outside the core: the front door's ZeRO-section parser
 # (zeropp/deepspeed/zero_config.py; `import zeropp` registers a stand-in importing it at first use).
 _DEEPSPEED: list = []

@@ -205,6 +205,21 @@ def test_out_on_a_run_with_other_settings_is_refused_in_one_line(straight, tmp_p
            {k: v for k, v in before.items() if not k.endswith(".lock")}  # nothing touched
 
 
+def test_resume_under_another_preset_is_refused_in_one_line(straight, tmp_path, capsys):
+    """A zeropp-plus run resumed under zero3 would continue with other numbers from
+    step 40 on: refused, naming each setting that differs, nothing touched."""
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    before = _snapshot(run)
+    line = cli_error_line(["train", *CMD, "--preset", "zero3", "--resume", str(run)], capsys)
+    assert line == (f"zeropp train: --resume {run / LAST}: the ZeRO++ settings differ from the "
+                    "checkpoint's (quantized_weights: True -> False; hpz_partition_size: 2 -> 1; "
+                    "quantized_gradients: True -> False; gradient_error_feedback: True -> False; "
+                    "hierarchical_gather: True -> False; weight_delta: True -> False)")
+    assert {k: v for k, v in _snapshot(run).items() if not k.endswith(".lock")} == \
+           {k: v for k, v in before.items() if not k.endswith(".lock")}
+
+
 def test_compare_on_a_directory_holding_a_comparison_is_refused_in_one_line(straight,
                                                                            tmp_path, capsys):
     shutil.copytree(straight, tmp_path / "cmp" / "zero3")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import warnings
 
 import pytest
 import torch
@@ -65,23 +66,43 @@ def _first_half(kw: dict, n: int, path: str) -> list[float]:
     return losses
 
 
-def _second_half(kw: dict, n: int, path: str) -> tuple[list[float], int]:
-    model, opt, gen = _start(kw)
+# Fields that change when work happens, never the numbers (zeropp.config.SCHEDULE_ONLY).
+RESCHEDULED = dict(prefetch_depth=2, async_reduce=False, reduce_buckets=2, collective_timeout=600.0)
+
+
+def _second_half(kw: dict, n: int, path: str) -> tuple[list[float], int, list[str], list[str]]:
+    """Resumed under RESCHEDULED; then the checkpoint loaded into a model with error
+    feedback flipped. Returns the losses, the step and each load's warnings."""
+    model, opt, gen = _start(dict(kw, **RESCHEDULED))
     torch.manual_seed(999)  # must be overwritten by the checkpoint's RNG state
-    extra = zeropp.load_checkpoint(path, model, opt, data_gen=gen)
-    return _steps(model, opt, gen, n), extra["step"]
+    with warnings.catch_warnings(record=True) as same:
+        warnings.simplefilter("always")
+        extra = zeropp.load_checkpoint(path, model, opt, data_gen=gen)
+    losses = _steps(model, opt, gen, n)
+    other = _model(dict(kw, gradient_error_feedback=not kw.get("gradient_error_feedback")))
+    with warnings.catch_warnings(record=True) as flipped:
+        warnings.simplefilter("always")
+        zeropp.load_checkpoint(path, other)
+    return losses, extra["step"], [str(w.message) for w in same], [str(w.message) for w in flipped]
 
 
 @pytest.mark.parametrize("kw", [{}, GPT_ZEROPP, GPT_PLUS],
                          ids=["compression-off", "qwz+hpz+qgz", "zeropp-plus"])
 def test_resume_after_10_steps_gives_the_20_step_losses_bit_for_bit(tmp_path, kw):
+    """Also under other prefetch depth, reduce pipeline and timeout (they keep qWD copies
+    and error-feedback residuals, silently); a checkpoint whose engine state a config
+    change drops says so in one warning naming the field."""
+    ck = str(tmp_path / "ck")
     straight = spawn(_straight, 4, 2, args=(kw, 20), timeout=240)[0]
-    first = spawn(_first_half, 4, 2, args=(kw, 10, str(tmp_path / "ck")), timeout=240)[0]
-    second, step = spawn(_second_half, 4, 2, args=(kw, 10, str(tmp_path / "ck")),
-                         timeout=240)[0]
+    first = spawn(_first_half, 4, 2, args=(kw, 10, ck), timeout=240)[0]
+    second, step, same, flipped = spawn(_second_half, 4, 2, args=(kw, 10, ck), timeout=240)[0]
     assert step == 10
     assert first == straight[:10]
     assert second == straight[10:]  # exact float equality, every step
+    assert same == []
+    assert flipped == ([f"zeropp: {ck} was saved with another gradient_error_feedback: its qWD "
+                        "copies and error-feedback residuals are not restored"]
+                       if kw is GPT_PLUS else [])  # (no engine state saved: nothing dropped)
 
 
 # ---- resharding ---------------------------------------------------------------------
@@ -364,21 +385,36 @@ def test_a_checkpoint_from_before_a_config_field_existed_keeps_its_engine_state(
     """A field the saved config lacks counts as its default (the saving run had no other
     choice), so upgrading zeropp does not drop qWD copies and error-feedback residuals
     on resume; any real difference still does."""
-    from zeropp.checkpoint import same_config
+    from zeropp.checkpoint import config_changes
     cfg = zeropp.Config.preset("zeropp-plus", node_size=2)
     saved = cfg.to_dict()
     del saved["model_persistence_threshold"]  # a checkpoint from before the field
-    assert same_config(saved, cfg)
-    assert not same_config(saved, cfg.replace(model_persistence_threshold=10))
-    assert not same_config(None, cfg)
+    assert config_changes(saved, cfg) == {}
+    assert config_changes(saved, cfg.replace(model_persistence_threshold=10)) == \
+        {"model_persistence_threshold": (None, 10)}
+    assert config_changes(None, cfg)
+
+
+def test_only_fields_that_change_the_numbers_are_a_config_change():
+    """Prefetching, the reduce pipeline's shape, the timeout and where the node size was
+    read keep a checkpoint's qWD copies and residuals; bits, block size and any technique
+    do not."""
+    from zeropp.checkpoint import config_changes
+    cfg = zeropp.Config.preset("zeropp-plus", node_size=2)
+    saved = cfg.to_dict()
+    assert config_changes(saved, cfg.replace(prefetch=False, node_size=None, **RESCHEDULED)) == {}
+    for field, value in [("gradient_error_feedback", False), ("hierarchical_gather", False),
+                         ("grad_bits", 8), ("intra_node_grad_bits", 4), ("block_size", 1024),
+                         ("persistence_threshold", 100), ("param_dtype", torch.bfloat16)]:
+        assert list(config_changes(saved, cfg.replace(**{field: value}))) == [field]
 
 
 def test_a_checkpoint_saved_with_a_retired_switch_on_is_not_this_config():
     """A field zeropp no longer has counts at the value zeropp now behaves as: INT3
     moves or exact qWD copies saved engine state of another form."""
-    from zeropp.checkpoint import same_config
+    from zeropp.checkpoint import config_changes
     cfg = zeropp.Config.preset("zeropp-plus", node_size=2)
     saved = cfg.to_dict()
-    assert same_config(dict(saved, weight_delta_bits=4, weight_copy_bits=8), cfg)
-    assert not same_config(dict(saved, weight_delta_bits=3), cfg)
-    assert not same_config(dict(saved, weight_copy_bits=None), cfg)
+    assert not config_changes(dict(saved, weight_delta_bits=4, weight_copy_bits=8), cfg)
+    assert config_changes(dict(saved, weight_delta_bits=3), cfg) == {"weight_delta_bits": (3, 4)}
+    assert config_changes(dict(saved, weight_copy_bits=None), cfg)

@@ -33,7 +33,13 @@ from ..train.lock import RunLock, RunLocked
 from ..train.loop import TrainArgs, prepare_tokens, train_worker
 from ..train.model import PRESETS
 from ..train.report import plot, summarize, table
-from ..train.resume import candidates, check_same_run, resume_point, run_dir_of
+from ..train.resume import (
+    candidates,
+    check_same_config,
+    check_same_run,
+    resume_point,
+    run_dir_of,
+)
 from ..train.resume import find as find_checkpoint
 from ..train.tokenizer import TokenizerError
 from .commands import DTYPES, UsageError, run_bench_cmd, run_export, run_launch, run_plan
@@ -148,16 +154,21 @@ def _say(line: str) -> None:
     print(f"zeropp train: {line}", file=sys.stderr, flush=True)
 
 
-def verified_resume(a: TrainArgs, path: str, keep: bool = False) -> str:
+def verified_resume(a: TrainArgs, path: str, keep: bool = False,
+                    cfg: Optional[zeropp.Config] = None) -> str:
     """The checkpoint `--resume path` continues from (see resume.resume_point),
-    checked to be this run's; raises UsageError."""
+    checked to be this run's (and, given `cfg`, of its ZeRO++ settings); raises
+    UsageError."""
     try:
         ck = resume_point(path, _say, keep)
-        saved = read_manifest(ck).get("extra", {}).get("train_args")
+        man = read_manifest(ck)
+        saved = man.get("extra", {}).get("train_args")
         if saved is None:
             raise CheckpointError(f"--resume {ck}: not written by `zeropp train` (no "
                                   "train_args); resume it from your own loop")
         check_same_run(saved, dataclasses.asdict(a), ck)
+        if cfg is not None:
+            check_same_config(man, cfg, ck)
         return str(ck)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
@@ -225,7 +236,7 @@ def run_train(ns: argparse.Namespace) -> int:
     try:
         with RunLock(run_dir):
             if resume:
-                a.resume = verified_resume(a, resume)
+                a.resume = verified_resume(a, resume, cfg=runs[0][1])
             elif ns.compare and any(candidates(run_dir / n) for n, _ in runs):
                 raise UsageError(f"--out {run_dir} already holds runs of a comparison, which "
                                  "is not resumed; choose another --out")
@@ -233,7 +244,7 @@ def run_train(ns: argparse.Namespace) -> int:
                 # The same command again (after a crash, a kill, a reboot): continue
                 # the run rather than start over its metrics and checkpoints.
                 try:
-                    a.resume = verified_resume(a, str(run_dir))
+                    a.resume = verified_resume(a, str(run_dir), cfg=runs[0][1])
                 except UsageError as e:
                     raise UsageError(f"--out {run_dir} already holds a run that cannot be "
                                      f"resumed with these options ({e}); choose another --out"

@@ -167,8 +167,9 @@ def rewrite_metrics(f: Path, before: int) -> list[dict]:
     return kept
 
 
-def _resume(a: TrainArgs, out: Path, model: nn.Module, opt: torch.optim.Optimizer,
-            gen: torch.Generator, rank: int) -> tuple[int, int, list]:
+def _resume(a: TrainArgs, cfg: zeropp.Config, out: Path, model: nn.Module,
+            opt: torch.optim.Optimizer, gen: torch.Generator, rank: int
+            ) -> tuple[int, int, list]:
     """Where this run starts: step 0, or the checkpoint of `--resume` (chosen and
     verified by the launcher), or (a worker the launcher restarted after a crash)
     the run's newest checkpoint that loads, a damaged newer one named and set
@@ -204,6 +205,7 @@ def _resume(a: TrainArgs, out: Path, model: nn.Module, opt: torch.optim.Optimize
         return 0, 0, history
     try:
         ckpts.check_same_run(extra["train_args"], dataclasses.asdict(a), ck)
+        ckpts.check_same_config(read_manifest(ck), cfg, ck)
         ckpts.resumed_at(out, ck)  # a restart before this run's first save comes back to ck
     except CheckpointError as e:
         raise no_restart(e) from None
@@ -240,7 +242,7 @@ def train_worker(a: TrainArgs, cfg: zeropp.Config, run_dir: str, tokens_file: st
     zero3 = volumes(n_params, world, topo.num_nodes, param_bytes, 4, 2048,
                     False, False, False)["cross"]
     tokens_per_step = a.batch * a.seq_len * a.accum * world
-    start, skipped, history = _resume(a, out, model, opt, gen, rank)
+    start, skipped, history = _resume(a, cfg, out, model, opt, gen, rank)
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     bar = _Progress(a.steps, a.log_every, rank == 0)
     val, carry = None, 0.0

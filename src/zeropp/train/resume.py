@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import config_changes
 from ..checkpoint_files import (
     MANIFEST,
     CheckpointError,
@@ -38,6 +39,7 @@ from ..checkpoint_files import (
     resolve,
     verify,
 )
+from ..config import Config
 from ..guards import agree
 
 # What must match for a resumed run to be the same run (the step count, the
@@ -155,6 +157,23 @@ def check_same_run(saved: dict, now: dict, ckpt: Path) -> None:
     if diff:
         raise CheckpointError(f"--resume {ckpt}: the run's settings differ from the "
                               f"checkpoint's ({'; '.join(diff)})")
+
+
+# Config fields a preset sizes from the node (hpZ's group is the node; qWD needs hpZ): at
+# another node size they follow it, and the run reshards (not exact) anyway.
+FOLLOW_NODE = ("hpz_partition_size", "weight_delta")
+
+
+def check_same_config(man: dict, cfg: Config, ckpt: Path) -> None:
+    """The ZeRO++ settings of the checkpoint's run must give the numbers `cfg` gives: another
+    preset or switch would continue a run it did not start (SCHEDULE_ONLY fields may change)."""
+    diff = config_changes(man.get("config"), cfg)
+    if man.get("node_size") != cfg.node_size:
+        diff = {k: v for k, v in diff.items() if k not in FOLLOW_NODE}
+    if diff:
+        text = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"--resume {ckpt}: the ZeRO++ settings differ from the "
+                              f"checkpoint's ({text})")
 
 
 def after_save(run_dir: Path, name: str, keep: int) -> None:
