@@ -277,3 +277,18 @@ def test_error_feedback_sends_the_residual_later():
     codec = HopCodec(4, 2048, error_feedback=True)
     assert _codec_error(codec, 50) < 0.25 * plain
     assert codec.residual.dtype == torch.float32
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.8])  # (zeropp.ft's plain residual, qgZ's decayed one)
+def test_a_non_finite_send_leaves_no_non_finite_residual_behind(beta):
+    """One gradient with a NaN and an Inf (a step every rank skips) must not poison later
+    sends: the residual stays finite and the next send decodes to finite values."""
+    codec, n = HopCodec(4, 64, error_feedback=True, beta=beta), 256
+    wb = QTensor.wire_bytes(n, 4, 64)
+    send = torch.empty(2 * wb, dtype=torch.uint8)
+    bad = torch.randn(n)
+    bad[3], bad[200] = float("nan"), float("inf")
+    codec.encode(torch.stack([torch.zeros(n), bad]), 0, send, wb)
+    assert torch.isfinite(codec.residual).all()
+    codec.encode(torch.stack([torch.zeros(n), torch.randn(n)]), 0, send, wb)
+    assert torch.isfinite(codec.decode_sum(send, 0, torch.zeros(n), wb)).all()

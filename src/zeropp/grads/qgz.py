@@ -55,10 +55,12 @@ class HopCodec:
                 seen = scratch_buffer("ef_dq", numel, x.device)
             quantize(x, self.bits, self.block, out=send[r * wb:(r + 1) * wb], dequantized=seen)
             if self.error_feedback:  # what the peer will decode, without unpacking it here
-                if self.beta == 0:  # a non-finite block's residual would stay so for good
-                    self.residual[peer].copy_(x.sub_(seen)).nan_to_num_(0.0, 0.0, 0.0)
+                res = self.residual[peer]
+                if self.beta == 0:
+                    res.copy_(x.sub_(seen))
                 else:
-                    self.residual[peer].mul_(self.beta).add_(x.sub_(seen), alpha=1 - self.beta)
+                    res.mul_(self.beta).add_(x.sub_(seen), alpha=1 - self.beta)
+                res.nan_to_num_(0.0, 0.0, 0.0)  # a non-finite block's would stay so for good
 
     def decode_sum(self, recv: torch.Tensor, own: int, own_row: torch.Tensor,
                    wb: int) -> torch.Tensor:
