@@ -37,7 +37,8 @@ class FlatGrad:
         self.grad: Optional[torch.Tensor] = None  # the flat gradient being assembled
         self.arrived: set[int] = set()    # params in `grad`
         self.seen: set[int] = set()       # params reached by this backward
-        self.expected = set(range(len(infos)))  # params backward reaches (learnt)
+        self.everything = set(range(len(infos)))
+        self.expected = self.everything  # params backward reaches (learnt)
         self.needs_reduce = False  # a forward recorded for backward read the weights
         self.on_ready: Optional[Callable[[], None]] = None
         me = weakref.ref(self)  # a tensor's hooks are invisible to Python's gc: no cycle

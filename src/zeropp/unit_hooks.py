@@ -126,7 +126,10 @@ class Unit:
     def _flat_grad_ready(self, flat: FlatParam) -> None:
         self.state.begin_backward()
         self.reduce(flat)
-        if not any(f.grads.needs_reduce for f in self.flats):
+        # Backward is past every use of the weights only if every gradient came: a flat that
+        # learnt to expect fewer (a branch unused last time) may still get one, and need them.
+        if not any(f.grads.needs_reduce or f.grads.expected != f.grads.everything
+                   for f in self.flats):
             self.free()
 
     def reduce(self, flat: FlatParam) -> None:

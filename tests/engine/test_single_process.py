@@ -190,3 +190,43 @@ def test_clip_grad_norm_refuses_a_max_norm_that_would_flip_or_zero_the_gradients
     model = zeropp.shard(FrozenMLP())
     with pytest.raises(ValueError, match=f"max_norm must be > 0 .*, got {max_norm}"):
         zeropp.clip_grad_norm_(model, max_norm)
+
+
+class _Branch(nn.Module):
+    """A block whose first layer a forward may skip (a branch unused in some steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, use_a: bool):
+        return torch.tanh(self.b(torch.tanh(self.a(x)) if use_a else x))
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Branch() for _ in range(2))
+
+    def forward(self, x, use_a: bool):
+        for blk in self.blocks:
+            x = blk(x, use_a)
+        return x.sum()
+
+
+def test_a_parameter_unused_in_one_backward_and_used_in_the_next_trains_as_unsharded():
+    """After a backward without `a`, the unit learns to expect fewer gradients; the next
+    backward that uses `a` must not free the unit's weights before `a`'s gradient (it did:
+    'setStorage ... out of bounds for storage of size 0'). Bit for bit the unsharded run."""
+    torch.manual_seed(0)
+    ref = _Branchy()
+    model = zeropp.shard(copy.deepcopy(ref))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for step, use_a in enumerate([False, True, True]):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((ref, model), opts):
+            m(x, use_a).backward()
+            opt.step()
+            opt.zero_grad()
+    sd = zeropp.full_state_dict(model)
+    assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
