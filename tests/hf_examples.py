@@ -75,7 +75,7 @@ def _reloads(final: Path, checkpoint: Path, tol: float = 0.1) -> None:
     weights (measured: 5.5% at the Trainer example's 8 steps); exact without it."""
     import transformers
 
-    from zeropp.checkpoint_files import consolidate
+    from zeropp.cli.export import consolidate
     model = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
     sd, ck = model.state_dict(), consolidate(checkpoint)
     for k, v in ck.items():

@@ -1,21 +1,21 @@
 """Checkpoints of a sharded model: save and load (resharding to any world size), and the
-consolidated state dict. On-disk format, verification and export: checkpoint_files.py.
+consolidated state dict. On-disk format and verification: checkpoint_files.py (export: cli/).
 
 [Note: atomic saves]
-Every rank writes and fsyncs its file in `.NAME.partial` beside the target; rank 0 then writes
-the manifest (every file's sha256), fsyncs, and renames the directory into place (the previous
-checkpoint moved to `.NAME.old` first, deleted after). A save dying at any point leaves the
-previous checkpoint intact: NAME is untouched before the rename, and `load_checkpoint(NAME)`
+Every rank writes and fsyncs its file in `.NAME.partial`; rank 0 then writes the manifest (every
+file's sha256), fsyncs, and renames the directory into place (a previous checkpoint moved to
+`.NAME.old` first, deleted after). A save dying at any point
+leaves the previous checkpoint: NAME is untouched before the rename, and `load_checkpoint(NAME)`
 finds `.NAME.old` between the two. One rank's failure (disk full) is every rank's error, no hang.
 
 [Note: what a load restores]
 Master shards (resharded if the world size or layout differs), optimizer state (sharded tensors
 resharded; hyper-parameters and step counts as saved), buffers, each rank's RNG states (torch,
 CUDA, Python, NumPy; same world size only: ranks do not map otherwise), and save's extras, each
-rank its own (at another world size, rank 0's JSON and state-dict extras for all and no per-rank
-tensors). All is read and checked on every rank before any write: a failed load changes nothing.
-hpZ secondaries and gathered weights are dropped: the next gather reads the loaded masters
-(DeepSpeed #7130, #7606).
+rank its own (at another world size, rank 0's JSON and state-dict extras, no per-rank tensors).
+All is read and checked on every rank before any write: a failed load changes nothing. hpZ
+secondaries and gathered weights are dropped (DeepSpeed #7130, #7606): the next gather reads the
+loaded masters.
 """
 
 from __future__ import annotations
@@ -97,8 +97,7 @@ def save_checkpoint(path: os.PathLike, model: nn.Module,
     to keep, returned by `load_checkpoint` (JSON values, tensors, torch.Generators, objects with
     state_dict() such as an LR scheduler), each rank's own as DeepSpeed ZeRO-3's client_state."""
     st = get_state(model)
-    rank = st.topo.rank
-    path = Path(path)
+    rank, path = st.topo.rank, Path(path)
     tmp, old = path.parent / f".{path.name}.partial", path.parent / f".{path.name}.old"
     err = None
     if rank == 0:
@@ -182,15 +181,12 @@ def _collect(st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimiz
 
 
 def _optimizer_state(st: ShardState, opt: torch.optim.Optimizer, tensors: dict) -> dict:
-    """Hyper-parameters and per-flat state kinds for the manifest; the state tensors go into
-    `tensors` ("sharded" ones are shaped like the shard)."""
+    """The manifest's hyper-parameters and state kinds per flat; state tensors go in `tensors`."""
     names = {id(f.primary_shard): f.name for f in st.flats}
     params = [p for g in opt.param_groups for p in g["params"]]
-    foreign = sum(1 for p in params if id(p) not in names)
-    if foreign:
-        raise CheckpointError(
-            f"the optimizer holds {foreign} tensor(s) that are not this model's master "
-            "shards (built before zeropp.shard(), or for another model)")
+    if foreign := sum(1 for p in params if id(p) not in names):
+        raise CheckpointError(f"the optimizer holds {foreign} tensor(s) that are not this model's "
+                              "master shards (built before zeropp.shard(), or for another model)")
     sd = opt.state_dict()
     groups = [{**jsonable({k: v for k, v in g.items() if k != "params"}, "optimizer group"),
                "params": [names[id(params[i])] for i in g["params"]]}
@@ -267,8 +263,7 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
     # JSON and state-dict extras: this rank's own, or at another world size rank 0's (manifest)
     src = meta if meta is not None and "extra_kinds" in meta else man
     kinds = src.get("extra_kinds", {})
-    missing = sorted(set(restore) - set(kinds))
-    if missing:
+    if missing := sorted(set(restore) - set(kinds)):
         raise CheckpointError(f"{path}: nothing saved under {', '.join(map(repr, missing))} "
                               f"(saved extras: {', '.join(kinds) or 'none'})")
     extras: dict[str, Any] = dict(src.get("extra", {}))
@@ -363,8 +358,7 @@ def _assemble(f: Any, rank: int, rd: Reader, where: dict, key: Any) -> torch.Ten
 def _read_optimizer(man: dict, rd: Reader, st: ShardState, opt: torch.optim.Optimizer,
                     where: dict, same_world: bool) -> dict:
     """The optimizer's state dict for this rank, in torch's format."""
-    saved = man.get("optimizer")
-    if saved is None:
+    if (saved := man.get("optimizer")) is None:
         raise CheckpointError(f"{rd.path}: saved without an optimizer; load it without one")
     if saved["class"] != type(opt).__name__:
         raise CheckpointError(f"{rd.path}: optimizer state is for {saved['class']}, this "
@@ -378,8 +372,7 @@ def _read_optimizer(man: dict, rd: Reader, st: ShardState, opt: torch.optim.Opti
     idx = 0  # torch numbers the parameters across groups
     for gi, g in enumerate(opt.param_groups):
         for p in g["params"]:
-            f = flats.get(id(p))
-            if f is None:
+            if (f := flats.get(id(p))) is None:
                 raise CheckpointError("the optimizer holds tensors that are not this model's "
                                       "master shards (built before zeropp.shard()?)")
             src = where[f.infos[0].fqns[0]][0]["name"]  # the saved flat it maps to
@@ -388,8 +381,7 @@ def _read_optimizer(man: dict, rd: Reader, st: ShardState, opt: torch.optim.Opti
                                       f"and in group {group_of.get(src)} in the checkpoint")
             for k, kind in saved["state"].get(src, {}).items():
                 if kind == "sharded":
-                    v = _assemble(f, st.topo.rank, rd, where,
-                                  lambda name, k=k: f"optim/{name}/{k}")
+                    v = _assemble(f, st.topo.rank, rd, where, lambda name, k=k: f"optim/{name}/{k}")
                 elif kind == "rank":  # e.g. a step count: the same on every rank
                     v = rd.get(st.topo.rank if same_world else 0, f"optim/{src}/{k}")
                 else:

@@ -1,5 +1,5 @@
-"""A checkpoint on disk: the manifest, verified reads of rank files, and its consolidated
-tensors read from the files alone (no process group; `zeropp export`, cli/export.py).
+"""A checkpoint on disk: the manifest and verified reads of rank files, which need no process
+group (`zeropp export` consolidates a checkpoint from them alone: cli/export.py).
 
 A checkpoint is a directory:
   manifest.json           JSON: format, world and node size, config, step, each flat parameter's
@@ -103,10 +103,9 @@ def jsonable(value: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError):
-        raise CheckpointError(
-            f"{what}: a {type(value).__name__} cannot be saved as JSON; pass numbers, "
-            "strings, lists, dicts, tensors, torch.Generator, or an object with "
-            "state_dict()/load_state_dict()") from None
+        raise CheckpointError(f"{what}: a {type(value).__name__} cannot be saved as JSON; pass "
+                              "numbers, strings, lists, dicts, tensors, torch.Generator, or an "
+                              "object with state_dict()/load_state_dict()") from None
 
 
 def resolve(path: os.PathLike) -> Path:
@@ -249,9 +248,8 @@ class Reader:
         try:
             f = self.file(rank)
             return f.get_tensor(key) if b is None else f.read(key, a, b - a)
-        except KeyError as e:
-            raise CheckpointError(f"{self.path / rank_file(rank)}: no tensor {key!r} ({e})"
-                                  ) from None
+        except KeyError:
+            raise CheckpointError(f"{self.path / rank_file(rank)}: no tensor {key!r}") from None
 
     def values(self, flat: dict, key: str, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of a saved flat buffer (`key`: "model/<flat>" or "optim/<flat>/<k>")."""
@@ -276,32 +274,3 @@ class Reader:
 def param_index(man: dict) -> dict[str, tuple[dict, dict]]:
     """Original parameter name (every tied name) -> (saved flat, its param entry)."""
     return {n: (f, p) for f in man["flats"] for p in f["params"] for n in p["names"]}
-
-
-# ---- consolidation ----------------------------------------------------------------
-def consolidate(path: os.PathLike, *, optimizer_state: bool = False,
-                trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """A checkpoint's full tensors by original name, from its files alone: fp32 parameters and
-    buffers, or with `optimizer_state` "<name>/<key>" per sharded optimizer-state tensor (e.g.
-    exp_avg). Tied names share one tensor, as in a state dict. `trainable_only`: no frozen ones."""
-    path = resolve(path)
-    man = read_manifest(path)
-    rd = Reader(path, man)
-    out: dict[str, torch.Tensor] = {}
-    for f in man["flats"]:
-        if trainable_only and not f["trainable"]:
-            continue
-        keys = {f"model/{f['name']}": ""}  # the tensor to read: the suffix of its names
-        if optimizer_state:
-            st = (man.get("optimizer") or {}).get("state", {}).get(f["name"], {})
-            keys = {f"optim/{f['name']}/{k}": f"/{k}" for k, v in st.items() if v == "sharded"}
-        for key, suffix in keys.items():
-            flat = rd.values(f, key, 0, f["numel"])
-            for p in f["params"]:
-                t = flat[p["offset"]:p["offset"] + math.prod(p["shape"])].view(p["shape"]).clone()
-                for n in p["names"]:
-                    out[n + suffix] = t
-    if not optimizer_state:
-        for name in man.get("buffers", {}):
-            out[name] = rd.get(0, f"buffer/{name}")
-    return out

@@ -16,7 +16,7 @@ from cases import build, loss_of
 
 import zeropp
 from zeropp import CheckpointError
-from zeropp.checkpoint_files import consolidate
+from zeropp.cli.export import consolidate
 from zeropp.cli.launch import WorkerError, spawn
 
 GPT_ZEROPP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True)

@@ -1,11 +1,12 @@
 """`zeropp export CKPT OUT`: a checkpoint's consolidated weights as one
 model.safetensors under the original names (and, for a transformers model, its
-config.json, so `from_pretrained(OUT)` works). Reads the checkpoint's files alone:
-no process group."""
+config.json, so `from_pretrained(OUT)` works). Reads the checkpoint's files alone, no
+process group (`consolidate`; deepspeed/zero_to_fp32.py uses it too)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -14,7 +15,7 @@ import torch
 
 from ..checkpoint_files import (
     CheckpointError,
-    consolidate,
+    Reader,
     fsync_dir,
     read_manifest,
     resolve,
@@ -55,3 +56,31 @@ def export(ckpt: os.PathLike, out: os.PathLike, *, dtype: Optional[torch.dtype] 
         written.append(out / "config.json")
     fsync_dir(out)
     return written
+
+
+def consolidate(path: os.PathLike, *, optimizer_state: bool = False,
+                trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """A checkpoint's full tensors by original name, from its files alone: fp32 parameters and
+    buffers, or with `optimizer_state` "<name>/<key>" per sharded optimizer-state tensor (e.g.
+    exp_avg). Tied names share one tensor, as in a state dict. `trainable_only`: no frozen ones."""
+    path = resolve(path)
+    man = read_manifest(path)
+    rd = Reader(path, man)
+    out: dict[str, torch.Tensor] = {}
+    for f in man["flats"]:
+        if trainable_only and not f["trainable"]:
+            continue
+        keys = {f"model/{f['name']}": ""}  # the tensor to read: the suffix of its names
+        if optimizer_state:
+            st = (man.get("optimizer") or {}).get("state", {}).get(f["name"], {})
+            keys = {f"optim/{f['name']}/{k}": f"/{k}" for k, v in st.items() if v == "sharded"}
+        for key, suffix in keys.items():
+            flat = rd.values(f, key, 0, f["numel"])
+            for p in f["params"]:
+                t = flat[p["offset"]:p["offset"] + math.prod(p["shape"])].view(p["shape"]).clone()
+                for n in p["names"]:
+                    out[n + suffix] = t
+    if not optimizer_state:
+        for name in man.get("buffers", {}):
+            out[name] = rd.get(0, f"buffer/{name}")
+    return out

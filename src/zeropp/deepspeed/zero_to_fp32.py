@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..checkpoint_files import consolidate
+from ..cli.export import consolidate
 
 
 def _tag_dir(checkpoint_dir: os.PathLike, tag: Optional[str]) -> Path:
