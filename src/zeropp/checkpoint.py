@@ -4,7 +4,7 @@ consolidated state dict. On-disk format and verification: checkpoint_files.py (e
 [Note: atomic saves]
 Every rank writes and fsyncs its file in `.NAME.partial`; rank 0 then writes the manifest (every
 file's sha256), fsyncs, and renames the directory into place (a previous checkpoint moved to
-`.NAME.old` first, deleted after). A save dying at any point
+`.NAME.old` first, deleted after; anything else at NAME is refused). A save dying at any point
 leaves the previous checkpoint: NAME is untouched before the rename, and `load_checkpoint(NAME)`
 finds `.NAME.old` between the two. One rank's failure (disk full) is every rank's error, no hang.
 
@@ -43,6 +43,7 @@ from .checkpoint_files import (
     param_index,
     rank_file,
     read_manifest,
+    replaceable,
     resolve,
     write_durably,
     write_safetensors,
@@ -102,10 +103,11 @@ def save_checkpoint(path: os.PathLike, model: nn.Module,
     err = None
     if rank == 0:
         try:
+            replaceable(path)
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
             tmp.mkdir(parents=True)
-        except OSError as e:
-            err = f"cannot create {tmp}: {e}"
+        except (OSError, CheckpointError) as e:
+            err = f"saving {path}: {e}"
     agree(err, CheckpointError, "checkpoint")  # also a barrier: the directory exists for everyone
     try:  # (on a failure here, the next agree raises before `info` or `manifest` is used)
         tensors, meta, manifest = _collect(st, model, optimizer, extra)

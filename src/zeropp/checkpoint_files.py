@@ -123,6 +123,15 @@ def resolve(path: os.PathLike) -> Path:
     return path
 
 
+def replaceable(path: Path) -> None:
+    """A save replaces only an empty directory or a checkpoint's files: never the user's own."""
+    found = sorted(p.name for p in path.iterdir()) if path.exists() else []  # (a file: OSError)
+    other = [n for n in found if n != MANIFEST and not _RANK_FILE.fullmatch(n)]
+    if other or found and MANIFEST not in found:
+        raise CheckpointError(f"the directory exists and is not a zeropp checkpoint (it holds "
+                              f"{', '.join((other or found)[:5])}); refusing to replace it")
+
+
 def read_manifest(path: Path) -> dict:
     f = path / MANIFEST
     if not f.is_file():
