@@ -377,7 +377,12 @@ def _read_optimizer(man: dict, rd: Reader, st: ShardState, opt: torch.optim.Opti
             if (f := flats.get(id(p))) is None:
                 raise CheckpointError("the optimizer holds tensors that are not this model's "
                                       "master shards (built before zeropp.shard()?)")
-            src = where[f.infos[0].fqns[0]][0]["name"]  # the saved flat it maps to
+            srcs = {i.fqns[0]: where[i.fqns[0]][0]["name"] for i in f.infos}  # saved flats
+            fresh = [n for n, s in srcs.items() if s not in saved["state"]]
+            if fresh and len(fresh) < len(srcs):  # one step count per flat: no part is fresh
+                raise CheckpointError(f"{rd.path}: optimizer state saved for part of {f.name}, none"
+                                      f" for {', '.join(fresh[:3])}: load without the optimizer")
+            src = srcs[f.infos[0].fqns[0]]
             if group_of.get(src) != gi:
                 raise CheckpointError(f"{rd.path}: {f.name} is in optimizer group {gi} here "
                                       f"and in group {group_of.get(src)} in the checkpoint")

@@ -369,6 +369,30 @@ def test_extras_round_trip_json_tensors_generators_and_schedulers(tmp_path):
         zeropp.save_checkpoint(tmp_path / "ck2", model, opt, bad=object())
 
 
+def test_optimizer_state_saved_for_part_of_a_flat_is_refused_not_dropped(tmp_path):
+    """Saved with the Linear weights frozen (BitFit: Adam state for the biases alone), loaded
+    with everything trainable: one flat now holds weights without state beside biases with it,
+    and one step count per flat cannot be part fresh. Before: all its state silently dropped."""
+    def sharded(frozen: bool):
+        gc.collect()  # as in _model
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        for layer in net:
+            layer.weight.requires_grad_(not frozen)
+        model = zeropp.shard(net)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = sharded(True)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    zeropp.save_checkpoint(tmp_path / "ck", model, opt)
+    model2, opt2 = sharded(False)
+    with pytest.raises(CheckpointError, match=r"none for 0\.weight, 1\.weight: load without "
+                                              "the optimizer"):
+        zeropp.load_checkpoint(tmp_path / "ck", model2, opt2)
+    assert not opt2.state
+    zeropp.load_checkpoint(tmp_path / "ck", model2)  # the weights alone load
+
+
 def test_a_save_replaces_a_checkpoint_or_an_empty_directory_never_the_users_files(tmp_path):
     """A save renames what is at its path away and deletes it: before, the user's own
     directory (logs, another run) went too."""
