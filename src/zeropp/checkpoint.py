@@ -13,9 +13,9 @@ Master shards (resharded if the world size or layout differs), optimizer state (
 resharded; hyper-parameters and step counts as saved), buffers, each rank's RNG states (torch,
 CUDA, Python, NumPy; same world size only: ranks do not map otherwise), and save's extras, each
 rank its own (at another world size, rank 0's JSON and state-dict extras, no per-rank tensors).
-All is read and checked on every rank before any write: a failed load changes nothing. hpZ
-secondaries and gathered weights are dropped (DeepSpeed #7130, #7606): the next gather reads the
-loaded masters.
+All is read and checked, and the objects passed to restore restored, on every rank before the
+model is touched (put back if any rank fails): a failed load changes nothing. hpZ secondaries and
+gathered weights are dropped (DeepSpeed #7130, #7606): the next gather reads the loaded masters.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import os
 import random
 import shutil
 import warnings
+from copy import deepcopy
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -218,17 +220,22 @@ def load_checkpoint(path: os.PathLike, model: nn.Module,
     if st.gathered_depth:
         raise CheckpointError("load_checkpoint inside zeropp.gathered(): the resident weights "
                               "would not see the loaded ones; load after the context")
-    err, plan = None, None
+    err, plan, undo = None, None, []
     try:
-        plan = _read(Path(path), st, model, optimizer, restore)
+        plan = _read(Path(path), st, model, optimizer, restore, undo)
     except Exception as e:  # noqa: BLE001 - every failure must reach every rank
         err = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-    agree(err, CheckpointError, "checkpoint")
-    return _apply(plan, st, model, optimizer, restore)
+    try:
+        agree(err, CheckpointError, "checkpoint")
+    except CheckpointError:
+        for put_back in reversed(undo):
+            put_back()
+        raise
+    return _apply(plan, st, model, optimizer)
 
 
 def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.optim.Optimizer],
-          restore: dict) -> dict:
+          restore: dict, undo: list) -> dict:
     path = resolve(path)
     man = read_manifest(path)
     rd = Reader(path, man)
@@ -277,6 +284,17 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
                 raise CheckpointError(f"extra {k!r} is per-rank state saved at world size "
                                       f"{man['world_size']}; it cannot be restored at "
                                       f"{st.topo.world_size}")
+        if k in extras and (kind.startswith("generator") or kind == "stateful" and k in restore):
+            obj = restore[k] if k in restore else torch.Generator(device=kind.split(":", 1)[1])
+            try:  # now, before the model: the likeliest part to fail (`undo` puts it back)
+                gen = isinstance(obj, torch.Generator)
+                put = obj.set_state if gen else obj.load_state_dict
+                undo.append(partial(put, obj.get_state() if gen else deepcopy(obj.state_dict())))
+                put(extras[k])
+            except Exception as e:  # noqa: BLE001 - a CheckpointError naming the extra
+                raise CheckpointError(f"extra {k!r}: its saved state does not load into this "
+                                      f"{type(obj).__name__} ({type(e).__name__}: {e})") from None
+            extras[k] = obj
     return {"man": man, "shards": shards, "buffers": buffers, "opt": opt_sd, "meta": meta,
             "rng": rng, "extras": extras, "extra_kinds": kinds, "engine": engine}
 
@@ -402,7 +420,7 @@ def _read_optimizer(man: dict, rd: Reader, st: ShardState, opt: torch.optim.Opti
 
 
 def _apply(plan: dict, st: ShardState, model: nn.Module,
-           opt: Optional[torch.optim.Optimizer], restore: dict) -> dict[str, Any]:
+           opt: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
     with torch.no_grad():
         for u in st.units:  # first: a gather in flight finishes on the old weights
             u.free()
@@ -431,14 +449,4 @@ def _apply(plan: dict, st: ShardState, model: nn.Module,
                       f"{st.topo.world_size}: weights and optimizer state resharded; per-rank "
                       "RNG states and per-rank tensors were not restored; JSON and "
                       "state-dict extras are rank 0's on every rank", stacklevel=3)
-    extras = plan["extras"]
-    for k, v in extras.items():
-        kind = plan["extra_kinds"].get(k, "json")
-        if kind.startswith("generator"):
-            gen = restore.get(k)
-            extras[k] = gen if gen is not None else torch.Generator(device=kind.split(":", 1)[1])
-            extras[k].set_state(v)
-        elif kind == "stateful" and k in restore:
-            restore[k].load_state_dict(v)
-            extras[k] = restore[k]
-    return extras
+    return plan["extras"]

@@ -240,13 +240,16 @@ def test_a_crash_between_the_two_renames_loads_the_previous_checkpoint(tmp_path,
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def _load_message(path: str) -> str:
-    model, opt, _ = _start({})
+def _load_message(path: str) -> tuple[str, bool]:
+    """The load's error, and whether the data generator passed to it kept its state (on rank 0
+    the load read its own file and restored it before learning of rank 1's failure)."""
+    model, opt, gen = _start({})
+    before = gen.get_state()
     try:
-        zeropp.load_checkpoint(path, model, opt)
+        zeropp.load_checkpoint(path, model, opt, data_gen=gen)
     except CheckpointError as e:
-        return str(e)
-    return "loaded"
+        return str(e), torch.equal(gen.get_state(), before)
+    return "loaded", False
 
 
 @pytest.mark.parametrize("damage", ["truncate", "alter"])
@@ -261,9 +264,10 @@ def test_a_damaged_shard_file_is_named_on_every_rank(tmp_path, damage):
         data[-5] ^= 0xFF
     f.write_bytes(bytes(data))
     messages = spawn(_load_message, 2, 2, args=(str(path),), timeout=240)
-    for m in messages:  # rank 0 never reads rank 1's file, yet reports it too
+    for m, gen_untouched in messages:  # rank 0 never reads rank 1's file, yet reports it too
         assert "rank00001.safetensors" in m
         assert ("truncated" if damage == "truncate" else "sha256 differs") in m
+        assert gen_untouched
 
 
 class _Evil:
@@ -367,6 +371,24 @@ def test_extras_round_trip_json_tensors_generators_and_schedulers(tmp_path):
     assert sched2.last_epoch == 3 and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     with pytest.raises(CheckpointError, match="extra 'bad': a object cannot be saved"):
         zeropp.save_checkpoint(tmp_path / "ck2", model, opt, bad=object())
+
+
+def test_an_extra_that_does_not_load_fails_the_load_with_nothing_changed(tmp_path):
+    """A StepLR saved, a LambdaLR passed to restore it: a CheckpointError naming the extra, and
+    the model, optimizer and the Generator restored before it as they were."""
+    model, opt = _single(tmp_path)
+    zeropp.save_checkpoint(tmp_path / "ck", model, opt, gen=torch.Generator().manual_seed(1),
+                           sched=torch.optim.lr_scheduler.StepLR(opt, 2))
+    model2 = _model({})
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    gen2, sched2 = torch.Generator().manual_seed(2), torch.optim.lr_scheduler.LambdaLR(
+        opt2, lambda s: 1.0)
+    before, gen_before = zeropp.full_state_dict(model2), gen2.get_state()
+    with pytest.raises(CheckpointError, match="extra 'sched': .* this LambdaLR .*lr_lambdas"):
+        zeropp.load_checkpoint(tmp_path / "ck", model2, opt2, gen=gen2, sched=sched2)
+    after = zeropp.full_state_dict(model2)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not opt2.state and torch.equal(gen2.get_state(), gen_before)
 
 
 def test_optimizer_state_saved_for_part_of_a_flat_is_refused_not_dropped(tmp_path):
