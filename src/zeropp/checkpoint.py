@@ -44,6 +44,7 @@ from .checkpoint_files import (
     jsonable,
     param_index,
     rank_file,
+    read_json,
     read_manifest,
     replaceable,
     resolve,
@@ -266,7 +267,7 @@ def _read(path: Path, st: ShardState, model: nn.Module, opt: Optional[torch.opti
                           if f.int_storage else values)
     buffers = {n: rd.get(0, f"buffer/{n}") for n in man.get("buffers", {})}
     opt_sd = _read_optimizer(man, rd, st, opt, where, same_world) if opt is not None else None
-    meta = json.loads(rd.file(rank).metadata()["zeropp"]) if same_world else None
+    meta = read_json(rd.file(rank).metadata()["zeropp"]) if same_world else None
     rng = {k: rd.get(rank, f"rng/{k}") for k in ("torch", "cuda")  # (torch's is never optional)
            if same_world and (k == "torch" or f"rng/{k}" in rd.file(rank).keys())}
     # JSON and state-dict extras: this rank's own, or at another world size rank 0's (manifest)

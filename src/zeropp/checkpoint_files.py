@@ -40,6 +40,7 @@ from .quant import QTensor, dequantize
 FORMAT, VERSION = "zeropp-checkpoint", 1
 MANIFEST = "manifest.json"
 _RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
+_KEYS = "__zeropp_dict_keys__"  # see jsonable
 
 
 class CheckpointError(RuntimeError):
@@ -99,13 +100,26 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
 
 
 def jsonable(value: Any, what: str) -> Any:
-    """`value` itself if JSON can carry it exactly (tuples become lists)."""
+    """`value` as JSON that `read_json` reads back exactly: tuples become lists, and a dict with
+    keys other than strings (MultiStepLR's milestones) becomes {_KEYS: [[key, value], ...]}."""
+    def carry(v: Any) -> Any:
+        if isinstance(v, dict) and not all(isinstance(k, str) for k in v):
+            json.dumps(dict.fromkeys(v))  # keys JSON cannot hold at all: TypeError
+            return {_KEYS: [[k, carry(x)] for k, x in v.items()]}
+        if isinstance(v, dict):
+            return {k: carry(x) for k, x in v.items()}
+        return [carry(x) for x in v] if isinstance(v, (list, tuple)) else v
     try:
-        return json.loads(json.dumps(value))
+        return json.loads(json.dumps(carry(value)))
     except (TypeError, ValueError):
         raise CheckpointError(f"{what}: a {type(value).__name__} cannot be saved as JSON; pass "
                               "numbers, strings, lists, dicts, tensors, torch.Generator, or an "
                               "object with state_dict()/load_state_dict()") from None
+
+
+def read_json(text: Any) -> Any:
+    """JSON as `jsonable` wrote it: a dict of other keys than strings gets them back."""
+    return json.loads(text, object_hook=lambda d: dict(d[_KEYS]) if set(d) == {_KEYS} else d)
 
 
 def resolve(path: os.PathLike) -> Path:
@@ -141,7 +155,7 @@ def read_manifest(path: Path) -> dict:
     if f.stat().st_size > 256 << 20:
         raise CheckpointError(f"{f}: implausibly large for a manifest")
     try:
-        man = json.loads(f.read_bytes().decode("utf-8"))
+        man = read_json(f.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{f} is not a JSON manifest ({e.__class__.__name__}); "
                               "refusing to read the checkpoint") from None

@@ -391,6 +391,28 @@ def test_an_extra_that_does_not_load_fails_the_load_with_nothing_changed(tmp_pat
     assert not opt2.state and torch.equal(gen2.get_state(), gen_before)
 
 
+def test_json_extras_keep_their_int_dict_keys_and_multisteplr_its_milestones(tmp_path):
+    """JSON's keys are strings: {1: 2.5} came back as {"1": 2.5}, and a MultiStepLR's
+    milestones (a Counter of ints) as strings that its epoch never equals."""
+    model = _model({})
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4], gamma=0.5)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    zeropp.save_checkpoint(tmp_path / "ck", model, opt, sched=sched, best={1: 2.5, 2: 2.25},
+                           mixed={"a": {0: None}, 3: [4]})
+    opt2 = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched2 = torch.optim.lr_scheduler.MultiStepLR(opt2, milestones=[9])
+    extra = zeropp.load_checkpoint(tmp_path / "ck", model, opt2, sched=sched2)
+    assert extra["best"] == {1: 2.5, 2: 2.25} and extra["mixed"] == {"a": {0: None}, 3: [4]}
+    sched.step()
+    sched2.step()  # epoch 4, a milestone: 0.5 -> 0.25
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.25
+    with pytest.raises(CheckpointError, match="extra 'bad': a dict cannot be saved as JSON"):
+        zeropp.save_checkpoint(tmp_path / "ck2", model, bad={(1, 2): 3})
+
+
 def test_optimizer_state_saved_for_part_of_a_flat_is_refused_not_dropped(tmp_path):
     """Saved with the Linear weights frozen (BitFit: Adam state for the biases alone), loaded
     with everything trainable: one flat now holds weights without state beside biases with it,
