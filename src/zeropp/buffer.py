@@ -113,10 +113,7 @@ def version_of(tensors: list[torch.Tensor], steps: Callable[[], int] = lambda: 0
 
 
 def make_comm(cfg: Config, topo: Topology, stats: CommStats) -> Comm:
-    """The weight gathers' collectives over this rank's groups, checked first."""
-    if topo.world_size % cfg.hpz_partition_size:
-        raise ValueError(f"zeropp: hpz_partition_size={cfg.hpz_partition_size} must divide "
-                         f"the world size {topo.world_size}")
+    """The weight gathers' collectives over this rank's groups (hpZ's checked by hpz_group)."""
     return Comm(topo, stats, cfg.hpz_partition_size, cfg.collective_timeout)
 
 

@@ -129,8 +129,7 @@ class _Recorder(TorchDispatchMode):
         p = self._param_of(args[0]) if args and _writes_first_arg(func) else None
         if not func.is_view:  # an op that reads a deferred parameter needs its values
             for t in tree_flatten((args[1:] if p is not None else args, kwargs))[0]:
-                q = self._param_of(t)
-                if q is not None:
+                if (q := self._param_of(t)) is not None:
                     self.realize(q)
         if p is None:
             return func(*args, **kwargs)

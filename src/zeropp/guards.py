@@ -129,19 +129,17 @@ def check_same_model(model: torch.nn.Module, unit_names: list[str]) -> None:
     if not _distributed():
         return
     sig = json.dumps(model_signature(model, unit_names)).encode()
-    digest = hashlib.sha256(sig).digest()
-    digests = all_gather_bytes(digest, "check of the model's signature")
+    digests = all_gather_bytes(hashlib.sha256(sig).digest(), "check of the model's signature")
     if all(d == digests[0] for d in digests):
         return
     # Rare path: exchange the full signatures to name the first difference.
     sigs = [json.loads(s) for s in all_gather_bytes(sig, "exchange of the models' signatures")]
     differ = [r for r, d in enumerate(digests) if d != digests[0]]
-    bad = differ[0]
-    i, (a, b) = next(((k, ab) for k, ab in enumerate(zip_longest(sigs[0], sigs[bad]))
+    i, (a, b) = next(((k, ab) for k, ab in enumerate(zip_longest(sigs[0], sigs[differ[0]]))
                       if ab[0] != ab[1]), (0, (None, None)))
     raise ValueError(
         f"zeropp.shard: the model differs across ranks (ranks {differ} differ from rank 0); "
-        f"first difference at entry {i}: rank 0 has {_describe(a)}, rank {bad} has "
+        f"first difference at entry {i}: rank 0 has {_describe(a)}, rank {differ[0]} has "
         f"{_describe(b)}. Every rank must build the same model before shard().")
 
 
@@ -164,8 +162,7 @@ def forget_parameters(params: list[torch.nn.Parameter]) -> None:
 def _check_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if opt in _checked:
         return
-    stale = sum(1 for g in opt.param_groups for p in g["params"]
-                if _replaced.get(id(p)) is p)
+    stale = sum(_replaced.get(id(p)) is p for g in opt.param_groups for p in g["params"])
     if stale:
         raise RuntimeError(
             f"zeropp: this {type(opt).__name__} holds {stale} parameter(s) of the model as it "

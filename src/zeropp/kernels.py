@@ -158,10 +158,8 @@ def _quantize(key: tuple) -> Callable:
             if deq is not None:
                 deq.copy_(_dequantized(v, d))
             return absmax
-        if pairs:  # xp and deq are x and the fp32 output as pairs (the note)
-            lo, hi = _halves(xp)
-        else:  # strided, slower
-            lo, hi = xf[:, 0::2], xf[:, 1::2]
+        # pairs: xp and deq are x and the fp32 output as pairs (the note); else strided, slower
+        lo, hi = _halves(xp) if pairs else (xf[:, 0::2], xf[:, 1::2])
         v_lo, v_hi = (lo / d).round(), (hi / d).round()
         codes = (v_lo.to(torch.int32) + 8) | ((v_hi.to(torch.int32) + 8) << 4)
         data.copy_(codes.to(torch.uint8))
@@ -211,13 +209,9 @@ def quantize_into(x: torch.Tensor, data: torch.Tensor, bits: int,
     codes into `data` (blocks, bytes per block), `dequantize()` of them into `deq` (fp32,
     as `x`) if given. Returns each block's max |x| (blocks, 1), NaN propagated, for
     quant.py's scales and non-finite blocks; None if the kernels are off (eager then)."""
-    key = ("q", bits, x.dtype, deq is None)
-    args = (x, data, deq, None)
-    if bits == 4:
-        pairs = _pairable(x, deq)
-        key += (pairs,)
-        if pairs:
-            args = (x, data, _as_pairs(deq), _as_pairs(x))
+    pairs = bits == 4 and _pairable(x, deq)  # INT8's kernel reads no pairs
+    key = ("q", bits, x.dtype, deq is None, *((pairs,) if bits == 4 else ()))
+    args = (x, data, _as_pairs(deq), _as_pairs(x)) if pairs else (x, data, deq, None)
     try:
         return _kernel(key)(*args)
     except _Fallback:

@@ -73,13 +73,13 @@ def meta_bytes(numel: int, block: int) -> int:
     return nb * 4 + -(-nb // 4) * 4
 
 
-def _views(buf: torch.Tensor, numel: int, block: int, extra: int = 0):
-    """A delta's (scales, steps, data) views, or a copy's (scales, None, int8 codes): extra 0."""
+def _views(buf: torch.Tensor, numel: int, block: int, delta: bool = False):
+    """A delta's (scales, steps, data) views, or a copy's (scales, None, int8 codes)."""
     nb = numel // block
     scales = buf[:nb * 4].view(torch.float32)
-    if not extra:
+    if not delta:
         return scales, None, buf[nb * 4:].view(torch.int8)
-    return scales, buf[nb * 4:nb * 4 + nb], buf[nb * 4 + extra:]
+    return scales, buf[nb * 4:nb * 5], buf[meta_bytes(numel, block):]
 
 
 def _ratio(s_old: torch.Tensor, s_new: torch.Tensor) -> torch.Tensor:
@@ -140,13 +140,11 @@ def _far(base: torch.Tensor, d: torch.Tensor, kf: torch.Tensor,
 def encode(master: torch.Tensor, copy: torch.Tensor, out: torch.Tensor, *, block: int) -> None:
     """The owner's side: write into `out` the delta that moves `copy` (one shard's INT8 wire
     bytes) to qwZ's quantization of `master`, and apply it to `copy`, as every holder will."""
-    numel = master.numel()
+    numel, nb = master.numel(), master.numel() // block
     s_old, _, c_data = _views(copy, numel, block)
-    nb = numel // block
-    extra = meta_bytes(numel, block) - nb * 4
-    s_new, steps, d_data = _views(out, numel, block, extra)
+    s_new, steps, d_data = _views(out, numel, block, delta=True)
     # the padding after the steps: zeros, not stale bytes (sent, and byte comparisons see it)
-    out[nb * 5:nb * 4 + extra].zero_()
+    out[nb * 5:meta_bytes(numel, block)].zero_()
     for r0, r1 in _chunks(nb, block, master.device):
         shape = (r1 - r0, block)
         # t: qwZ's codes of the master (quantize's arithmetic), in fp32; a non-finite
@@ -197,8 +195,7 @@ def _scratch_copy(x: torch.Tensor, dtype: torch.dtype, slot: str) -> torch.Tenso
 def apply(copy: torch.Tensor, delta: torch.Tensor, *, numel: int, block: int) -> None:
     """A holder's side: move `copy` (one shard's INT8 wire bytes) by the owner's delta."""
     s_old, _, c_data = _views(copy, numel, block)
-    extra = meta_bytes(numel, block) - numel // block * 4
-    s_new, steps, d_data = _views(delta, numel, block, extra)
+    s_new, steps, d_data = _views(delta, numel, block, delta=True)
     for r0, r1 in _chunks(numel // block, block, copy.device):
         k = steps[r0:r1]
         rows = _rows(k > 0)
