@@ -7,14 +7,12 @@ We count what this rank really puts on the wire under the algorithm that really 
 and the part of it that leaves the node (docs/algorithms.md, "How bytes are counted").
 Ranks are node-major, so a ring over a group visits each node's ranks in a row and
 crosses a node boundary only where rank i's successor lives on another node:
-- ring all-gather producing S bytes over G ranks: each rank sends (G-1)/G * S, all of
-  it inter-node if its ring successor is on another node, else none. A node therefore
-  sends (G-1)/G * S across its boundary (one crossing).
-- ring reduce-scatter of an S-byte input: the same (G-1)/G * S per rank, the same
-  crossing rule.
+- ring all-gather producing S bytes, or reduce-scatter of an S-byte input, over G ranks: each
+  rank sends (G-1)/G * S, all of it inter-node if its ring successor is on another node, else
+  none. A node therefore sends (G-1)/G * S across its boundary (one crossing).
 - ring all-reduce: 2 * (G-1)/G * S per rank.
-- all-to-all of an S-byte input over G ranks: S/G to each peer, inter-node exactly
-  when the peer is on another node; nothing for the piece kept.
+- all-to-all of an S-byte input over G ranks: S/G to each peer, inter-node exactly when the peer
+  is on another node; nothing for the piece kept.
 Scales are counted apart from payload, in the same proportion as they sit in the buffer. These rules
 were checked against the emulated cluster's interface counters (within 0.3%).
 
@@ -94,9 +92,8 @@ class Pending:
 
 
 class Comm:
-    """The collectives over this rank's groups ("world", "intra_node",
-    "inter_node", "hpz"), recorded in `stats`. `groups`: other process groups
-    for the same names (the reduce pipeline's duplicates)."""
+    """The collectives over this rank's groups ("world", "intra_node", "inter_node", "hpz"),
+    recorded in `stats`; `groups`: other groups of those names (the reduce pipeline's)."""
 
     def __init__(self, topo: Topology, stats: CommStats, hpz_size: int = 1,
                  timeout: Optional[float] = None, groups: Optional[dict] = None) -> None:

@@ -53,11 +53,10 @@ def gathered(model: nn.Module, *, writable: bool = False,
     the root, or the unit modules); the others are gathered per forward as in training, so every
     rank must then run the same number of forwards (HF `generate`: pass `synced_gpus=True` if
     ranks may stop at different lengths). `max_bytes`: keep units, in model order, while their
-    full weights (compute dtype; twice that with `writable`) fit. What to pick: everything (the
-    default) when the full model fits beside the activations and KV cache; else as many units as
-    fit: each kept unit saves its whole size per token, so which ones matters little. Keeping
-    units matters most without hpZ, where a per-token gather crosses nodes (with hpZ it stays
-    inside the node). Memory: the kept units' full weights at compute precision, for the context.
+    full weights (compute dtype; twice that with `writable`) fit, held for the context. What to
+    pick: everything (the default) when the full model fits beside the activations and KV cache;
+    else as many units as fit: each saves its whole size per token, so which ones matters little.
+    Keeping units matters most without hpZ (a per-token gather then crosses nodes).
 
     `writable=True`: edits made inside are written into the master shards on exit (the note
     above), at the cost of a snapshot of every kept unit during the context and a full (non-hpZ)
@@ -110,10 +109,8 @@ def gathered(model: nn.Module, *, writable: bool = False,
         st.gathered_depth -= 1
         try:
             if writable:
-                # Every rank writes back or none does (one rank's exception must not leave the
-                # shards half edited), and every rank drops these units' secondaries, so their
-                # next gathers take the same route everywhere. A rank that left normally raises
-                # its peer's error rather than wait for ever alone in its next collective.
+                # All ranks write back or none, and all drop these units' secondaries (the
+                # note); one that left normally raises its peer's error rather than wait alone.
                 if _all_ok(st, error is None):
                     _write_back(st, snapshots, modifier_rank)
                 else:

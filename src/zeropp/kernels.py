@@ -5,19 +5,18 @@ quant.py calls them on whole blocks and does the rest: the scales from the absma
 returns, and a non-finite block's codes.
 
 [Note: what makes them equal]
-The same fp32 arithmetic: max |x| is exact; values are divided by the scale absmax / qmax
-exactly (inductor's C++ keeps the true division; a multiplication by the reciprocal would differ
-in the last bit); rounding is half to even. The scale inside a kernel is fp32(fp64(absmax) *
-fp64(1 / qmax)), not a division: it equals fp32(absmax / qmax) for every finite fp32 absmax and
-+inf, for qmax 127 and 7 (fp64 carries the quotient to within 2^-52 of itself, and a quotient of
-two fp32 numbers is never within 2^-49 of a midpoint between fp32 numbers; checked over all 2^31
-of them, docs/notebook.md, and over a sample in tests/comm/test_kernels.py). A division there
-would sit inside the loop over a block's values (the int8 stores may alias the absmax, so the
-compiler reloads it and recomputes the scale at each step): 0.3 to 0.5 ms of a 3.5 ms kernel.
-tests/comm/test_kernels.py checks them on the CPU over shapes, block sizes, dtypes, zero,
-subnormal and non-finite blocks; `benchmarks/conformance/gpu_check.py` does on a GPU, where
-Triton compiles them (told to divide exactly and keep subnormals); until it has run on one, they
-run on a GPU only with ZEROPP_COMPILE=1.
+The same fp32 arithmetic: max |x| is exact; values are divided by the scale absmax / qmax exactly
+(inductor's C++ keeps the true division; a multiplication by the reciprocal would differ in the last
+bit); rounding is half to even. The scale inside a kernel is fp32(fp64(absmax) * fp64(1 / qmax)),
+not a division: it equals fp32(absmax / qmax) for every finite fp32 absmax and +inf, for qmax 127
+and 7 (fp64 carries the quotient to within 2^-52 of itself, and a quotient of two fp32 numbers is
+never within 2^-49 of a midpoint between fp32 numbers; checked over all 2^31 of them,
+docs/notebook.md, and over a sample in tests/comm/test_kernels.py). A division there would sit
+inside the loop over a block's values (the int8 stores may alias the absmax, so the compiler reloads
+it and recomputes the scale at each step): 0.3 to 0.5 ms of a 3.5 ms kernel.
+tests/comm/test_kernels.py checks them on the CPU over shapes, block sizes, dtypes, zero, subnormal
+and non-finite blocks; `benchmarks/conformance/gpu_check.py` does on a GPU, where Triton compiles
+them; until it has run on one, they run on a GPU only with ZEROPP_COMPILE=1.
 
 [Note: one pass, pairs]
 A quantize kernel is one loop over the blocks: each block's max |x|, then its codes while it is

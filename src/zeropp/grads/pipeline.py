@@ -21,11 +21,10 @@ order: gathers in unit-use order from the main thread, reductions in gradient-re
 stage threads, all fixed by the model's structure.
 
 [Note: exactness]
-A unit's reduction is the same two functions whether they run here or inline
-(`Config.async_reduce=False`): the same quantization, the same sums in the same order,
-the same accumulation into the shard's `.grad`; units touch disjoint gradients, so the
-interleaving cannot change a bit. Error-feedback state is per FlatParam, and a unit's
-two stages run one after the other.
+A unit's reduction is the same two functions whether they run here or inline (`async_reduce=False`):
+the same quantization, the same sums in the same order, the same accumulation into the shard's
+`.grad`; units touch disjoint gradients, so the interleaving cannot change a bit. Error-feedback
+state is per FlatParam, and a unit's two stages run one after the other.
 
 [Note: CUDA]
 On CUDA each reduction runs on a side stream that first waits for an event recorded on the compute
@@ -66,10 +65,9 @@ class _Job:
 
 
 class ReducePipeline:
-    """Runs unit reductions in hand-over order, in two stages on two threads (stage 1 on
-    the world and intra-node groups, stage 2 on the inter-node group), at most `depth` of
-    them holding their unit's full gradient (not yet through stage 1); inline, in the
-    hook, if `asynchronous` is False (the synchronous path)."""
+    """Runs unit reductions in hand-over order, in two stages on two threads (the notes), at
+    most `depth` of them holding their unit's full gradient (not yet through stage 1); inline,
+    in the hook, if `asynchronous` is False."""
 
     def __init__(self, comm: Comm, *, depth: int, asynchronous: bool) -> None:
         self.comm, self.depth, self.asynchronous = comm, depth, asynchronous
@@ -174,9 +172,8 @@ class ReducePipeline:
             job.done.set()
 
 
-# One communication thread per stage per set of reduce groups, shared by every
-# model on them: a group must see its collectives from one thread, in one
-# order. Stage 1 uses the world and intra-node groups, stage 2 the inter-node one.
+# One communication thread per stage per set of reduce groups, shared by every model on them:
+# a group must see its collectives from one thread, in one order (the groups' note).
 _WORKERS: dict[tuple, tuple] = {}
 _WORKERS_LOCK = threading.Lock()
 

@@ -2,11 +2,9 @@
 then the gather inside the node (hpz.py).
 
 [Note: qWD's copies]
-The copies are qwZ's INT8 blocks of the masters, the bytes the node gathers for every
-forward and backward, as ZeRO++'s INT8 secondary; the delta moves their integer codes
-(qwd.py: the copy becomes qwZ's INT8 of the new master, exactly whenever no code moved
-by more than 7). The route depends only on state every rank shares (version counters,
-steps), so every rank issues the same collectives in the same order on each group.
+The copies are qwZ's INT8 blocks of the masters (ZeRO++'s INT8 secondary), moved by qwd.py's
+code deltas. The route depends only on state every rank shares (version counters, steps), so
+every rank issues the same collectives in the same order on each group.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The hierarchical gather's first stage: across nodes among the ranks of this local
-index, its output the N pieces of the secondary (the routes note); the second stage,
-inside the node, is hpz.py's. (N-1)/N of the payload per node crosses, not (W-1)/W."""
+"""The hierarchical gather's first stage (the routes note): across nodes among the ranks of
+this local index, its output the secondary's N pieces; the second stage is hpz.py's."""
 
 from __future__ import annotations
 

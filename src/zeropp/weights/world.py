@@ -1,6 +1,5 @@
-"""ZeRO-3's weight gather, and qwZ's INT8 payload on it: one ring all-gather over
-the world, (W-1)/W of the payload per node across its boundary. The hierarchical
-gather's first stage is the same gather in the inter-node group."""
+"""ZeRO-3's weight gather, and qwZ's INT8 payload on it: one ring all-gather over the world
+(the routes note); in the inter-node group, the hierarchical gather's first stage."""
 
 from __future__ import annotations
 
