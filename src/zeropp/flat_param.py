@@ -212,9 +212,16 @@ class FlatParam:
             self._move(State.FREED)
 
     def use_views(self) -> None:
-        """A forward is about to read the weights: its gradient will need reducing (if recorded)."""
-        if self.trainable and torch.is_grad_enabled():
-            self.grads.needs_reduce = True
+        """A forward is about to read the weights: its gradient will need reducing (if recorded).
+        Whether it has one was fixed at shard() (its route, its optimizer): a change is refused."""
+        if not torch.is_grad_enabled():
+            return self.install_attributes()
+        bad = [i.fqns[0] for t, i in zip(self.params, self.infos) if t.requires_grad != self.trainable]
+        if bad or self.primary_shard.requires_grad != self.trainable:
+            what = bad[0] if bad else f"{self.name} (with {self.infos[0].fqns[0]})"
+            raise RuntimeError(f"zeropp: requires_grad of {what} changed after zeropp.shard() (the "
+                               "gradient routes are chosen there); set it before sharding")
+        self.grads.needs_reduce = self.trainable
         self.install_attributes()
 
     def install_attributes(self) -> None:

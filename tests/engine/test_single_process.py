@@ -230,3 +230,16 @@ def test_a_parameter_unused_in_one_backward_and_used_in_the_next_trains_as_unsha
             opt.zero_grad()
     sd = zeropp.full_state_dict(model)
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("where", ["master shard", "module attribute"])
+def test_requires_grad_changed_after_shard_is_refused_by_name_in_a_recorded_forward(where):
+    """The unit kept training after a freeze (and an unfrozen one got no gradient), silently:
+    routes and optimizer shards are fixed at shard(). A no_grad forward (evaluation) is fine."""
+    model = zeropp.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    (next(model.parameters()) if where == "master shard" else model[0].weight).requires_grad_(False)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match=r"requires_grad of .*0\.weight.* changed after "
+                                           r"zeropp.shard\(\)"):
+        model(torch.randn(2, 4))
