@@ -145,8 +145,23 @@ def step_hooks(owner: Any, stats: CommStats, select: Callable[[torch.optim.Optim
             after(buffers)
             for b in buffers:
                 b.after_step()
-    handles = (register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post))
-    weakref.finalize(owner, lambda: [h.remove() for h in handles])
+    if not _HOOKED:
+        _HOOKED.append((register_optimizer_step_pre_hook(_run_steps(0)),
+                        register_optimizer_step_post_hook(_run_steps(1))))
+    _STEPS[owner] = pre, post
+
+
+# Each live owner's (pre, post) step callbacks, run by one pair of global hooks: an owner freed by a
+# collection inside an optimizer step then removes nothing from the dict torch iterates there.
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_HOOKED: list = []
+
+
+def _run_steps(i: int) -> Callable:
+    def run(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for hooks in list(_STEPS.values()):
+            hooks[i](opt, args, kwargs)
+    return run
 
 
 def held_params(opt: torch.optim.Optimizer) -> set[int]:

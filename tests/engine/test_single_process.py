@@ -37,17 +37,30 @@ def test_world_size_1_without_process_group_is_bit_exact():
 
 
 def test_a_dead_model_leaves_no_optimizer_step_hook_behind():
-    """shard() hooks every optimizer's step (driver.py); the two hooks go when the model
-    does, with everything they would keep alive (hpZ secondaries, qWD copies)."""
-    from torch.optim import optimizer
-    hooks = (optimizer._global_optimizer_pre_hooks, optimizer._global_optimizer_post_hooks)
+    """shard() hooks every optimizer's step (buffer.py); its callbacks go when the model does,
+    with everything they would keep alive (hpZ secondaries, qWD copies), also when a collection
+    inside another model's step frees it (torch's hook dict was mutated during its iteration)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from zeropp.buffer import _STEPS
     model = _train_both(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_embd=16,
                                       n_head=2)), steps=1)
     gc.collect()  # earlier tests' models
-    with_model = [len(h) for h in hooks]
+    with_model = len(_STEPS)
     del model
     gc.collect()
-    assert [len(h) for h in hooks] == [n - 1 for n in with_model]
+    assert len(_STEPS) == with_model - 1
+    dying = zeropp.shard(nn.Linear(4, 4))
+    dying.cycle = [dying]  # freed by the cyclic collector only
+    del dying
+    live = zeropp.shard(nn.Linear(4, 4))
+    opt = torch.optim.SGD(live.parameters(), lr=0.1)
+    hook = register_optimizer_step_pre_hook(lambda *a: gc.collect() and None)
+    try:
+        opt.step()  # "OrderedDict mutated during iteration" before
+    finally:
+        hook.remove()
+    assert len(_STEPS) == with_model
 
 
 def test_tied_embedding_is_stored_once_and_listed_under_both_names():
