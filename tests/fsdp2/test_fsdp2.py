@@ -77,14 +77,20 @@ def _refresh() -> dict:
     zeros ("fresh"). "seen": on a second model trained alike, the same zeros written in
     ways the counters see, one per block: an in-place op on the local tensor, one on the
     DTensor parameter, `load_state_dict` (two blocks). (The root's weights stay gathered
-    between forwards under FSDP2 itself: only the blocks'.)"""
+    between forwards under FSDP2 itself: only the blocks'.) The second model's
+    parameters are replaced after install by `load_state_dict(assign=True)` (as
+    torch's set_model_state_dict loads a meta-initialized model), the optimizer made
+    over the new ones: "losses" are both models' 3 steps."""
     import zeropp.fsdp2
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(99))
-    out = {}
+    out = {"losses": []}
     for seen in (False, True):
         model = zeropp.fsdp2.install(_fsdp2_gpt(), "zeropp-plus", node_size=2)
-        fit(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
-            random_batches(3, 256, (2, 32), dist.get_rank()))
+        if seen:
+            model.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()},
+                                  assign=True)
+        out["losses"].append(fit(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                 random_batches(3, 256, (2, 32), dist.get_rank())))
         with torch.no_grad():
             model(x, x)
             if seen:
@@ -245,6 +251,12 @@ def test_weights_written_outside_a_step_are_gathered_anew_and_refresh_covers_hid
     forward computes with them; written behind the counters: after `zeropp.refresh`."""
     for r in runs:
         assert r["refresh"]["fresh"] == r["refresh"]["seen"] != r["refresh"]["stale"], r
+
+
+def test_parameters_replaced_by_load_state_dict_assign_train_bit_for_bit_as_the_originals(runs):
+    """zeropp reads FSDP2's sharded parameters anew: their versions, the optimizer's."""
+    for r in runs:
+        assert r["refresh"]["losses"][0] == r["refresh"]["losses"][1], r["refresh"]["losses"]
 
 
 def test_gathers_are_waited_for_in_fsdp2s_copy_out_so_they_overlap_compute(runs):

@@ -46,11 +46,15 @@ class Installed:
 
     def __init__(self, cfg: Config, topo: Topology) -> None:
         self.cfg, self.topo, self.stats, self.steps = cfg, topo, CommStats(), 0
-        self.params: set[int] = set()
         self.comms: list[tuple[str, Buffers, GradReduce]] = []
         self.made: dict[Any, tuple[Comm, Config]] = {}  # a comm per group (its topology's ranks)
         self.failures = Failures(self.refresh)  # a failure drops every secondary (comms.py)
         self.later: Optional[Later] = None  # the world group's qgZ off backward (comms.py)
+
+    @property
+    def params(self) -> set[int]:
+        """Ids of the sharded parameters now (`load_state_dict(assign=True)` replaces them)."""
+        return {id(p) for _, _, reduce in self.comms for p in reduce.kinds.params}
 
     def buffers(self) -> list[ShardedBuffer]:
         return [b for _, buffers, _ in self.comms for b in buffers.values()]
@@ -81,8 +85,7 @@ class Installed:
             raise NotImplementedError("zeropp.fsdp2: CPUOffloadPolicy is not supported")
         comm, gcfg = self.group_comm(info.shard_process_group)
         kinds = Kinds(group, label)
-        self.params |= {id(p) for p in kinds.params}
-        buffers = Buffers(comm, gcfg, version_of(kinds.params, lambda: self.steps))
+        buffers = Buffers(comm, gcfg, lambda: version_of(kinds.params, lambda: self.steps)())
         gather = WeightGather(comm, gcfg, label, buffers, kinds, self.failures)
         world = comm is self.made.get("world", (None,))[0]  # the engine's: its pipeline's too
         if world and self.later is None and cfg.quantized_gradients and cfg.async_reduce:

@@ -23,6 +23,7 @@ may then part.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -66,7 +67,7 @@ class Kinds:
 
     def __init__(self, group: Any, label: str) -> None:
         dp_dims = group.mesh_info.mesh.ndim  # FSDP's own dims lead the sharded DTensor
-        self.params = [fp.sharded_param for fp in group.fsdp_params]
+        self.group = weakref.ref(group)  # (it holds the model, which the step hooks must not)
         self.sizes = [fp.padded_sharded_param_size.numel() for fp in group.fsdp_params]
         self.kinds = [kind_of(p, dp_dims) for p in self.params]
         self.mixed = len(set(self.kinds)) > 1
@@ -101,6 +102,12 @@ class Kinds:
                 "tensor-parallel-replicated parameters on different TP ranks may no longer be "
                 "bitwise equal", stacklevel=4)
         return (Region("*", ((0, chunk),)),)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The sharded parameters, read anew: `load_state_dict(assign=True)` replaces them."""
+        group = self.group()
+        return [fp.sharded_param for fp in group.fsdp_params] if group is not None else []
 
 
 def kind_of(param: torch.Tensor, dp_dims: int) -> str:
