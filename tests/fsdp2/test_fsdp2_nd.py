@@ -341,3 +341,25 @@ def test_fsdp2s_custom_comm_setters_write_the_group_slots_zeropp_sets_per_group(
         check_setter(setter, attr)
     with pytest.raises(NotImplementedError, match="set_custom_all_gather.*_reduce_scatter"):
         check_setter("set_custom_all_gather", "_reduce_scatter_comm")
+
+
+def test_a_chunk_short_of_an_unused_parameter_warns_naming_fsdp2s_remedy():
+    """regions.py's note: a chunk of neither every parameter nor the trainable ones
+    travels as one region, and the warning names set_reduce_scatter_unused_params."""
+    from types import SimpleNamespace as NS
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from zeropp.fsdp2.regions import Kinds
+
+    class Group:  # what Kinds reads of an FSDPParamGroup (weakly: a class of its own)
+        mesh_info = NS(mesh=NS(ndim=1))
+        fsdp_params = [NS(sharded_param=NS(device_mesh=NS(mesh_dim_names=("dp", "tp")),
+                                           placements=(Shard(0), tp), requires_grad=True),
+                          padded_sharded_param_size=torch.Size([n]))
+                       for tp, n in ((Shard(0), 4), (Replicate(), 2), (Replicate(), 2))]
+    group = Group()
+    kinds = Kinds(group, "block")
+    assert [r.kind for r in kinds.regions(8, grads=True)] == ["", "tp:S(0)"]
+    with pytest.warns(UserWarning, match=r"set_reduce_scatter_unused_params\(True\) keeps"):
+        assert [r.kind for r in kinds.regions(6, grads=True)] == ["*"]

@@ -17,7 +17,8 @@ two kinds, and a region's bytes depend only on its own values. A module of one k
 bit as before. Weights always come with every parameter; gradients only for those that
 have one, a set FSDP2 does not pass on: the trainable ones, or all. Any other set (a
 parameter unused in this backward) travels as one region and says once that the copies
-may then part.
+may then part; FSDP2's `set_reduce_scatter_unused_params(True)` passes a zero gradient
+for such a parameter, so the chunk holds every trainable one again.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ class Kinds:
                 "neither all of its parameters nor its trainable ones (one unused in this "
                 "backward?): it travels in shared quantization blocks, so the copies of its "
                 "tensor-parallel-replicated parameters on different TP ranks may no longer be "
-                "bitwise equal", stacklevel=4)
+                "bitwise equal; model.set_reduce_scatter_unused_params(True) keeps them equal",
+                stacklevel=4)
         return (Region("*", ((0, chunk),)),)
 
     @property
