@@ -97,7 +97,8 @@ class Installed:
         if getattr(info, "replicate_mesh_dim", None) is not None and cfg.quantized_gradients:
             rcomm, _ = self.group_comm(info.replicate_process_group, replicas=True)
             if rcomm.topo.num_nodes > 1:  # replicas inside a node: FSDP2's own all-reduce
-                reduce.replica = ReplicaMean(rcomm, cfg, label, group, kinds, self.failures)
+                reduce.replica = ReplicaMean(rcomm, cfg, label, info.shard_process_group.size(),
+                                            kinds, self.failures)
                 take_over(m, group, reduce.replica, solo_group())
         self.comms.append((label, buffers, reduce))
         attach(m, group, "_all_gather_comm", gather, "set_custom_all_gather")

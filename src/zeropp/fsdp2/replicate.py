@@ -28,7 +28,10 @@ leave every replica with its own gradient. So the user's hook composes: one set
 before `install` is kept, and `take_over` gives the module a `set_all_reduce_hook` of
 its own that hands later ones to `ReplicaMean`, which calls the hook on the mean, as
 FSDP2 calls it on its all-reduce's result. What FSDP2's setter refuses (a module
-with several groups, a stream under HSDP) it still refuses.
+with several groups, a stream under HSDP) it still refuses. It sees what stock's sees,
+the mean (the sum / the module's gradient divide factor, where set): under sum
+reductions FSDP2 divides after the hook, so `ReplicaMean` divides before it instead,
+and the group's factor is 1 (the module's `set_gradient_divide_factor` sets ours).
 """
 
 from __future__ import annotations
@@ -47,17 +50,16 @@ from .regions import Kinds
 
 
 class ReplicaMean:
-    """The hook FSDP2 calls on a module's reduce-scattered gradient (fp32): replaced
-    in place by its mean over the replicas, or by the sum when the module has a
-    gradient divide factor (FSDP2 then divides by that factor alone). Each region of
-    it (regions.py) travels on its own."""
+    """The hook FSDP2 calls on a module's gradient summed over its shard group: replaced
+    in place by the sum over every rank divided by the module's gradient divide factor
+    (`factor`; none: the number of ranks), as FSDP2 would divide it (the note). Each
+    region of it (regions.py) travels on its own."""
 
-    def __init__(self, comm: Comm, cfg: Config, label: str, param_group: Any,
+    def __init__(self, comm: Comm, cfg: Config, label: str, shards: int,
                  kinds: Kinds, failures: Failures) -> None:
         self.comm, self.label, self.kinds, self.failures = comm, label, kinds, failures
         self.user_hook: Optional[Callable[[torch.Tensor], None]] = None  # (the note)
-        # weakly: the param group holds the model, which the step hooks must not keep alive
-        self.param_group = weakref.ref(param_group)
+        self.shards, self.factor = shards, None  # (take_over sets the module's factor)
         # per region: qgZ, then qwZ's gather of the chunks (no secondary: nothing kept across steps)
         self.buffers = Buffers(comm, dataclasses.replace(
             cfg, quantized_weights=True, hpz_partition_size=1, hierarchical_gather=False,
@@ -72,8 +74,6 @@ class ReplicaMean:
     def _mean(self, grad: torch.Tensor) -> None:
         self.comm.unit = self.label
         r, n = self.comm.topo.world_size, grad.numel()
-        group = self.param_group()
-        summed = group is not None and group.gradient_divide_factor is not None
         for region in self.kinds.regions(n, grads=True):
             buf = self.buffers.of(region.kind, region.numel)
             lay = buf.layout
@@ -82,13 +82,16 @@ class ReplicaMean:
             mean = self.buffers.route(region.kind, lay.block).reduce(self.comm, g)
             full = torch.empty(lay.padded_numel, dtype=torch.float32, device=grad.device)
             buf.weights.finish(buf.weights.issue(self.comm, "hsdp_grad", mean, full))
-            if summed:
-                full.mul_(r)  # FSDP2 sums over replicas then: its factor covers them
+            if self.factor is not None:
+                full.mul_(r)  # the sum over the replicas: the factor covers them
             region.put(full.view(1, -1), grad.view(1, n))
+        # FSDP2's division after a sum reduction, the same op on the same tensor
+        grad.div_(self.shards if self.factor is None else self.factor)
 
 
 def check_internals(param_group: Any) -> None:
     """The facts about FSDP2 that `take_over` relies on (the note), from its source."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as fc
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as fpg
     from torch.distributed.fsdp import FSDPModule
     prop = getattr(type(param_group), "_all_reduce_process_group", None)
@@ -97,14 +100,17 @@ def check_internals(param_group: Any) -> None:
                  and "mesh_info.replicate_process_group" in inspect.getsource(prop.fget))
         uses = "self._all_reduce_process_group" in inspect.getsource(
             fpg.FSDPParamGroup.post_backward)
-    except (OSError, TypeError):  # no source to read: nothing is verified
-        reads = uses = False
-    if not (reads and uses and hasattr(param_group.mesh_info, "replicate_process_group")
+        # a sum reduction with factor 1 is divided by nothing, before or after (pre, post)
+        once = (fc._get_gradient_divide_factors(None, None, torch.float32, "", 1.0, True)[:2]
+                == (None, 1.0))
+    except (AttributeError, OSError, TypeError):  # no source or function: nothing is verified
+        reads = uses = once = False
+    if not (reads and uses and once and hasattr(param_group.mesh_info, "replicate_process_group")
             and hasattr(FSDPModule, "set_force_sum_reduction_for_comms")):
         raise NotImplementedError(
-            f"zeropp.fsdp2: HSDP relies on FSDP2 all-reducing over "
-            f"mesh_info.replicate_process_group, as torch 2.13 does; torch {torch.__version__} "
-            "does not: use a 1-D mesh with preset 'zeropp-plus' (docs/fsdp2.md)")
+            "zeropp.fsdp2: HSDP relies on how torch 2.13's FSDP2 picks its all-reduce group "
+            f"and divides sums; torch {torch.__version__}'s differs: use a 1-D mesh with preset "
+            "'zeropp-plus' (docs/fsdp2.md)")
 
 
 def take_over(module: Any, param_group: Any, hook: ReplicaMean, solo: Any) -> None:
@@ -112,11 +118,12 @@ def take_over(module: Any, param_group: Any, hook: ReplicaMean, solo: Any) -> No
     reductions only: FSDP2 would otherwise all-reduce with AVG on the one-rank group,
     which NCCL gets wrong at size 1 (torch itself avoids it there), and divides by the
     shard group's size after the hook, which means over the replicas itself. A hook the
-    user set, or sets later, runs on the mean (the note)."""
+    user set, or sets later, runs on the mean, divided as FSDP2 divides it (the note)."""
     check_internals(param_group)
     param_group.mesh_info.replicate_process_group = solo
     module.set_force_sum_reduction_for_comms(True)
     hook.user_hook = param_group._all_reduce_hook
+    hook.factor, param_group.gradient_divide_factor = param_group.gradient_divide_factor, 1.0
     attach(module, param_group, "_all_reduce_hook", hook, "set_all_reduce_hook")
     if "set_all_reduce_hook" in vars(module):  # once per module, whatever its groups
         return
@@ -130,4 +137,12 @@ def take_over(module: Any, param_group: Any, hook: ReplicaMean, solo: Any) -> No
         if stream is not None:  # as FSDP2 says, before it would have replaced the mean
             raise ValueError("stream cannot be set when using native HSDP")
         groups[0]._all_reduce_hook.user_hook = hook
+
+    def set_gradient_divide_factor(factor: float) -> None:
+        for group in ref()._get_fsdp_state()._fsdp_param_groups:
+            if isinstance(group._all_reduce_hook, ReplicaMean):
+                group._all_reduce_hook.factor = factor
+            else:
+                group.gradient_divide_factor = factor
     module.set_all_reduce_hook = set_all_reduce_hook
+    module.set_gradient_divide_factor = set_gradient_divide_factor
