@@ -79,7 +79,7 @@ class ShardState:
                 f.grads.drop()
                 if f.stale:  # persistent, and its master shard was written since
                     f.free(let_go=True, force=True)
-        self.reducer.drain()  # an interrupted backward's reductions (raises a failure once)
+        self.reducer.drain(keep=False)  # an interrupted backward's: dropped (a failure raised once)
 
     def regather_persistent(self, flats: list[FlatParam]) -> None:
         """Regather the persistent `flats` from their master shards (after a step, a refresh): all

@@ -143,8 +143,8 @@ class Unit:
         st = self.state
         st.stats.count_unit(self.label, "reduce_scatter")
         route = flat.buffer.route
-        st.reducer.submit(self.label, g, lambda comm: route.first(comm, g),
-                          lambda comm, state: flat.grads.accumulate(route.second(comm, state)))
+        st.reducer.submit(self.label, g, lambda comm: route.first(comm, g), route.second,
+                          flat.grads.accumulate)
 
 
 class _PostBackward(torch.autograd.Function):

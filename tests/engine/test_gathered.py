@@ -263,6 +263,22 @@ def _semantics() -> dict:
         grads.append([p.grad.clone() for p in model.parameters()])
         opt.zero_grad()
     out["grads_agree"] = all(torch.equal(a, b) for a, b in zip(*grads))
+    # A backward that raised after units' reductions went to the reduce threads: none lands in
+    # .grad after the loop's zero_grad() (their accumulation raced it); the next is a clean one.
+    def raise_in_backward(m, a, o):
+        (o[0] if isinstance(o, tuple) else o).register_hook(
+            lambda g: (_ for _ in ()).throw(KeyError("mid-backward")))
+    hook = model.transformer.h[0].register_forward_hook(raise_in_backward)
+    for _ in range(2):  # (the first raises)
+        x, y = task_batch(4, 4, rank)
+        try:
+            F.cross_entropy(model(input_ids=x).logits.reshape(-1, 64), y.reshape(-1)).backward()
+        except KeyError:
+            hook.remove()
+            opt.zero_grad()
+    out["after_aborted_backward"] = all(torch.equal(p.grad, g)
+                                        for p, g in zip(model.parameters(), grads[0]))
+    opt.zero_grad()
 
     # A failure while entering (say, no memory for the snapshot) pins nothing:
     # the next step's weights reach the next forward.
@@ -370,7 +386,7 @@ def test_gathered_exception_nesting_writable_and_misuse():
         assert "optimizer.step() inside zeropp.gathered()" in e["step"]
         assert "while a backward is in flight" in e["in_backward"]
         assert r["state_after_errors"] == (0, [0, 0, 0])
-        assert r["grads_agree"]
+        assert r["grads_agree"] and r["after_aborted_backward"]
         assert r["entry_failure"] == ([0, 0, 0], 0, False) and r["after_entry_failure"]
         assert r["after_aborted_forward"]
     before, after = res[0]["edit"]

@@ -3,8 +3,8 @@
 When backward finishes a unit, its leaf hook hands the unit's flat gradient here and returns at
 once; backward goes on to the next unit while the reduction runs on two communication threads
 (DeepSpeed and FSDP2 run it on a side stream). Stage 1 does the plain ring reduce-scatter, or qgZ's
-intra-node hop and the quantization of its inter-node hop; stage 2 only qgZ's inter-node all-to-all,
-sum and accumulation. So while unit k's bytes hold the slow link, unit k+1 is quantized and reduced
+intra-node hop and the quantization of its inter-node hop; stage 2 only qgZ's inter-node all-to-all
+and sum. So while unit k's bytes hold the slow link, unit k+1 is quantized and reduced
 inside the node (benchmarks/probes/timeline.py: one thread doing both kept the link idle half the
 time). The end of backward waits for every reduction (an autograd callback, as FSDP2's
 post-backward), so whatever reads gradients afterwards (`clip_grad_norm_`, the optimizer, the next
@@ -24,7 +24,10 @@ stage threads, all fixed by the model's structure.
 A unit's reduction is the same two functions whether they run here or inline (`async_reduce=False`):
 the same quantization, the same sums in the same order, the same accumulation into the shard's
 `.grad`; units touch disjoint gradients, so the interleaving cannot change a bit. Error-feedback
-state is per FlatParam, and a unit's two stages run one after the other.
+state is per FlatParam, and a unit's two stages run one after the other. The accumulation (`apply`)
+runs on the main thread when it collects the job (at a later hand-over, at the end of backward): a
+backward that raised leaves no reduction to land in `.grad` after the loop's `zero_grad()`; the next
+root forward collects them without applying (`drain(keep=False)`).
 
 [Note: CUDA]
 On CUDA each reduction runs on a side stream that first waits for an event recorded on the compute
@@ -49,12 +52,13 @@ from ..collectives import Comm
 
 
 class _Job:
-    __slots__ = ("label", "first", "second", "state", "grad", "device", "ready", "done",
+    __slots__ = ("label", "first", "second", "apply", "state", "grad", "device", "ready", "done",
                  "done_event", "error", "consumed")
 
-    def __init__(self, label: str, first: Callable[[Comm], Any],
-                 second: Callable[[Comm, Any], None], grad: torch.Tensor) -> None:
+    def __init__(self, label: str, first: Callable[[Comm], Any], second: Callable[[Comm, Any], Any],
+                 grad: torch.Tensor, apply: Optional[Callable[[Any], None]]) -> None:
         self.label, self.first, self.second, self.grad = label, first, second, grad
+        self.apply = apply
         self.device = grad.device
         self.state: Any = None   # what stage 1 hands to stage 2
         self.ready = None        # CUDA: the compute stream's event at hand-over
@@ -78,10 +82,10 @@ class ReducePipeline:
         self._stream = None
 
     def submit(self, label: str, grad: torch.Tensor, first: Callable[[Comm], Any],
-               second: Callable[[Comm, Any], None]) -> None:
-        """Reduce `grad`: `second(comm, first(comm))`; returns once handed over
-        (or done, inline)."""
-        job = _Job(label, first, second, grad)
+               second: Callable[[Comm, Any], Any], apply: Optional[Callable] = None) -> None:
+        """Reduce `grad`: `apply(second(comm, first(comm)))`, `apply` on this thread (the
+        exactness note); returns once handed over (or done, inline)."""
+        job = _Job(label, first, second, grad, apply)
         if not self.asynchronous:
             self._run_first(job)
             self._run_second(job)
@@ -105,12 +109,12 @@ class ReducePipeline:
         self.inflight.append(job)
         _worker(self.comm.groups, 1).put((self, job))
 
-    def drain(self) -> None:
-        """Wait for every reduction handed over; raise the first failure."""
+    def drain(self, keep: bool = True) -> None:
+        """Wait for every reduction handed over (applied if `keep`); raise the first failure."""
         first: Optional[BaseException] = None
         while self.inflight:
             try:
-                self._finish(self.inflight.popleft())
+                self._finish(self.inflight.popleft(), keep)
             except BaseException as e:  # keep draining: leave nothing in flight
                 first = first or e
         self._failed.clear()
@@ -118,18 +122,23 @@ class ReducePipeline:
             raise first
 
     # ---- internals -------------------------------------------------------------
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: _Job, keep: bool = True) -> None:
         job.done.wait()
         if job.done_event is not None:
             torch.cuda.current_stream(job.device).wait_event(job.done_event)
-        self._raise(job)
+            if isinstance(job.state, torch.Tensor):  # (made on the side stream, used here)
+                job.state.record_stream(torch.cuda.current_stream(job.device))
+        self._raise(job, keep)
 
     @staticmethod
-    def _raise(job: _Job) -> None:
-        job.grad = job.first = job.second = job.state = None
+    def _raise(job: _Job, keep: bool = True) -> None:
+        apply, result = job.apply, job.state
+        job.grad = job.first = job.second = job.state = job.apply = None
         if job.error is not None:
             err, job.error = job.error, None
             raise err
+        if keep and apply is not None:
+            apply(result)
 
     def _stage(self, job: _Job, comm: Comm, fn: Callable[[], None]) -> bool:
         """Run one stage of `job`; False (and the job done) if it failed or was
@@ -165,7 +174,7 @@ class ReducePipeline:
         if job.done.is_set():
             return  # stage 1 failed (inline path)
         def second() -> None:
-            job.second(self.comm2, job.state)
+            job.state = job.second(self.comm2, job.state)
             if job.ready is not None:
                 job.done_event = self._stream.record_event()
         if self._stage(job, self.comm2, second):
