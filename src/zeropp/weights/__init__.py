@@ -4,8 +4,8 @@ A driver (the engine's `FlatParam`, or FSDP2's all-gather slot) makes two calls 
 does with its all-gather and copy-out: `WeightPath.issue(comm, phase, shard, full)` starts the
 route's first collective, `WeightPath.finish(gather)` waits for it, runs any second stage and leaves
 the weights in `full`. A route is a pair of functions over tensors, one file per technique:
-  world.py         ZeRO-3's ring all-gather over the world; qwZ's INT8 payload on it
-  hierarchical.py  stage 1 of the two-stage gather: across nodes
+  world.py         ZeRO-3's ring all-gather over the world; qwZ's INT8 payload on it; in
+                   the inter-node group, stage 1 of the two-stage (hierarchical) gather
   hpz.py           hpZ: the secondary shard (`Secondary`, its one owner), and stage 2
                    of every route that has one: the gather inside the node from it
   delta.py         qWD: the secondary kept across steps, moved by code deltas
@@ -43,7 +43,7 @@ import torch
 from ..collectives import Comm, Pending
 from ..layout import ShardLayout
 from ..quant import QTensor
-from . import delta, hierarchical, hpz, world
+from . import delta, hpz, world
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -125,7 +125,7 @@ class WeightPath:
             copies = self.secondary.pieces.view(spec.world_size // self.secondary.p, -1)
             pending, out = delta.issue(spec, comm, f"{op}/delta", shard, copies[self.outer_index])
         elif route is Route.HIER:
-            pending, out = hierarchical.issue(spec, comm, f"{op}/inter", shard, full)
+            pending, out = world.issue(spec, comm, f"{op}/inter", shard, full, group="inter_node")
         else:
             pending, out = world.issue(spec, comm, op, shard, full)
         return Gather(route, phase, comm, pending, out, full, shard, version)
