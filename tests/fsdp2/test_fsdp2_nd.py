@@ -183,12 +183,14 @@ def _train_ep(preset):
 
 
 PRESETS = ["zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-plus"]
+# (dp 2 x tp 2: each dp group has one rank per node, where "hpz" is exactly "zero3")
+TP_PRESETS = [p for p in PRESETS if p != "hpz"]
 
 
 def _work(ckpt: str) -> dict:
     torch.set_num_threads(1)
     out = {p or "stock": _train(p) for p in (None, "zero3", "zeropp-plus")}
-    out.update({p: _train(p, steps=8) for p in PRESETS if p not in out})
+    out.update({p: _train(p, steps=8) for p in TP_PRESETS if p not in out})
     out.update({f"hsdp-{p or 'stock'}": _train_hsdp(p, hooks=p is None)
                 for p in (None, "zero3", "zeropp-plus")})
     out["hsdp-hooked"] = _train_hsdp("zeropp-plus", hooks=True, steps=HOOKED)
@@ -217,12 +219,12 @@ def test_tp_x_fsdp_zeropp_plus_sends_at_most_0_25x_zero3s_cross_node_bytes(runs)
     assert 0 < inter["zeropp-plus"] <= 0.25 * inter["zero3"], inter
 
 
-@pytest.mark.parametrize("preset", ["stock", *PRESETS])
+@pytest.mark.parametrize("preset", ["stock", *TP_PRESETS])
 def test_tp_x_fsdp_every_rank_computes_the_same_outputs_bit_for_bit(runs, preset):
     assert len({r[preset]["probe"] for r in runs}) == 1
 
 
-@pytest.mark.parametrize("preset", ["stock", *PRESETS])
+@pytest.mark.parametrize("preset", ["stock", *TP_PRESETS])
 def test_tp_replicated_parameters_stay_bitwise_equal_on_every_tp_rank(runs, preset):
     """The norms, `down`'s bias, the embedding and the head: each TP rank's dp group
     trains its own copy (regions.py's note); rank = 2 x dp + tp."""
