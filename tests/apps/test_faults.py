@@ -220,6 +220,20 @@ def test_resume_under_another_preset_is_refused_in_one_line(straight, tmp_path, 
            {k: v for k, v in before.items() if not k.endswith(".lock")}
 
 
+def test_resume_into_an_out_holding_another_runs_checkpoints_is_refused(straight, tmp_path,
+                                                                        capsys):
+    """A restart before the resumed run's first save would continue from --out's own
+    `latest`, another run's: refused in one line, nothing touched."""
+    other = tmp_path / "other"
+    shutil.copytree(straight, other)
+    before = _snapshot(other)
+    line = cli_error_line(["train", *CMD, "--resume", str(straight), "--out", str(other)], capsys)
+    assert line == (f"zeropp train: --out {other} holds checkpoints of another run; --resume "
+                    f"{straight} continues into an empty --out, or into its own run directory")
+    assert {k: v for k, v in _snapshot(other).items() if not k.endswith(".lock")} == \
+           {k: v for k, v in before.items() if not k.endswith(".lock")}
+
+
 def test_compare_on_a_directory_holding_a_comparison_is_refused_in_one_line(straight,
                                                                            tmp_path, capsys):
     shutil.copytree(straight, tmp_path / "cmp" / "zero3")

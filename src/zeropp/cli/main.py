@@ -236,6 +236,11 @@ def run_train(ns: argparse.Namespace) -> int:
     try:
         with RunLock(run_dir):
             if resume:
+                if run_dir.resolve() != default_out.resolve() and candidates(run_dir):
+                    # (a restart before this run's first save would take run_dir's `latest`)
+                    raise UsageError(f"--out {run_dir} holds checkpoints of another run; "
+                                     f"--resume {resume} continues into an empty --out, or "
+                                     "into its own run directory")
                 a.resume = verified_resume(a, resume, cfg=runs[0][1])
             elif ns.compare and any(candidates(run_dir / n) for n, _ in runs):
                 raise UsageError(f"--out {run_dir} already holds runs of a comparison, which "
