@@ -40,6 +40,7 @@ class FlatGrad:
         self.everything = set(range(len(infos)))
         self.expected = self.everything  # params backward reaches (learnt)
         self.needs_reduce = False  # a forward recorded for backward read the weights
+        self.on = trainable  # the parameters' requires_grad, as use_views last set it
         self.on_ready: Optional[Callable[[], None]] = None
         me = weakref.ref(self)  # a tensor's hooks are invisible to Python's gc: no cycle
 

@@ -213,15 +213,22 @@ class FlatParam:
 
     def use_views(self) -> None:
         """A forward is about to read the weights: its gradient will need reducing (if recorded).
-        Whether it has one was fixed at shard() (its route, its optimizer): a change is refused."""
+        A freeze through the master shard (`model.requires_grad_(False)`, a GAN's critic) holds for
+        the forward: no gradient. Unfreezing a flat frozen at shard() (it has no route, no optimizer
+        state) or changing one parameter's own `requires_grad` is refused by name."""
         if not torch.is_grad_enabled():
             return self.install_attributes()
-        bad = [i.fqns[0] for t, i in zip(self.params, self.infos) if t.requires_grad != self.trainable]
-        if bad or self.primary_shard.requires_grad != self.trainable:
-            what = bad[0] if bad else f"{self.name} (with {self.infos[0].fqns[0]})"
-            raise RuntimeError(f"zeropp: requires_grad of {what} changed after zeropp.shard() (the "
-                               "gradient routes are chosen there); set it before sharding")
-        self.grads.needs_reduce = self.trainable
+        now = self.primary_shard.requires_grad
+        bad = [i.fqns[0] for t, i in zip(self.params, self.infos) if t.requires_grad != self.grads.on]
+        if bad or (now and not self.trainable):
+            what = f"parameter {bad[0]}" if bad else f"{self.name} (with {self.infos[0].fqns[0]})"
+            raise RuntimeError(f"zeropp: requires_grad of {what} changed after zeropp.shard(); set "
+                               "it before sharding (a unit's parameters() freeze it whole)")
+        if now != self.grads.on:
+            self.grads.on = now
+            for t in self.params:
+                t.requires_grad_(now)
+        self.grads.needs_reduce = now
         self.install_attributes()
 
     def install_attributes(self) -> None:

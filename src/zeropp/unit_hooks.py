@@ -84,7 +84,7 @@ class Unit:
             f.use_views()
         if st.cfg.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), st.cfg.param_dtype)
-        if self.flats and torch.is_grad_enabled() and not any(f.trainable for f in self.flats):
+        if self.flats and torch.is_grad_enabled() and not any(f.grads.on for f in self.flats):
             # Frozen: no leaf gradient says when backward is done; the inputs' gradient does.
             args, kwargs = _PostBackward.attach(self, args, kwargs)
         return args, kwargs
