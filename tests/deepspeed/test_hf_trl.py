@@ -1,8 +1,8 @@
 """TRL on zeropp through `zeropp.install_as_deepspeed()`: the SFT and GRPO examples in
-examples/hf/, SFT at W=2 (torchrun), GRPO at W=4 as 2x2 (`zeropp launch`), resumed under
-`zeropp launch`, with the ZeRO++ keys on: the loss falls (GRPO: the reward rises), the saved model
-reloads with `from_pretrained`, and a run resumed from the middle checkpoint continues
-exactly as the straight run."""
+examples/hf/, SFT at W=2 and GRPO at W=4 as 2x2, under `zeropp launch` (torchrun's launch
+giving its bits: test_hf_deepspeed.py, test_deepspeed_api.py), with the ZeRO++ keys on: the
+loss falls (GRPO: the reward rises), the saved model reloads with `from_pretrained`, and a
+run resumed from the middle checkpoint continues exactly as the straight run."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hf_examples import STEPS, _global_step, _reloads, _series, _straight, _zero
 @pytest.mark.parametrize("world", [2])
 def test_trl_sft_trains_saves_reloads_and_resumes_exactly(tmp_path, world):
     out = tmp_path / "run"
-    full = _series(_straight("trl_sft.py", world, out, "--steps", str(STEPS)), "losses")
+    full = _series(_zeropp_launch("trl_sft.py", world, out, "--steps", str(STEPS)), "losses")
     assert len(full) == STEPS and sum(full[-2:]) < 0.8 * sum(full[:2]), full
     _reloads(out / "final", _global_step(out / f"checkpoint-{STEPS}"))
     shutil.rmtree(out / f"checkpoint-{STEPS}")

@@ -304,9 +304,14 @@ def test_expert_parallel_zeropp_plus_reaches_98pct_of_stocks_loss_drop_on_every_
             assert len({r[f"ep-{p}"]["probe"] for r in runs[ep::2]}) == 1, p
 
 
+# (each technique alone is checked on the TP mesh above; here the three together, with
+# hpZ's secondaries, the hierarchical gather and qWD running)
+W8_PRESETS = ["zero3", "zeropp", "zeropp-plus"]
+
+
 def _work8() -> dict:
     torch.set_num_threads(1)
-    return {p: _train(p, dp=4, steps=6) for p in PRESETS}
+    return {p: _train(p, dp=4, steps=6) for p in W8_PRESETS}
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +321,7 @@ def runs8():
     return spawn(_work8, 8, 4, timeout=300)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", W8_PRESETS)
 def test_w8_tp_replicated_parameters_and_every_ranks_outputs_stay_bitwise_equal(runs8, preset):
     for a in range(0, 8, 2):
         assert runs8[a][preset]["replicated"] == runs8[a + 1][preset]["replicated"]
