@@ -2,8 +2,8 @@
 gives the eager losses within 1e-4 relative over 12 steps (fp32) and compiles no
 frame after the first step; `fullgraph=True` is refused with zeropp's reason (HF
 `Trainer(torch_compile=True)` with a DeepSpeed config trains through `engine.compile()`:
-tests/deepspeed/test_hf_deepspeed.py). A plain torch LM and HF GPT-2 at W=2 (zero3);
-GPT-2 at W=4 as 2x2 (zeropp-plus: every technique's collective beside the compiled
+tests/deepspeed/test_hf_deepspeed.py). HF GPT-2 at W=2 (zero3; a plain torch LM for the
+refusal) and at W=4 as 2x2 (zeropp-plus: every technique's collective beside the compiled
 blocks)."""
 
 from __future__ import annotations
@@ -88,8 +88,7 @@ def _fullgraph_refusal() -> str:
 
 def _world2() -> dict:
     torch.set_num_threads(1)
-    return {"lm": (_losses(LM, "zero3", False), _losses(LM, "zero3", True)),
-            "gpt2": (_losses(_gpt2, "zero3", False), _losses(_gpt2, "zero3", True)),
+    return {"gpt2": (_losses(_gpt2, "zero3", False), _losses(_gpt2, "zero3", True)),
             "fullgraph": _fullgraph_refusal()}
 
 
@@ -110,11 +109,6 @@ def _check(eager: tuple, compiled: tuple, tol: float = 1e-4) -> None:
 def world2() -> list:
     pytest.importorskip("transformers")
     return spawn(_world2, 2, timeout=400)
-
-
-def test_compiled_plain_lm_under_zero3_gives_the_eager_losses_and_compiles_once(world2):
-    for r in world2:
-        _check(*r["lm"])
 
 
 def test_compiled_hf_gpt2_under_zero3_gives_the_eager_losses_and_compiles_once(world2):
