@@ -31,6 +31,8 @@ def files(tmp_path_factory):
     (d / "short.txt").write_text("To be, or not to be.")
     (d / "bad.json").write_text('{"zero_optimization": {"stage": 3,')
     (d / "stage2.json").write_text('{"zero_optimization": {"stage": 2}}')
+    (d / "hpz3.json").write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": '
+                                 '{"stage": 3, "zero_hpz_partition_size": 3}}')
     return d
 
 
@@ -44,11 +46,12 @@ def files(tmp_path_factory):
     (["--deepspeed-config", "{d}/stage2.json"], "zero_optimization.stage=2"),
     (["--compare", "zero3,zero9"], "unknown configuration 'zero9'"),
     (["--clip", "-1"], "--clip must be more than 0"),
-    (["--hpz", "3"], "--hpz 3 must divide the 4 ranks"),
+    (["--hpz", "3"], "hpZ's partition size 3 must divide the 4 ranks"),
+    (["--deepspeed-config", "{d}/hpz3.json"], "hpZ's partition size 3 must divide the 4 ranks"),
     (["--sync-every", "8"], "--sync-every 8 does nothing without --replicas"),
     (["--replicas", "2", "--fragments", "2"], "--fragments 2 does nothing without --sync-every"),
 ], ids=["missing", "empty", "short", "nproc", "preset", "ds-json", "ds-stage", "compare",
-        "clip", "hpz", "replica-only", "diloco-only"])
+        "clip", "hpz", "ds-hpz", "replica-only", "diloco-only"])
 def test_bad_input_is_one_line_and_exit_2_without_traceback(files, args, message, capsys,
                                                            monkeypatch):
     # Input that got past the checks would reach the workers: that fails here at

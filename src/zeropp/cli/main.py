@@ -139,12 +139,14 @@ def configs_from(ns: argparse.Namespace) -> list[tuple[str, zeropp.Config]]:
                 cfg = zeropp.Config.from_deepspeed(ns.deepspeed_config, node_size=ns.node_size)
             for w in caught:
                 print(f"zeropp train: warning: {w.message}", file=sys.stderr)
-            return [("run", cfg)]
-        runs = [(c, named(c, ns.node_size, **given)) for c in names]
+            runs = [("run", cfg)]
+        else:
+            runs = [(c, named(c, ns.node_size, **given)) for c in names]
         world = ns.nproc // max(1, ns.replicas)  # (a replica group's ranks)
-        if any(world % cfg.hpz_partition_size for _, cfg in runs):
-            raise UsageError(f"--hpz {ns.hpz_partition_size} must divide the {world} ranks "
-                             "that shard the model")
+        for _, cfg in runs:  # (--hpz, a preset or a DeepSpeed config's)
+            if world % cfg.hpz_partition_size:
+                raise UsageError(f"hpZ's partition size {cfg.hpz_partition_size} must divide "
+                                 f"the {world} ranks that shard the model")
         return runs if ns.compare else [("run", runs[0][1])]
     except ValueError as e:
         raise UsageError(str(e)) from None
