@@ -31,8 +31,7 @@ def files(tmp_path_factory):
     (d / "short.txt").write_text("To be, or not to be.")
     (d / "bad.json").write_text('{"zero_optimization": {"stage": 3,')
     (d / "stage2.json").write_text('{"zero_optimization": {"stage": 2}}')
-    (d / "hpz3.json").write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": '
-                                 '{"stage": 3, "zero_hpz_partition_size": 3}}')
+    (d / "hpz3.json").write_text('{"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}')
     return d
 
 
