@@ -159,14 +159,13 @@ def install(model: nn.Module, preset: Union[str, Config] = "zeropp", *,
 def comm_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     """This rank's comm state an exact resume needs, per FSDP module: qWD's copies (and
     whether a delta is due), qgZ's error-feedback residuals (HSDP: those of the hop
-    across replicas too), per region (regions.py; keys of a region of replicated
-    parameters, the only one on a 1-D mesh, unprefixed). Different on every rank: save
+    across replicas too), per region (regions.py). Different on every rank: save
     it per rank beside the model and optimizer's DCP checkpoint (`save_comm_state`)."""
     out = {}
     for label, buffers, reduce in _installed(model).comms:
-        out[label] = buffers.state()
+        out[label] = {"buffers": buffers.state()}
         if reduce.replica is not None:  # HSDP: the replicas' hop residuals
-            out[label].update(reduce.replica.buffers.state("replica/"))
+            out[label]["replica"] = reduce.replica.buffers.state()
     return out
 
 
@@ -191,9 +190,10 @@ def load_comm_state(model: nn.Module,
         state = torch.load(_file(state, dist.get_rank()), weights_only=True)
     device = next(model.parameters()).device
     for label, buffers, reduce in _installed(model).comms:
-        buffers.load_state(state.get(label, {}), device)
+        saved = state.get(label, {})
+        buffers.load_state(saved.get("buffers", {}), device)
         if reduce.replica is not None:
-            reduce.replica.buffers.load_state(state.get(label, {}), device, "replica/")
+            reduce.replica.buffers.load_state(saved.get("replica", {}), device)
 
 
 def _installed(model: nn.Module) -> Installed:

@@ -151,27 +151,16 @@ class Buffers(dict):
             buf.route.op = self.op
         return buf.route
 
-    # ---- checkpoints: keys `kind|tag...`, no `kind|` for replicated parameters' kind ----
-    def state(self, tag: str = "") -> dict[str, Any]:
-        """Every buffer's comm state, with its gathered size and its route's block."""
-        out: dict[str, Any] = {}
-        for kind, buf in self.items():
-            mine = {**buf.state(), "numel": buf.layout.numel}
-            if buf.route is not None:
-                mine["grad_block"] = buf.route.block
-            out.update({f"{kind}|" * bool(kind) + tag + k: v for k, v in mine.items()})
-        return out
+    def state(self) -> dict[str, dict[str, Any]]:
+        """Every buffer's comm state by kind, with its gathered size and its route's block."""
+        return {kind: {**buf.state(), "numel": buf.layout.numel,
+                       **({"grad_block": buf.route.block} if buf.route else {})}
+                for kind, buf in self.items()}
 
-    def load_state(self, saved: dict[str, Any], device: torch.device, tag: str = "") -> None:
-        """`state(tag)` back (buffers absent from it start afresh)."""
-        parts: dict[str, dict] = {kind: {} for kind in self}
-        for key, v in saved.items():
-            kind, _, k = key.rpartition("|")
-            if k.startswith(tag):
-                parts.setdefault(kind, {})[k.removeprefix(tag)] = v
-        for kind, s in parts.items():
-            if "numel" not in s and kind not in self:
-                continue  # (another tag's)
+    def load_state(self, saved: dict[str, dict[str, Any]], device: torch.device) -> None:
+        """`state()` back (buffers absent from it start afresh)."""
+        for kind in dict.fromkeys([*self, *saved]):
+            s = saved.get(kind, {})
             buf = self.of(kind, int(s["numel"])) if "numel" in s else self[kind]
             if "grad_block" in s:
                 self.route(kind, int(s["grad_block"]))
