@@ -57,10 +57,15 @@ def _refusals() -> list[str]:
         model = zeropp.fsdp2.install(_fsdp2_gpt(reshard=2), "zeropp", node_size=4)
         x = torch.zeros(2, 32, dtype=torch.long)
         model(x, x)[1].backward()  # the backward's gather runs in the post-forward group
+    def foreign_comm_state():  # another model's, or the flat keys of before
+        model = zeropp.fsdp2.install(_fsdp2_gpt(), "zeropp-plus", node_size=2)
+        zeropp.fsdp2.load_comm_state(model, {label: {"numel": 8} for label in
+                                             zeropp.fsdp2.comm_state(model)})
     out = []
     for call in (int_reshard,
                  lambda: zeropp.fsdp2.install(GPT(GPTConfig(vocab_size=8, block_size=4,
-                                                            n_layer=1, n_embd=8, n_head=1)))):
+                                                            n_layer=1, n_embd=8, n_head=1))),
+                 foreign_comm_state):
         try:
             call()
             out.append("")
@@ -234,7 +239,9 @@ def test_bf16_parameters_with_fp32_reduction(runs):
 
 
 def test_unsupported_setups_are_refused_in_one_line(runs):
-    int_reshard, no_fsdp = runs[0]["refusals"]
+    int_reshard, no_fsdp, foreign = runs[0]["refusals"]
+    assert "not the comm_state of this model's FSDP modules" in foreign
+    assert "\n" not in foreign
     assert "reshard_after_forward=int other than the group's ranks per node" in int_reshard
     assert "\n" not in int_reshard
     assert "no FSDP module" in no_fsdp and "\n" not in no_fsdp

@@ -188,10 +188,14 @@ def load_comm_state(model: nn.Module,
     as they are at this call."""
     if not isinstance(state, dict):
         state = torch.load(_file(state, dist.get_rank()), weights_only=True)
-    device = next(model.parameters()).device
-    for label, buffers, reduce in _installed(model).comms:
-        saved = state.get(label, {})
-        buffers.load_state(saved.get("buffers", {}), device)
+    device, comms = next(model.parameters()).device, _installed(model).comms
+    mine = [label for label, _, _ in comms]
+    if set(mine) != set(state) or not all("buffers" in s for s in state.values()):
+        raise ValueError(f"zeropp.fsdp2.load_comm_state: not the comm_state of this model's "
+                         f"FSDP modules {mine} (it holds {sorted(state)[:8]})")
+    for label, buffers, reduce in comms:
+        saved = state[label]
+        buffers.load_state(saved["buffers"], device)
         if reduce.replica is not None:
             reduce.replica.buffers.load_state(saved.get("replica", {}), device)
 
