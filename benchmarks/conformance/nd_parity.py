@@ -12,10 +12,10 @@ per data-parallel rank and step), every preset:
 Per run: the first and last mean loss, the largest relative gap to stock, whether
 every rank computes the same probe output (the logits' bytes) and the TP-replicated
 parameters are bitwise equal (tp), or the replicas hold the same bits (hsdp), and the
-cross-node bytes: zeropp's accounting summed over the ranks; for
-stock HSDP (and the presets without qgZ, which leave it to FSDP2) the ring count of FSDP2's fp32
-all-reduce across replicas (not instrumented); for stock TP x FSDP the "zero3"
-preset's (FSDP2's own collectives, counted).
+cross-node bytes: zeropp's accounting summed over the ranks (FSDP2's own all-reduce
+across replicas in the presets without qgZ included); for stock HSDP the ring count of
+that fp32 all-reduce (not instrumented); for stock TP x FSDP the "zero3" preset's
+(FSDP2's own collectives, counted).
 
     python benchmarks/conformance/nd_parity.py D [steps]     # D = 2: W=4, D = 4: W=8
 """
@@ -113,9 +113,8 @@ def main():
             else:  # replica k of shard j is rank k*d + j: all replicas' bits equal
                 same = all(res[r][name]["local"] == res[r % d][name]["local"]
                            for r in range(2 * d))
-            inter = sum(r[name]["inter"] for r in res) if p else None
-            if kind == "hsdp" and (p is None or not zeropp.Config.preset(p).quantized_gradients):
-                inter = base + (inter or 0)  # FSDP2's own all-reduce, as stock's (no qgZ)
+            # stock HSDP: its all-reduce; a preset's accounting counts FSDP2's own (no qgZ) too
+            inter = sum(r[name]["inter"] for r in res) if p else base if kind == "hsdp" else None
             out["runs"][name] = {
                 "first": ls[0], "last": ls[-1],
                 "max_rel_gap_to_stock": max(abs(a - b) / abs(b) for a, b in zip(ls, stock)),

@@ -252,6 +252,14 @@ def test_hsdp_zeropp_plus_sends_at_most_0_20x_of_stock_hsdps_all_reduce_across_n
     assert 0 < ours <= 0.20 * stock, (ours, stock, ours / stock)
 
 
+def test_hsdp_zero3_preset_counts_fsdp2s_all_reduce_as_all_its_cross_node_bytes(runs):
+    """Without qgZ the all-reduce over the replicas is FSDP2's own; comm_stats counts it
+    (the shard group is inside the node: it is every byte that crosses)."""
+    for r in runs:
+        assert r["hsdp-zero3"]["stats"]["inter_node_bytes"] == r["hsdp-zero3"][
+            "stock_allreduce_bytes"] > 0
+
+
 @pytest.mark.parametrize("preset", ["stock", "zero3", "zeropp-plus"])
 def test_hsdp_replicas_stay_bitwise_identical(runs, preset):
     for a, b in ((0, 2), (1, 3)):  # (replicate, shard) mesh: rank = 2 * replica + shard

@@ -94,9 +94,11 @@ class Installed:
                 depth=cfg.reduce_buckets, asynchronous=True), self.failures)
         reduce = GradReduce(comm, gcfg, label, buffers, kinds, self.failures,
                             self.later if world else None, group)
-        if getattr(info, "replicate_mesh_dim", None) is not None and cfg.quantized_gradients:
+        if getattr(info, "replicate_mesh_dim", None) is not None:
             rcomm, _ = self.group_comm(info.replicate_process_group, replicas=True)
-            if rcomm.topo.num_nodes > 1:  # replicas inside a node: FSDP2's own all-reduce
+            # replicas inside a node, or no qgZ: FSDP2's own all-reduce, counted
+            reduce.replicas = rcomm
+            if cfg.quantized_gradients and rcomm.topo.num_nodes > 1:
                 reduce.replica = ReplicaMean(rcomm, cfg, label, info.shard_process_group.size(),
                                             kinds, self.failures)
                 take_over(m, group, reduce.replica, solo_group())

@@ -242,6 +242,7 @@ class GradReduce(_ModuleComm, ReduceScatter):
         self.later = later
         self.group = weakref.ref(group) if group is not None else lambda: None
         self.replica: Any = None  # HSDP: the mean across replicas (replicate.py)
+        self.replicas: Optional[Comm] = None  # HSDP: the comm over the replicate group
 
     def _deferrable(self, dtype: torch.dtype) -> bool:
         """Whether FSDP2 only keeps views of this call's output until backward ends."""
@@ -268,6 +269,13 @@ class GradReduce(_ModuleComm, ReduceScatter):
             raise NotImplementedError(f"zeropp.fsdp2: reduce-scatter op {op} is not supported "
                                       "(AVG, SUM and PREMUL_SUM are)")
         scale = float(op.factor) if kind == ops.PREMUL_SUM else 1.0 / w if kind == ops.AVG else 1.0
+        param_group = self.group()
+        if self.replica is None and self.replicas is not None and param_group is not None \
+                and param_group.all_reduce_grads:
+            # FSDP2 all-reduces the output over the replicas next, at full width: what
+            # travels is counted, as for zeropp's own collectives
+            self.replicas._record_ring("all_reduce/fsdp2/replicas", "world",
+                                       output_tensor.nbytes, 2)
         if not self.cfg.quantized_gradients:
             total = self.comm.reduce_scatter_sum(input_tensor, op="reduce_scatter/fsdp2")
             output_tensor.copy_(total if scale == 1.0 else total * scale)
