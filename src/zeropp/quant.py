@@ -285,7 +285,7 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None, *,
                          f"{tuple(out.shape)}")
     flat, bs, n = out.view(-1), q.block_size, q.numel
     per_block = bs * q.bits // 8
-    scratch = torch.empty(0, device=out.device)
+    scratch = torch.empty(0, dtype=torch.float32, device=out.device)  # not the default dtype
     whole, done = n // bs, 0  # the compiled kernel takes whole blocks (kernels.py)
     if whole and kernels.enabled(out.device, n, q.bits) and kernels.dequantize_into(
             q.data[:whole * per_block].view(whole, per_block),
