@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from cases import assert_loss_drop, assert_same_losses, dcp_resume, fit, random_batches
+from torch import nn
 
 import zeropp
 from zeropp.cli.launch import spawn
@@ -173,6 +174,39 @@ def _in_flight() -> dict:
     return {**seen, "left": live[0], "shared": shared}
 
 
+class _Experts(nn.Module):
+    """A gate and two experts of one size, one expert used per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.e = nn.Linear(64, 64), nn.ModuleList(
+            nn.Linear(64, 64, bias=False) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        return self.e[k](torch.tanh(self.gate(x))) * (1.0 if k == 0 else 1e-3)
+
+
+def _experts_in_turn() -> list[float]:
+    """The used expert's gradient under zeropp-plus, relative to stock FSDP2's: expert 0
+    (large gradients) and expert 1 (1e-3 of them) in turn, so the reduce-scatter
+    chunk holds the gate and expert 0 one step, the gate and expert 1 the next."""
+    from torch.distributed.fsdp import fully_shard
+
+    import zeropp.fsdp2
+    grads = []
+    for preset in (None, "zeropp-plus"):
+        torch.manual_seed(0)
+        model = fully_shard(_Experts())
+        if preset is not None:
+            zeropp.fsdp2.install(model, preset, node_size=2)
+        g, grads = torch.Generator().manual_seed(dist.get_rank()), grads + [[]]
+        for k in (0, 1, 0, 1):
+            model(torch.randn(4, 64, generator=g), k).square().mean().backward()
+            grads[-1].append(model.e[k].weight.grad.full_tensor())
+            model.zero_grad()
+    return [((a - b).norm() / b.norm()).item() for b, a in zip(*grads)]
+
+
 def _work() -> dict:
     torch.set_num_threads(1)
     return {"refresh": _refresh(), "in_flight": _in_flight(), "stock": _train(None), "zero3": _train("zero3"), "zeropp": _train("zeropp"),
@@ -183,7 +217,7 @@ def _work() -> dict:
             "stock-bf16": _train(None, bf16=True, steps=8),
             "zero3-bf16": _train("zero3", bf16=True, steps=8),
             "zeropp-plus-bf16": _train("zeropp-plus", bf16=True, steps=8),
-            "refusals": _refusals()}
+            "refusals": _refusals(), "experts": _experts_in_turn()}
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +234,13 @@ def test_zeropp_sends_at_most_0_12x_and_zeropp_plus_0_065x_zero3_inter_node_byte
              for p in ("zero3", "zeropp", "zeropp-plus")}
     assert 0 < inter["zeropp"] <= 0.12 * inter["zero3"], inter
     assert 0 < inter["zeropp-plus"] <= 0.065 * inter["zero3"], inter
+
+
+def test_experts_used_in_turn_get_their_own_gradient_within_0_2_not_anothers_residual(runs):
+    """Error feedback's residuals are kept for the positions of a chunk of every
+    parameter; a chunk of the used expert only reduces without them (expert 1 came back
+    2e4 times its norm off, expert 0's residual added to it)."""
+    assert max(runs[0]["experts"]) < 0.2, runs[0]["experts"]
 
 
 def test_every_rank_computes_with_the_same_weights(runs):

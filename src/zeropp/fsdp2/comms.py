@@ -54,6 +54,7 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -142,9 +143,17 @@ class Buffers(dict):
             self[kind].route = old and old.route
         return self[kind]
 
-    def route(self, kind: str, block: int, numel: int = 0) -> QgzReduce:
+    def route(self, kind: str, block: int, numel: int = 0, partial: bool = False) -> QgzReduce:
         """qgZ's route for region `kind`'s gradient in blocks of `block` (the region's
-        buffer made for a gathered size of `numel` when it has none yet)."""
+        buffer made for a gathered size of `numel` when it has none yet). `partial`: a
+        chunk of some parameters only (Kinds.partial): a route of its own, without the error
+        feedback, whose residuals belong to the positions of other parameters (an expert's
+        residual was added to another's gradient: 2e4 times its norm)."""
+        if partial:
+            route = QgzReduce.from_config(replace(self.cfg, gradient_error_feedback=False),
+                                          block=block)
+            route.op = self.op
+            return route
         buf = self.get(kind) or self.of(kind, numel)
         if buf.route is None or buf.route.block != block:
             buf.route = QgzReduce.from_config(self.cfg, block=block)
@@ -280,11 +289,11 @@ class GradReduce(_ModuleComm, ReduceScatter):
             total = self.comm.reduce_scatter_sum(input_tensor, op="reduce_scatter/fsdp2")
             output_tensor.copy_(total if scale == 1.0 else total * scale)
             return
-        later = self._deferrable(input_tensor.dtype)
+        later, partial = self._deferrable(input_tensor.dtype), self.kinds.partial(c)
         for region in self.kinds.regions(c, grads=True):
             lay = ShardLayout.of(region.numel * w, w, self.cfg)
             g = region.take(input_tensor.view(w, c), lay.shard_numel)
-            route = self.buffers.route(region.kind, lay.block, lay.numel)
+            route = self.buffers.route(region.kind, lay.block, lay.numel, partial)
 
             def put(mean: torch.Tensor, region: Any = region) -> None:  # mean: sum / W
                 region.put((mean[:region.numel] * (scale * w)).view(1, -1),

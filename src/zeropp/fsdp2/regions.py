@@ -105,6 +105,13 @@ class Kinds:
                 stacklevel=4)
         return (Region("*", ((0, chunk),)),)
 
+    def partial(self, chunk: int) -> bool:
+        """Whether a gradient chunk of `chunk` elements holds only some of the trainable
+        parameters (one unused in this backward): which ones, FSDP2 does not say, so its
+        positions may hold other parameters than the last such chunk's."""
+        trainable = sum(n for n, p in zip(self.sizes, self.params) if p.requires_grad)
+        return chunk not in (sum(self.sizes), trainable)
+
     @property
     def params(self) -> list[torch.Tensor]:
         """The sharded parameters, read anew: `load_state_dict(assign=True)` replaces them."""
