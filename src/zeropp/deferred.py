@@ -98,8 +98,7 @@ def _draws(func: Any) -> bool:
 
 
 def _writes_first_arg(func: Any) -> bool:
-    args = func._schema.arguments
-    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    return bool(a := func._schema.arguments) and getattr(a[0].alias_info, "is_write", False)
 
 
 class _Recorder(TorchDispatchMode):
@@ -110,8 +109,9 @@ class _Recorder(TorchDispatchMode):
         self.handle: Any = None  # its parameter-registration hook (deferred_init's)
 
     def register(self, module: nn.Module, name: str, p: Optional[nn.Parameter]) -> None:
-        if (p is None or p.device.type != "cpu" or p.numel() == 0 or is_deferred(p)
-                or threading.get_ident() != self.thread):
+        # a lazy parameter (LazyLinear's) has no shape until its first forward: built as usual
+        if (p is None or nn.parameter.is_lazy(p) or p.device.type != "cpu" or p.numel() == 0
+                or is_deferred(p) or threading.get_ident() != self.thread):
             return
         ptr = p.untyped_storage().data_ptr()
         _keep(_DEFERRED, p, _Record(ptr, p.storage_offset(),

@@ -117,6 +117,22 @@ def test_an_op_reading_a_deferred_parameter_in_the_build_gets_its_exact_values()
     assert torch.equal(materialize(lazy.out.weight), whole.out.weight)
 
 
+def test_a_lazy_module_builds_deferred_and_its_first_forward_gives_the_whole_builds_values():
+    """LazyLinear's parameter has no shape until its first forward: built as usual, the rest
+    deferred; all 4 tensors equal the whole build's (before: its registration raised
+    ValueError "Attempted to use an uninitialized parameter")."""
+    torch.manual_seed(4)
+    whole = nn.Sequential(nn.Linear(4, 8), nn.LazyLinear(3))
+    whole(torch.ones(1, 4))
+    torch.manual_seed(4)
+    with deferred_init():
+        lazy = nn.Sequential(nn.Linear(4, 8), nn.LazyLinear(3))
+    assert is_deferred(lazy[0].weight) and not is_deferred(lazy[1].weight)
+    materialize_module(lazy)(torch.ones(1, 4))
+    a, b = whole.state_dict(), lazy.state_dict()
+    assert len(a) == 4 and all(torch.equal(a[k], b[k]) for k in a)
+
+
 class _FailsAtReplay(nn.Module):
     """An in-place op of the wrong shape: recorded in the build, it fails when the read
     that follows replays it; the model code catches that and goes on."""

@@ -228,8 +228,9 @@ def _tag_deferred(p: Any, built: list) -> None:
     """A parameter built under Init carries DeepSpeed's ZeRO-3 attributes, as
     DeepSpeed's do from construction (libraries test `hasattr(p, "ds_id")`): it
     holds no values until `initialize` shards the model, and shows 0 elements
-    (`ds_shape` its shape) once the block ends, except inside GatheredParameters."""
-    if p is not None and not hasattr(p, "ds_id"):
+    (`ds_shape` its shape) once the block ends, except inside GatheredParameters. A lazy
+    one (LazyLinear's) has no shape until its first forward: left as it is."""
+    if p is not None and not hasattr(p, "ds_id") and not torch.nn.parameter.is_lazy(p):
         p.ds_id, p.ds_status = next(_ids), ZeroParamStatus.NOT_AVAILABLE
         p.ds_shape, p.ds_numel = p.shape, p.numel()
         p._zeropp_before_shard = before_shard  # (deferred.show_module)
