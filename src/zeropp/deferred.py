@@ -48,9 +48,8 @@ _OVERWRITES = {"normal_", "uniform_", "fill_", "zero_", "random_", "bernoulli_",
                "exponential_", "geometric_", "log_normal_", "cauchy_", "copy_"}
 
 # torch.nn.init's functions: each overwrites the whole tensor from the generator alone.
-_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
-                   "eye_", "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
-                   "kaiming_normal_", "orthogonal_", "sparse_")
+_INIT_FUNCTIONS = ("uniform_ normal_ trunc_normal_ constant_ ones_ zeros_ eye_ dirac_ xavier_uniform_"
+                   " xavier_normal_ kaiming_uniform_ kaiming_normal_ orthogonal_ sparse_").split()
 
 
 @dataclass
@@ -109,9 +108,11 @@ class _Recorder(TorchDispatchMode):
         self.handle: Any = None  # its parameter-registration hook (deferred_init's)
 
     def register(self, module: nn.Module, name: str, p: Optional[nn.Parameter]) -> None:
-        # a lazy parameter (LazyLinear's) has no shape until its first forward: built as usual
+        # Built as usual: a lazy parameter (LazyLinear's: no shape until its first forward), and
+        # one on a part of a storage (chunks of one tensor), as ops are traced by storage.
         if (p is None or nn.parameter.is_lazy(p) or p.device.type != "cpu" or p.numel() == 0
-                or is_deferred(p) or threading.get_ident() != self.thread):
+                or p.untyped_storage().nbytes() != p.nbytes or is_deferred(p)
+                or threading.get_ident() != self.thread):
             return
         ptr = p.untyped_storage().data_ptr()
         _keep(_DEFERRED, p, _Record(ptr, p.storage_offset(),
@@ -138,8 +139,7 @@ class _Recorder(TorchDispatchMode):
         args, kwargs = tree_map(lambda a: a.detach().clone() if isinstance(a, torch.Tensor)
                                 else a, (args[1:], kwargs))
         gen = (kwargs.get("generator") or torch.default_generator) if _draws(func) else None
-        overwrites = func._schema.name.split("::")[-1] in _OVERWRITES
-        self.record(p, t, func, args, kwargs, overwrites, gen)
+        self.record(p, t, func, args, kwargs, func._schema.name.split("::")[-1] in _OVERWRITES, gen)
         return t
 
     def record(self, p: nn.Parameter, t: torch.Tensor, func: Any, args: tuple, kwargs: dict,
