@@ -132,7 +132,7 @@ class _Recorder(TorchDispatchMode):
             for t in tree_flatten((args[1:] if p is not None else args, kwargs))[0]:
                 if (q := self._param_of(t)) is not None:
                     self.realize(q)
-        if p is None:
+        if p is None or not is_deferred(p):  # (realized just now: the op reads p elsewhere)
             return func(*args, **kwargs)
         t = args[0]
         # Tensor arguments are copied: the op must see them as they are now.

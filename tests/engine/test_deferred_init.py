@@ -104,17 +104,22 @@ class _Reads(nn.Module):
         self.lin = nn.Linear(8, 8)
         self.register_buffer("norm", self.lin.weight.detach().norm())
         self.out = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.out.weight[4:].copy_(self.out.weight[:4])  # reads its own parameter
 
 
 def test_an_op_reading_a_deferred_parameter_in_the_build_gets_its_exact_values():
+    """Also an op writing one part of a parameter from another (before: AttributeError,
+    the parameter was realized for the read and then recorded on)."""
     torch.manual_seed(2)
     whole = _Reads()
     torch.manual_seed(2)
     with deferred_init():
         lazy = _Reads()
-    assert not is_deferred(lazy.lin.weight) and is_deferred(lazy.out.weight)
+    assert not is_deferred(lazy.lin.weight) and is_deferred(lazy.out.bias)
     assert torch.equal(lazy.norm, whole.norm) and torch.equal(lazy.lin.weight, whole.lin.weight)
-    assert torch.equal(materialize(lazy.out.weight), whole.out.weight)
+    assert torch.equal(lazy.out.weight, whole.out.weight)
+    assert torch.equal(materialize(lazy.out.bias), whole.out.bias)
 
 
 def test_a_lazy_module_builds_deferred_and_its_first_forward_gives_the_whole_builds_values():
