@@ -384,21 +384,37 @@ def test_initialize_inside_an_open_zero_init_materializes_the_build_so_far_at_w2
 
 
 def _tagged_under_init() -> tuple:
-    from zeropp.deferred import materialize
+    import threading
+
+    from zeropp.deferred import is_deferred, materialize
+    other: dict = {}
+
+    def build() -> None:
+        other["plain"] = nn.Linear(4, 3)
+        with zeropp.zero.Init():
+            other["own"] = nn.Linear(4, 3)
     with zeropp.zero.Init(), zeropp.zero.Init():  # nested, as DeepSpeed's tests build
         layer = nn.Linear(4, 3)
         lazy = nn.LazyLinear(3)  # (before: its registration raised ValueError)
-    w = layer.weight
+        t = threading.Thread(target=build)
+        t.start()
+        t.join()
+    w, plain, own = layer.weight, other["plain"].weight, other["own"].weight
     return (type(w.ds_id).__name__, w.ds_status.name, tuple(w.ds_shape), w.ds_numel,
             tuple(materialize(w).shape),  # still the deferred build, values on demand
-            nn.parameter.is_lazy(lazy.weight) and not hasattr(lazy.weight, "ds_id"))
+            nn.parameter.is_lazy(lazy.weight) and not hasattr(lazy.weight, "ds_id"),
+            plain.numel(), hasattr(plain, "ds_id"), is_deferred(own), own.numel())
 
 
 def test_parameters_built_under_zero_init_carry_deepspeeds_zero3_attributes():
-    """A lazy one (LazyLinear's: no shape until its first forward) is left as it is."""
+    """A lazy one (LazyLinear's: no shape until its first forward) is left as it is. What
+    another thread builds meanwhile is its own: a plain Linear keeps its 12 elements and no
+    ds_id, one under that thread's Init is deferred and shows 0 elements (before: the plain
+    one was tagged and showed 0 elements, its forward failed; the other Init's was built
+    whole)."""
     # In a worker (a process group exists): Init would start one in the test process.
     assert spawn(_tagged_under_init, 1, timeout=120) == [
-        ("int", "NOT_AVAILABLE", (3, 4), 12, (3, 4), True)]
+        ("int", "NOT_AVAILABLE", (3, 4), 12, (3, 4), True, 12, False, True, 0)]
 
 
 def _gather_before_initialize() -> dict:

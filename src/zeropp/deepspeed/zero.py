@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -194,9 +195,9 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     from_config then write the weights module by module inside
     GatheredParameters(modifier_rank=0), after which each parameter keeps only its
     partition (partitioned.py). An Init inside an open one (transformers' inside
-    the user's) adds nothing: the outer one records."""
-    global _open_inits
-    if not enabled or _open_inits:
+    the user's) adds nothing: the outer one records. What other threads build meanwhile
+    is theirs (deferred_init's rule): neither recorded, tagged nor hidden by this one."""
+    if not enabled or getattr(_open_inits, "count", 0):
         yield
         return
     if not torch.distributed.is_initialized():  # as DeepSpeed's Init does
@@ -204,14 +205,15 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
         init_distributed()
     install_lazy_hf_loads()  # transformers enters Init before its load (hf_loader.py)
     built: list = []
+    me = threading.get_ident()
     with deferred_init():
         tagging = register_module_parameter_registration_hook(
-            lambda m, n, p: _tag_deferred(p, built))
-        _open_inits += 1
+            lambda m, n, p: _tag_deferred(p, built) if threading.get_ident() == me else None)
+        _open_inits.count = 1
         try:
             yield
         finally:
-            _open_inits -= 1
+            _open_inits.count = 0
             tagging.remove()
     for ref in built:  # DeepSpeed's partitioned look: 0 elements until gathered or sharded
         p = ref()
@@ -221,7 +223,7 @@ def Init(*args: Any, enabled: bool = True, **kwargs: Any) -> Iterator[None]:
 
 
 _ids = itertools.count()
-_open_inits = 0  # Init contexts open now (nested ones add nothing)
+_open_inits = threading.local()  # .count: this thread's open Init (nested ones add nothing)
 
 
 def _tag_deferred(p: Any, built: list) -> None:
