@@ -28,7 +28,7 @@ import inspect
 import threading
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -48,8 +48,8 @@ _OVERWRITES = {"normal_", "uniform_", "fill_", "zero_", "random_", "bernoulli_",
                "exponential_", "geometric_", "log_normal_", "cauchy_", "copy_"}
 
 # torch.nn.init's functions: each overwrites the whole tensor from the generator alone.
-_INIT_FUNCTIONS = ("uniform_ normal_ trunc_normal_ constant_ ones_ zeros_ eye_ dirac_ xavier_uniform_"
-                   " xavier_normal_ kaiming_uniform_ kaiming_normal_ orthogonal_ sparse_").split()
+_INIT_FUNCTIONS = """uniform_ normal_ trunc_normal_ constant_ ones_ zeros_ eye_ dirac_ sparse_
+    xavier_uniform_ xavier_normal_ kaiming_uniform_ kaiming_normal_ orthogonal_""".split()
 
 
 @dataclass
@@ -72,8 +72,7 @@ class _Record:
     name: str = ""                     # module class and attribute, for messages
 
 
-# id(parameter) -> (weak reference, value): tensors compare elementwise, so no WeakKeyDictionary.
-# _DEFERRED holds each deferred parameter's record.
+# id(parameter) -> (weak reference, its record): tensors compare elementwise (no WeakKeyDictionary)
 _DEFERRED: dict[int, tuple[weakref.ref, _Record]] = {}
 
 
@@ -120,9 +119,8 @@ class _Recorder(TorchDispatchMode):
         self.by_ptr[ptr] = p
 
     def _param_of(self, t: Any) -> Optional[nn.Parameter]:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-            return None
-        p = self.by_ptr.get(t.untyped_storage().data_ptr())
+        p = (self.by_ptr.get(t.untyped_storage().data_ptr())
+             if isinstance(t, torch.Tensor) and t.device.type == "cpu" else None)
         return p if is_deferred(p) else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -205,8 +203,7 @@ def _recording(rec: _Recorder) -> Iterator[None]:
     with _LOCK:
         if not _OPEN:  # the first recorder open: torch.nn.init's functions are recorded
             _TORCH_INIT.update({name: getattr(nn.init, name) for name in _INIT_FUNCTIONS})
-            for name, fn in _TORCH_INIT.items():
-                setattr(nn.init, name, _recorded_init(fn))
+            vars(nn.init).update({name: _recorded_init(fn) for name, fn in _TORCH_INIT.items()})
         _OPEN.append(rec)
     try:
         with rec:
@@ -215,8 +212,7 @@ def _recording(rec: _Recorder) -> Iterator[None]:
         with _LOCK:
             _OPEN.remove(rec)
             if not _OPEN:
-                for name, fn in _TORCH_INIT.items():
-                    setattr(nn.init, name, fn)
+                vars(nn.init).update(_TORCH_INIT)
                 _TORCH_INIT.clear()
 
 
@@ -231,8 +227,7 @@ def _recorded_init(fn: Callable) -> Callable:
             p = rec._param_of(tensor)
             if p is not None:
                 gen = sig.bind(tensor, *args, **kwargs).arguments.get("generator")
-                rec.record(p, tensor, fn, args, dict(kwargs), True,
-                           gen or torch.default_generator)
+                rec.record(p, tensor, fn, args, dict(kwargs), True, gen or torch.default_generator)
                 return tensor
         return fn(tensor, *args, **kwargs)
     return init
@@ -263,9 +258,8 @@ def paused() -> Iterator[None]:
 
 def _snapshot(rec: _Recorder) -> None:
     """The build so far is the build: versions as they are now (as at the close)."""
-    for p in list(rec.by_ptr.values()):
-        if is_deferred(p):
-            _lookup(_DEFERRED, p).version = p._version
+    for p in filter(is_deferred, list(rec.by_ptr.values())):
+        _lookup(_DEFERRED, p).version = p._version
 
 
 def _close(rec: _Recorder) -> None:
@@ -274,6 +268,7 @@ def _close(rec: _Recorder) -> None:
     _snapshot(rec)
     if _DEFERRED and _guard is None:
         _guard = register_module_forward_pre_hook(_refuse_unmaterialized)
+        nn.Parameter.__deepcopy__ = _deepcopy  # torch's would copy unwritten memory
 
 
 _guard: Any = None  # the global forward pre-hook, while deferred parameters exist
@@ -281,11 +276,9 @@ _guard: Any = None  # the global forward pre-hook, while deferred parameters exi
 
 def _refuse_unmaterialized(module: nn.Module, args: Any) -> None:
     global _guard
-    if not _DEFERRED:  # everything was sharded or materialized: stop checking
-        if _guard is not None:
-            _guard.remove()
-            _guard = None
-        return
+    if not _DEFERRED and _guard is not None:  # everything was sharded or materialized: stop
+        _guard.remove()
+        _guard = None
     for name, p in module._parameters.items():
         if p is not None and is_deferred(p):
             raise RuntimeError(
@@ -302,10 +295,9 @@ _HIDDEN: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 def hide(p: nn.Parameter) -> None:
     """`p` shows 0 elements (`p.data` empty) until `show(p)`; its tensor is kept aside unchanged
     (same storage and version: a deferred one still materializes exactly)."""
-    if is_hidden(p) or p.numel() == 0:
-        return
-    _keep(_HIDDEN, p, p.data)
-    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    if not is_hidden(p) and p.numel():
+        _keep(_HIDDEN, p, p.data)
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
 def is_hidden(p: Any) -> bool:
@@ -316,6 +308,20 @@ def show(p: nn.Parameter) -> None:
     """Undo `hide(p)`."""
     if is_hidden(p):
         p.data = _HIDDEN.pop(id(p))[1]
+
+
+def _deepcopy(p: nn.Parameter, memo: dict, torch_copy: Any = nn.Parameter.__deepcopy__) -> Any:
+    """copy.deepcopy of a parameter: a deferred one's copy is deferred, with its ops."""
+    rec = _lookup(_DEFERRED, p)
+    if rec is None or rec.version == -1 or is_hidden(p):  # (inside a build torch's reads p)
+        return torch_copy(p, memo)
+    q = nn.Parameter(torch.empty_strided(p.size(), p.stride(), dtype=p.dtype), p.requires_grad)
+    if not (rec.ops and rec.ops[0].overwrites):  # its ops edit its values (as in _replay)
+        q.data.copy_(p.detach())
+    moved = p.untyped_storage().data_ptr() != rec.ptr or p._version != rec.version
+    _keep(_DEFERRED, q, replace(rec, ptr=q.untyped_storage().data_ptr(), offset=0, ops=[*rec.ops],
+                                version=q._version + moved))  # moved: materialize(q) refuses too
+    return q
 
 
 def show_module(model: nn.Module) -> None:
@@ -346,12 +352,9 @@ def materialize(p: nn.Parameter) -> torch.Tensor:
 
 
 def _replay(p: torch.Tensor, rec: _Record) -> torch.Tensor:
-    if rec.ops and rec.ops[0].overwrites:
-        out = torch.empty_like(p.detach(), memory_format=torch.contiguous_format)
-    else:  # built from real values (torch.ones, ...), then edited in place
-        out = p.detach().clone(memory_format=torch.contiguous_format)
-    if tuple(out.stride()) != tuple(p.stride()):
-        out = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype).copy_(out)
+    out = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype)
+    if not (rec.ops and rec.ops[0].overwrites):  # built from values (torch.ones...), then edited
+        out.copy_(p.detach())
     saved = {id(op.generator): (op.generator, op.generator.get_state())
              for op in rec.ops if op.generator is not None}
     try:
@@ -369,10 +372,9 @@ def _replay(p: torch.Tensor, rec: _Record) -> torch.Tensor:
 
 
 def defer(p: nn.Parameter, fill: Callable[[torch.Tensor], Any], name: str = "") -> None:
-    """`p`, showing its shape on storage never written, becomes deferred with one op,
-    `fill(out)`, writing all its values at materialization: a parameter whose values are
-    elsewhere (the DeepSpeed alias's per-parameter partitions) is then sharded like a
-    deferred_init() one, one unit at a time, in model order."""
+    """`p` (its shape on storage never written) becomes deferred with one op, `fill(out)`, that
+    writes all its values: a parameter whose values are elsewhere (the DeepSpeed alias's
+    partitions) is then sharded like a deferred_init() one, a unit at a time, in model order."""
     op = _Op(fill, (0, tuple(p.shape), tuple(p.stride())), (), {}, overwrites=True)
     _keep(_DEFERRED, p, _Record(p.untyped_storage().data_ptr(), p.storage_offset(), [op],
                                 p._version, name))
@@ -417,9 +419,8 @@ def defer_meta(model: nn.Module) -> None:
                     "under zeropp.deferred_init() instead (exact for any init)")
             for n, p in metas:
                 if id(p) not in replaced:
-                    replaced[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
-                                                   requires_grad=p.requires_grad)
-                    rec.register(mod, n, replaced[id(p)])
+                    q = replaced[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"))
+                    rec.register(mod, n, q.requires_grad_(p.requires_grad))
                 mod._parameters[n] = replaced[id(p)]
             for n in bufs:
                 mod._buffers[n] = torch.zeros(mod._buffers[n].shape, dtype=mod._buffers[n].dtype)

@@ -27,8 +27,7 @@ def make(params: list[nn.Parameter], infos: list[Any], lay: ShardLayout, rank: i
     as those wire bytes). `sync`: makes the flat buffer every rank's (a broadcast)."""
     flat = torch.zeros(lay.padded_numel, dtype=torch.float32, device=params[0].device)
     for p, info in zip(params, infos):
-        # A parameter built under deferred_init() gets its values now, one at a time,
-        # and gives back its storage (deferred.py).
+        # a deferred_init() one gets its values now, one at a time, and frees its storage
         flat[info.offset:info.offset + info.numel].copy_(materialize(p).reshape(-1))
         release(p)
     if sync is not None:

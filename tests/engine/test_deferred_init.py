@@ -98,6 +98,26 @@ def test_deferred_parameter_changed_after_the_build_is_refused_by_name():
         materialize(m.weight)
 
 
+def test_a_deep_copy_of_a_deferred_model_is_deferred_and_equals_the_whole_build():
+    """copy.deepcopy (an EMA or reference model) before sharding: the copy is deferred with
+    the same ops, and one written since the build is refused like the original (before:
+    torch copied the unwritten memory, 2.3e31 off the whole build, and sharded it)."""
+    import copy
+    torch.manual_seed(6)
+    whole = _Custom()
+    torch.manual_seed(6)
+    with deferred_init():
+        lazy = _Custom()
+    twice = copy.deepcopy(copy.deepcopy(lazy))
+    assert all(is_deferred(p) for p in twice.parameters())
+    a, b = whole.state_dict(), materialize_module(twice).state_dict()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    with torch.no_grad():
+        lazy.lin.bias.mul_(2)
+    with pytest.raises(RuntimeError, match=r"Linear\.bias .* was replaced or written"):
+        materialize(copy.deepcopy(lazy).lin.bias)
+
+
 class _Reads(nn.Module):
     def __init__(self) -> None:
         super().__init__()
