@@ -280,7 +280,7 @@ class Reader:
             return self._dequantize(flat)[a:b]
         s = flat["shard_numel"]
         return torch.cat([self.get(r, key, max(a, r * s) - r * s, min(b, (r + 1) * s) - r * s)
-                          for r in range(a // s, (b - 1) // s + 1)])
+                          for r in range(a // s, max(a, b - 1) // s + 1)])  # a == b: one empty read
 
     def _dequantize(self, flat: dict) -> torch.Tensor:
         """A flat stored as integer wire bytes (frozen weights, qwZ), in fp32."""

@@ -472,6 +472,18 @@ def test_export_writes_one_safetensors_the_unsharded_model_loads(tmp_path):
         assert torch.allclose(plain(x)[0], ref(x)[0], atol=1e-6, rtol=0)
 
 
+def test_a_unit_of_0_elements_consolidates_like_full_state_dict(tmp_path):
+    """A unit whose one parameter has 0 elements (Linear(4, 0)): `consolidate` (zeropp export,
+    zero_to_fp32) gives full_state_dict's 3 tensors (before: "torch.cat(): expected a
+    non-empty list of Tensors")."""
+    layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 0)])  # 2 units
+    model = zeropp.shard(torch.nn.ModuleDict({"layers": layers}))
+    zeropp.save_checkpoint(tmp_path / "ck", model)
+    full, got = zeropp.full_state_dict(model), consolidate(tmp_path / "ck")
+    assert got.keys() == full.keys() and all(torch.equal(got[k], full[k]) for k in full)
+    assert len(full) == 4 and got["layers.1.weight"].shape == (0, 4)
+
+
 def test_a_checkpoint_from_before_a_config_field_existed_keeps_its_engine_state():
     """A field the saved config lacks counts as its default (the saving run had no other
     choice), so upgrading zeropp does not drop qWD copies and error-feedback residuals
