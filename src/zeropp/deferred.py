@@ -11,9 +11,10 @@ Exactness: an op that draws random numbers runs once at record time on a scratch
 geometry (freed at once), so the generator advances as in the whole build and every later draw
 (other parameters, buffers, user code after the context) sees the same stream; the generator's
 state before the op is kept with it. `materialize(p)` replays p's ops from the last one that
-overwrote it whole, each from its saved state: bit-identical to the model built without the
-context under the same seed, in any order, on any rank. A parameter replaced (`p.data = ...`,
-`model.to()`) or written in place after the context cannot be replayed: `materialize` says so.
+overwrote it whole, each from its saved state in a generator of its own (no other draw moves
+or sees it): bit-identical to the model built without the context under the same seed, in any
+order, on any thread and rank. A parameter replaced (`p.data = ...`, `model.to()`) or written
+in place after the context cannot be replayed: `materialize` says so.
 An op that reads a parameter inside the build (not a view; e.g. an init looking at values it
 drew) first gets that parameter's values in its own storage: exact, only that memory is spent
 early. torch.nn.init's functions are recorded whole (their result depends on the shape and the
@@ -58,8 +59,7 @@ class _Op:
     geometry: tuple                    # (offset in the parameter, size, stride)
     args: tuple
     kwargs: dict
-    generator: Optional[torch.Generator] = None  # set for ops that draw
-    rng_state: Optional[torch.Tensor] = None     # its state before the draw
+    rng_state: Optional[torch.Tensor] = None     # an op that draws: its generator's state before
     overwrites: bool = False           # whole parameter, independent of its contents
 
 
@@ -77,8 +77,7 @@ _DEFERRED: dict[int, tuple[weakref.ref, _Record]] = {}
 
 
 def _lookup(table: dict, p: Any) -> Any:
-    entry = table.get(id(p))
-    return entry[1] if entry is not None and entry[0]() is p else None
+    return entry[1] if (entry := table.get(id(p))) is not None and entry[0]() is p else None
 
 
 def _keep(table: dict, p: nn.Parameter, value: Any) -> None:
@@ -148,7 +147,7 @@ class _Recorder(TorchDispatchMode):
         op = _Op(func, geometry, args, kwargs, overwrites=overwrites and geometry[0] == 0
                  and t.numel() == p.numel() and t.is_contiguous())
         if generator is not None:
-            op.generator, op.rng_state = generator, generator.get_state()
+            op.rng_state = generator.get_state()
             # Advance the generator as the real op does, on a scratch tensor freed at once.
             func(torch.empty_strided(t.size(), t.stride(), dtype=t.dtype), *args, **kwargs)
         if op.overwrites:  # earlier ops are dead: their draws are made, their values lost
@@ -287,8 +286,7 @@ def _refuse_unmaterialized(module: nn.Module, args: Any) -> None:
                 "zeropp.deferred.materialize_module(model) before running it")
 
 
-# id(parameter) -> (weak reference, the tensor it shows when shown): parameters that show 0
-# elements until sharded or gathered, as DeepSpeed's zero.Init makes them.
+# id(parameter) -> (weak reference, its tensor): parameters showing 0 elements (zero.Init's)
 _HIDDEN: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
 
@@ -326,8 +324,7 @@ def _deepcopy(p: nn.Parameter, memo: dict, torch_copy: Any = nn.Parameter.__deep
 
 def show_module(model: nn.Module) -> None:
     """Show every hidden parameter of `model` (before sharding), then run each distinct
-    `_zeropp_before_shard(model)` its parameters carry (DeepSpeed's zero.Init sets one that
-    makes its partitioned parameters deferred ones)."""
+    `_zeropp_before_shard(model)` its parameters carry (zero.Init's: partitioned -> deferred)."""
     for p in model.parameters():
         show(p)
     hooks = (getattr(p, "_zeropp_before_shard", None) for p in model.parameters())
@@ -355,20 +352,23 @@ def _replay(p: torch.Tensor, rec: _Record) -> torch.Tensor:
     out = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype)
     if not (rec.ops and rec.ops[0].overwrites):  # built from values (torch.ones...), then edited
         out.copy_(p.detach())
-    saved = {id(op.generator): (op.generator, op.generator.get_state())
-             for op in rec.ops if op.generator is not None}
-    try:
-        with torch.no_grad():
-            for op in rec.ops:
-                offset, size, stride = op.geometry
-                view = out.as_strided(size, stride, out.storage_offset() + offset)
-                if op.generator is not None:
-                    op.generator.set_state(op.rng_state)
-                op.func(view, *op.args, **op.kwargs)
-    finally:
-        for gen, state in saved.values():
-            gen.set_state(state)
+    with torch.no_grad():
+        for op in rec.ops:  # (geometry: offset, size, stride)
+            with _Draws(op.rng_state) if op.rng_state is not None else contextlib.nullcontext():
+                op.func(out.as_strided(*op.geometry[1:], op.geometry[0]), *op.args, **op.kwargs)
     return out
+
+
+class _Draws(TorchDispatchMode):
+    """A replayed op's draws: from a generator of its own at the op's saved state (the note)."""
+
+    def __init__(self, state: torch.Tensor) -> None:
+        super().__init__()
+        self.generator = torch.Generator().set_state(state)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {**(kwargs or {}), "generator": self.generator} if _draws(func) else kwargs or {}
+        return func(*args, **kwargs)
 
 
 def defer(p: nn.Parameter, fill: Callable[[torch.Tensor], Any], name: str = "") -> None:

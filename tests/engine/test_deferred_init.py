@@ -118,6 +118,31 @@ def test_a_deep_copy_of_a_deferred_model_is_deferred_and_equals_the_whole_build(
         materialize(copy.deepcopy(lazy).lin.bias)
 
 
+def test_a_replay_draws_from_its_own_generator_not_the_shared_one():
+    """Materializing never sets the default generator to an op's saved state (a watcher sees
+    it unchanged at the replayed kaiming_uniform_ and uniform_): before, a thread drawing
+    meanwhile got those numbers and had its own rewound, and the replay could take its draws
+    (1 of 320 materializations off the whole build)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen: list = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(torch.equal(torch.default_generator.get_state(), now))
+            return func(*args, **(kwargs or {}))
+    torch.manual_seed(7)
+    whole = nn.Linear(8, 8)
+    torch.manual_seed(7)
+    with deferred_init():
+        lazy = nn.Linear(8, 8)
+    torch.rand(3)
+    now = torch.default_generator.get_state()
+    with Watch():
+        values = [materialize(lazy.weight), materialize(lazy.bias)]
+    assert len(seen) >= 2 and all(seen)
+    assert torch.equal(values[0], whole.weight) and torch.equal(values[1], whole.bias)
+
+
 class _Reads(nn.Module):
     def __init__(self) -> None:
         super().__init__()
