@@ -270,14 +270,15 @@ def _close(rec: _Recorder) -> None:
         nn.Parameter.__deepcopy__ = _deepcopy  # torch's would copy unwritten memory
 
 
-_guard: Any = None  # the global forward pre-hook, while deferred parameters exist
+_guard: Any = None  # the global forward pre-hook and deepcopy, while deferred parameters exist
+_TORCH_DEEPCOPY = nn.Parameter.__deepcopy__
 
 
 def _refuse_unmaterialized(module: nn.Module, args: Any) -> None:
     global _guard
     if not _DEFERRED and _guard is not None:  # everything was sharded or materialized: stop
         _guard.remove()
-        _guard = None
+        _guard, nn.Parameter.__deepcopy__ = None, _TORCH_DEEPCOPY
     for name, p in module._parameters.items():
         if p is not None and is_deferred(p):
             raise RuntimeError(
@@ -308,11 +309,11 @@ def show(p: nn.Parameter) -> None:
         p.data = _HIDDEN.pop(id(p))[1]
 
 
-def _deepcopy(p: nn.Parameter, memo: dict, torch_copy: Any = nn.Parameter.__deepcopy__) -> Any:
+def _deepcopy(p: nn.Parameter, memo: dict) -> Any:
     """copy.deepcopy of a parameter: a deferred one's copy is deferred, with its ops."""
     rec = _lookup(_DEFERRED, p)
     if rec is None or rec.version == -1 or is_hidden(p):  # (inside a build torch's reads p)
-        return torch_copy(p, memo)
+        return _TORCH_DEEPCOPY(p, memo)
     q = nn.Parameter(torch.empty_strided(p.size(), p.stride(), dtype=p.dtype), p.requires_grad)
     if not (rec.ops and rec.ops[0].overwrites):  # its ops edit its values (as in _replay)
         q.data.copy_(p.detach())
