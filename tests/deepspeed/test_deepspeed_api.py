@@ -309,6 +309,16 @@ def _client_objects() -> dict:
     out["adamw"] = (type(eopt).__name__, [g["weight_decay"] for g in eopt.param_groups],
                     esched is sched, lrs_used(eng))
 
+    # A schedule initialize never sees (accelerate keeps one that is not DeepSpeed's, such
+    # as transformers' get_linear_schedule_with_warmup, to itself): stepping it sets the
+    # lr the engine steps with.
+    model = build("gpt")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    unseen = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    eng, *_ = zeropp.initialize(model=model, optimizer=opt, config=cfg)
+    unseen.step()
+    out["unseen"] = lrs_used(eng, steps=1)
+
     # A SequentialLR (schedules inside a schedule) and, for reference, the same
     # schedule on a plain optimizer.
     def seq(o):
@@ -361,6 +371,7 @@ def test_client_optimizer_and_schedules_drive_the_rebuilt_optimizer():
         name, wds, same, used = r["adamw"]
         assert name == "AdamW" and wds == [0.1, 0.0] and same
         assert used == [[1e-3, 1e-3], [5e-4, 5e-4], [2.5e-4, 2.5e-4], [1.25e-4, 1.25e-4]]
+        assert r["unseen"] == [[5e-4]]  # the engine stepped at 1e-3 before the fix
         got, ref = r["sequential"]
         assert [x[0] for x in got] == pytest.approx([x[0] for x in ref], rel=1e-12)
         assert [x[0] for x in ref] == pytest.approx([0.05, 0.075, 0.1, 0.05], rel=1e-12)

@@ -10,8 +10,8 @@ and the engine (engine.py).
 
 [Note: optimizers over shards]
 An optimizer built before `initialize` holds the model's original parameters,
-which sharding replaces. It is rebuilt over the shards: same class, same
-hyper-parameters per param group. A unit's parameters of different param
+which sharding replaces. It is rebuilt over the shards, in place: same class,
+same hyper-parameters per param group. A unit's parameters of different param
 groups (say, no weight decay for biases) go to different flat shards
 (`shard(param_groups=...)`), so per-group settings hold exactly. A schedule
 built on the client optimizer is re-pointed at the rebuilt one. A callable
@@ -271,8 +271,15 @@ def _optimizer_over(sgroups: list[dict], client: Any,
             # takes (AdamW's defaults hold a key its constructor refuses).
             takes = inspect.signature(type(client).__init__).parameters
             defaults = {k: v for k, v in client.defaults.items() if k in takes}
+            # Rebuilt in place (unless an engine already steps it): what holds the client
+            # (a schedule initialize never sees, as accelerate keeps a LambdaLR, or
+            # `opt.param_groups[0]["lr"] = ...`) then drives the steps, as under
+            # DeepSpeed, whose ZeRO-3 steps the client's own param groups.
+            opt = client if not hasattr(client, "parameter_offload") else \
+                type(client).__new__(type(client))
             try:
-                return type(client)(sgroups, **defaults)
+                type(client).__init__(opt, sgroups, **defaults)
+                return opt
             except TypeError as e:
                 raise ValueError(f"zeropp.initialize: cannot rebuild {type(client).__name__} "
                                  f"over the shards ({e}); pass a callable `lambda params: "
