@@ -190,11 +190,19 @@ def _surface_worker(ckpt: str) -> dict:
     with zeropp.zero.GatheredParameters(w.weight):
         gathered_shape = tuple(w.weight.shape)
     out["ds_shape"] = (tuple(w.weight.ds_shape) == gathered_shape and w.weight.numel() == 0)
-    # The consolidated 16-bit state dict: rank 0 gets full_state_dict's values, others None.
+    # The consolidated 16-bit state dict: rank 0 gets full_state_dict's values, others None;
+    # the tied head one tensor with the embedding, as DeepSpeed's (savers write it once).
     sd = eng._zero3_consolidated_16bit_state_dict()
     full = zeropp.full_state_dict(eng.module)
     out["consolidated"] = (sd is None) if rank else (
-        sd.keys() == full.keys() and all(torch.equal(sd[k], full[k]) for k in sd))
+        sd.keys() == full.keys() and all(torch.equal(sd[k], full[k]) for k in sd)
+        and sd["lm_head.weight"] is sd["wte.weight"])
+    eng.save_16bit_model(f"{ckpt}16", "model.safetensors")  # (safetensors: one copy per name)
+    if rank == 0:
+        from safetensors.torch import load_file
+        st = load_file(f"{ckpt}16/model.safetensors")
+        out["consolidated"] &= st.keys() == full.keys() and torch.equal(st["lm_head.weight"],
+                                                                         full["wte.weight"])
     # The partition cache: nothing gathered after it, and training goes on.
     eng.empty_partition_cache()
     out["cache_empty"] = all(not f.gathered for f in get_state(eng.module).flats)

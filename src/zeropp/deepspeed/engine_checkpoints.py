@@ -17,6 +17,7 @@ from ..checkpoint_files import CheckpointError
 from ..guards import agree, all_gather_bytes
 from ..shard import get_state
 from .errors import EngineAssertionError
+from .zero_to_fp32 import unshared
 
 
 class EngineCheckpoints:
@@ -127,7 +128,7 @@ class EngineCheckpoints:
         path = Path(save_dir) / save_filename
         if save_filename.endswith(".safetensors"):
             from safetensors.torch import save_file
-            save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+            save_file(unshared(sd), str(path))
         else:
             torch.save(sd, path)
 
@@ -149,6 +150,13 @@ class EngineCheckpoints:
         on rank 0, None elsewhere (what DeepSpeed returns; Trainer and accelerate
         save it). Collective."""
         sd = full_state_dict(self.module)
-        return self._to_16bit(sd, exclude_frozen_parameters) if self.global_rank == 0 else None
+        if self.global_rank != 0:
+            return None
+        sd = self._to_16bit(sd, exclude_frozen_parameters)
+        # Tied names share one tensor, as in DeepSpeed's: transformers' and accelerate's
+        # savers then write it once (apart, a tied lm_head.weight went to disk twice).
+        for i in (i for f in get_state(self.module).flats for i in f.infos):
+            sd.update({n: sd[i.fqns[0]] for n in i.fqns[1:] if n in sd})
+        return sd
 
     save_fp16_model = save_16bit_model

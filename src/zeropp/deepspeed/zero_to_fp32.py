@@ -60,14 +60,21 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: os.PathLike,
     out.mkdir(parents=True, exist_ok=True)
     if safe_serialization:
         from safetensors.torch import save_file
-        seen: set[int] = set()
-        unshared = {}
-        for k, v in sd.items():  # safetensors refuses tensors that share memory
-            unshared[k] = v.clone() if id(v) in seen else v
-            seen.add(id(v))
-        save_file(unshared, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file(unshared(sd), str(out / "model.safetensors"), metadata={"format": "pt"})
     else:
         torch.save(sd, out / "pytorch_model.bin")
+
+
+def unshared(sd: dict) -> dict:
+    """`sd` with a contiguous tensor of its own under each name: safetensors refuses
+    tensors that share memory (tied names)."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in sd.items():
+        out[k] = v.clone(memory_format=torch.contiguous_format) if id(v) in seen else \
+            v.contiguous()
+        seen.add(id(v))
+    return out
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: os.PathLike,
