@@ -306,6 +306,9 @@ def _client_objects() -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
     eng, eopt, _, esched = zeropp.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                              config=cfg)
+    # accelerate's DeepSpeedOptimizerWrapper asks `overflow` for skipped steps (its schedule
+    # then holds) only if the optimizer has one when it wraps it, before any step.
+    out["overflow_before_a_step"] = getattr(eopt, "overflow", None)
     out["adamw"] = (type(eopt).__name__, [g["weight_decay"] for g in eopt.param_groups],
                     esched is sched, lrs_used(eng))
 
@@ -371,6 +374,8 @@ def test_client_optimizer_and_schedules_drive_the_rebuilt_optimizer():
         name, wds, same, used = r["adamw"]
         assert name == "AdamW" and wds == [0.1, 0.0] and same
         assert used == [[1e-3, 1e-3], [5e-4, 5e-4], [2.5e-4, 2.5e-4], [1.25e-4, 1.25e-4]]
+        assert r["overflow_before_a_step"] is False  # (None: accelerate stepped its schedule
+        # on all 6 of 6 fp16 overflow-skipped steps, last_epoch 12 where DeepSpeed's stays 0)
         assert r["unseen"] == [[5e-4]]  # the engine stepped at 1e-3 before the fix
         got, ref = r["sequential"]
         assert [x[0] for x in got] == pytest.approx([x[0] for x in ref], rel=1e-12)

@@ -118,6 +118,9 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
         self.sparse_tensor_module_names: set = set()
         if optimizer is not None:  # DeepSpeed's optimizers say whether they need scale()
             optimizer.needs_scaler = lambda: self.loss_scaler is not None
+            # ... and whether the last step was skipped, from the start: accelerate reads it
+            # only if present when it wraps the optimizer (else its schedule steps anyway).
+            optimizer.overflow = False
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -336,7 +339,7 @@ class DeepSpeedEngine(GradSyncContexts, EngineCheckpoints, nn.Module):
                     self.lr_scheduler.step(**(lr_kwargs or {}))
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
-        self.optimizer.overflow = overflow  # DeepSpeed's optimizers say so (accelerate reads it)
+        self.optimizer.overflow = overflow
         self.optimizer.zero_grad(set_to_none=True)
         for p in master_shards(self.module):  # trainable ones in no param group too
             p.grad = None
