@@ -106,12 +106,9 @@ def test_a_deepspeed_folder_of_configs_is_not_the_real_deepspeed(tmp_path):
 
 # ---- coverage: every deepspeed.* name the Hugging Face libraries reach -----------------------
 # Names zeropp leaves out on purpose; each is on a path zeropp refuses anyway
-# (CPU-offload optimizers, ZeRO stages 0-2, sequence / tensor parallelism, the
+# (ZeRO stages 0-2, sequence / tensor parallelism, the
 # deepspeed launcher, accelerate's own test script).
 NOT_COVERED = {
-    "deepspeed.ops.adam", "deepspeed.ops.adam.DeepSpeedCPUAdam", "deepspeed.ops.adagrad",
-    "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad", "deepspeed.ops.lion",
-    "deepspeed.ops.lion.DeepSpeedCPULion",
     "deepspeed.runtime.sequence_parallel.ulysses_sp",
     "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF",
     "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter",
@@ -199,11 +196,12 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, DeepSpeedZeroOffl
 from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
 from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
 from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
+from deepspeed.ops.adam import DeepSpeedCPUAdam  # accelerate's, for an offload_optimizer config
 p = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
 print(has_comm_dtype(p), get_comm_dtype(p), get_allgather_dtype(p, p), len(DEFAULT_LEAF_MODULE_CLASSES))
 for use in (lambda: DeepSpeedZeroConfig(stage=3), lambda: DeepSpeedZeroOffloadParamConfig(),
             lambda: ensure_zero_ordered_dict(p), lambda: zero3_linear_wrap(p, p),
-            lambda: LinearFunctionForZeroStage3.apply(p, p)):
+            lambda: LinearFunctionForZeroStage3.apply(p, p), lambda: DeepSpeedCPUAdam([p])):
     try:
         use()
     except NotImplementedError as e:
@@ -222,4 +220,6 @@ print(isinstance({}, ZeROOrderedDict))
         "dict); zeropp has no such object",
         f"zeropp: deepspeed zero3_linear_wrap {linear}",
         f"zeropp: deepspeed LinearFunctionForZeroStage3.apply {linear}",
+        "zeropp: deepspeed DeepSpeedCPUAdam (ZeRO-Offload's CPU optimizer; set zero_optimization."
+        'offload_optimizer.device to "none") is not part of zeropp',
         "False"]

@@ -206,6 +206,11 @@ def namespaces(package: Any, version: str) -> dict[str, Any]:
     info = {**git_version_info(), "version": version}
     offload_configs = {n: _refused_class(n, "ZeRO-Offload") for n in (
         "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig")}
+    # accelerate swaps a torch optimizer for one of these when the config offloads it, before
+    # initialize could refuse the offload: the refusal names the key (it named deepspeed.ops).
+    cpu_optimizers = {n: _refused_class(n, "ZeRO-Offload's CPU optimizer; set zero_optimization."
+                                        "offload_optimizer.device to \"none\"")
+                      for n in ("DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion")}
     pipe = {"PipelineModule": _refused_class("PipelineModule", "pipeline parallelism"),
             "LayerSpec": _refused_class("LayerSpec", "pipeline parallelism"),
             "TiedLayerSpec": _refused_class("TiedLayerSpec", "pipeline parallelism")}
@@ -214,6 +219,9 @@ def namespaces(package: Any, version: str) -> dict[str, Any]:
         "deepspeed.ops": package("deepspeed.ops", __compatible_ops__=info["compatible_ops"]),
         "deepspeed.ops.op_builder": package("deepspeed.ops.op_builder", **builders),
         "deepspeed.ops.aio": package("deepspeed.ops.aio", AsyncIOBuilder=builders["AsyncIOBuilder"]),
+        **{f"deepspeed.ops.{m}": package(f"deepspeed.ops.{m}", **{n: cpu_optimizers[n]})
+           for m, n in (("adam", "DeepSpeedCPUAdam"), ("adagrad", "DeepSpeedCPUAdagrad"),
+                        ("lion", "DeepSpeedCPULion"))},
         "deepspeed.pipe": package("deepspeed.pipe", **pipe),
         "deepspeed.runtime.pipe": package("deepspeed.runtime.pipe", **pipe),
         "deepspeed.runtime.pipe.module": package("deepspeed.runtime.pipe.module", **pipe),
