@@ -244,7 +244,8 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
             mod._zeropp_unit = unit = Unit(name, mod, flats, state)
             # Under torch.compile(model) the hooks (collectives, storage resizes) run
             # eagerly, each a graph break at the unit's boundary; the units' compute compiles.
-            mod.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True)
+            # Gathers before the pre-hooks the model brought (weight_norm's read the weights).
+            mod.register_forward_pre_hook(_eager(unit.pre_forward), with_kwargs=True, prepend=True)
             mod.register_forward_hook(_eager(unit.post_forward))
             state.units.append(unit)
         install_state_dict_hooks(state.units, order)

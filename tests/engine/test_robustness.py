@@ -268,3 +268,25 @@ def test_a_parameter_backward_never_reaches_is_learnt_after_one_step():
     order.clear()
     model(X).sum().backward()
     assert order == ["<root>", "blocks.2", "blocks.1", "blocks.0"]  # learnt: as they finish
+
+
+def test_forward_pre_hooks_registered_before_shard_see_the_gathered_weights():
+    """A pre-hook the model brought (nn.utils.weight_norm's recomputes `weight` from
+    weight_g and weight_v) runs after the unit's gather: it read 0-element tensors,
+    and torch's weight norm of those killed the process (SIGFPE). The (8, 8) weight
+    the hook sees, and a weight-normed block's gradients, are plain PyTorch's."""
+    ref, model = Blocks(), Blocks()
+    seen = []
+    model.blocks[1].register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone()))
+    zeropp.shard(model)(X)
+    assert torch.equal(seen[0], ref.blocks[1].weight)
+    ref, model = Blocks(), Blocks()
+    for m in (ref, model):
+        m.blocks[0] = nn.utils.weight_norm(m.blocks[0])
+    model = zeropp.shard(model)
+    for m in (ref, model):
+        m(X).sum().backward()
+    got = model.blocks[0]._zeropp_flat0.grad
+    want = torch.cat([ref.blocks[0].bias.grad, ref.blocks[0].weight_g.grad.flatten(),
+                      ref.blocks[0].weight_v.grad.flatten()])
+    assert torch.allclose(got[:want.numel()], want, atol=1e-6)
