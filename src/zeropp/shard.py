@@ -217,9 +217,8 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
         sync = None
         if sync_module_states and topo.world_size > 1:
             sync = functools.partial(dist.broadcast, src=0)
-            with torch.no_grad():
-                for b in model.buffers():
-                    sync(b.data)
+            for b in model.buffers():
+                sync(b.data)  # (.data: no autograd)
         owned = assign_params(model, units)
         group_of = {id(p): k for k, ps in enumerate(param_groups or []) for p in ps}
         regs = [r for plist in owned.values() for _, rs, _ in plist for r in rs]

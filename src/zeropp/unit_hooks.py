@@ -33,14 +33,14 @@ class Unit:
     def __init__(self, name: str, module: nn.Module, flats: list[FlatParam],
                  state: ShardState) -> None:
         self.name, self.module, self.flats, self.state = name, module, flats, state
-        self.is_root = name == ""
-        self.label = name or "<root>"
+        self.is_root, self.label = name == "", name or "<root>"
         self.backward_gathered = False
         # An embedding lookup's backward scatters the output gradient into rows without reading the
         # weights: its unit is not gathered for backward (a 32k x 2048 fp32 vocabulary: 262 MB at
         # the end of backward, and its wire bytes). Only torch's own forward is known to be so.
         self.backward_reads_weights = type(module).forward not in _WEIGHTLESS_BACKWARD
         self.pins = 0  # zeropp.gathered() contexts holding the full weights resident
+        self.hooks_inputs = self.input_grads_due = False  # _PostBackward's (free_when_done)
         for f in flats:
             f.grads.on_ready = functools.partial(self._flat_grad_ready, f)
             f.unit, f.meter = self, state.meter
@@ -62,10 +62,8 @@ class Unit:
             f.wait_gather()
 
     def free(self, let_go: bool = False) -> None:
-        """Free the full weights (`let_go`: see FlatParam.free)."""
-        if self.pins:
-            return  # resident inside zeropp.gathered()
-        for f in self.flats:
+        """Free the full weights (`let_go`: FlatParam.free) unless zeropp.gathered() pins them."""
+        for f in () if self.pins else self.flats:
             f.free(let_go)
 
     # ---- hooks -----------------------------------------------------------------
@@ -84,8 +82,8 @@ class Unit:
             f.use_views()
         if st.cfg.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), st.cfg.param_dtype)
-        if self.flats and torch.is_grad_enabled() and not any(f.grads.on for f in self.flats):
-            # Frozen: no leaf gradient says when backward is done; the inputs' gradient does.
+        if self.flats and torch.is_grad_enabled() and not all(f.grads.on for f in self.flats):
+            # Frozen weights: no leaf gradient says when backward is done; the inputs' does.
             args, kwargs = _PostBackward.attach(self, args, kwargs)
         return args, kwargs
 
@@ -110,6 +108,7 @@ class Unit:
                                "weights are freed after use")
         st = self.state
         st.begin_backward()
+        self.input_grads_due = self.hooks_inputs
         if not self.backward_reads_weights:
             self.backward_gathered = True
             for f in self.flats:
@@ -126,10 +125,15 @@ class Unit:
     def _flat_grad_ready(self, flat: FlatParam) -> None:
         self.state.begin_backward()
         self.reduce(flat)
-        # Backward is past every use of the weights only if every gradient came: a flat that
-        # learnt to expect fewer (a branch unused last time) may still get one, and need them.
-        if not any(f.grads.needs_reduce or f.grads.expected != f.grads.everything
-                   for f in self.flats):
+        self.free_when_done()
+
+    def free_when_done(self) -> None:
+        # Backward is past every use of the weights only if every gradient came (a flat that learnt
+        # to expect fewer may still get one) and, where a forward hooked the inputs, theirs: frozen
+        # weights (a LoRA base's) serve the inputs' gradient after every trainable one came.
+        if not self.input_grads_due and not any(
+                f.grads.on and (f.grads.needs_reduce or f.grads.expected != f.grads.everything)
+                for f in self.flats):
             self.free()
 
     def reduce(self, flat: FlatParam) -> None:
@@ -157,7 +161,8 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.free()
+        ctx.unit.input_grads_due = False
+        ctx.unit.free_when_done()
         return (None, *grads)
 
     @staticmethod
@@ -166,6 +171,7 @@ class _PostBackward(torch.autograd.Function):
         idx = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not idx:
             return args, kwargs
+        unit.hooks_inputs = unit.input_grads_due = True
         outs = _PostBackward.apply(unit, *(leaves[i] for i in idx))
         for i, o in zip(idx, outs):
             leaves[i] = o
