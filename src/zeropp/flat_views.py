@@ -82,8 +82,7 @@ def own(flat: Any, tensors: list[torch.Tensor]) -> None:
     """`flat` (a FlatParam) is the owner of `tensors` while both live."""
     for t in tensors:
         key = id(t)
-        _OWNERS[key] = (weakref.ref(t, lambda _r, k=key: _OWNERS.pop(k, None)),
-                        weakref.ref(flat))
+        _OWNERS[key] = (weakref.ref(t, lambda _r, k=key: _OWNERS.pop(k, None)), weakref.ref(flat))
 
 
 def _on(full: torch.Tensor, info: Any) -> torch.Tensor:

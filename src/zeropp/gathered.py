@@ -98,8 +98,8 @@ def gathered(model: nn.Module, *, writable: bool = False,
         _release(pinned, chosen)  # e.g. out of memory for the snapshot: nothing stays pinned
         raise
     st.gathered_depth += 1
-    error: Optional[str] = None  # this rank's exception inside the context, in one line
-    peer_error = ""
+    st.snapshots.append(snapshots)
+    error, peer_error = None, ""  # this rank's exception inside the context, in one line; a peer's
     try:
         yield model
     except BaseException as e:
@@ -107,6 +107,7 @@ def gathered(model: nn.Module, *, writable: bool = False,
         raise
     finally:
         st.gathered_depth -= 1
+        st.snapshots = [s for s in st.snapshots if s is not snapshots]
         try:
             if writable:
                 # All ranks write back or none, and all drop these units' secondaries (the
@@ -120,8 +121,10 @@ def gathered(model: nn.Module, *, writable: bool = False,
         finally:
             snapshots.clear()
             _release(pinned, chosen)
-            if writable:  # edited or not, as the secondaries
-                st.regather_persistent([f for u in chosen for f in u.flats])
+            if writable:  # edited or not, as the secondaries; an outer context's too
+                st.regather_resident(flats := [f for u in chosen for f in u.flats])
+                for outer in st.snapshots:  # what it compares with (qwZ's rounding is no edit)
+                    outer.update({f: f.full.clone() for f in flats if f in outer})
     if peer_error and error is None:
         raise RuntimeError(f"zeropp.gathered: {peer_error} inside the context; every rank's "
                            "edits were discarded")
@@ -131,9 +134,8 @@ def _release(pinned: list[Unit], chosen: list[Unit]) -> None:
     for u in pinned:
         u.pins -= 1
     for u in chosen:
-        # No-op while an outer context still holds it. A tensor the user took inside
-        # (`p.detach()`, a state dict with keep_vars) keeps its values: the buffer is
-        # let go of, not emptied in place, as DeepSpeed's GatheredParameters does.
+        # No-op while an outer context holds it. A tensor taken inside (`p.detach()`, keep_vars
+        # state dicts) keeps its values: the buffer is let go of, as GatheredParameters does.
         u.free(let_go=True)
 
 

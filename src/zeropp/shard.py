@@ -53,6 +53,7 @@ class ShardState:
         self.backward_order: list[Unit] = []
         self.backward_active = False
         self.gathered_depth = 0  # open zeropp.gathered() contexts
+        self.snapshots: list[dict] = []  # the open writable ones' (gathered.py)
         self.held: Any = None  # coalesce.HeldGradients inside coalesced_reduction()
         self.optimizer_steps = 0  # steps over these shards; kept in checkpoints
 
@@ -81,10 +82,10 @@ class ShardState:
                     f.free(let_go=True, force=True)
         self.reducer.drain(keep=False)  # an interrupted backward's: dropped (a failure raised once)
 
-    def regather_persistent(self, flats: list[FlatParam]) -> None:
-        """Regather the persistent `flats` from their master shards (after a step, a refresh): all
-        issued, then all waited; old weights are let go (a tensor taken keeps its values)."""
-        flats = [f for f in flats if f.persistent]
+    def regather_resident(self, flats: list[FlatParam]) -> None:
+        """Regather those of `flats` kept resident (persistent, or pinned by a gathered()) from the
+        master shards: all issued, then all waited; old weights let go (tensors taken keep them)."""
+        flats = [f for f in flats if f.persistent or f.unit.pins]
         for f in flats:
             f.free(let_go=True, force=True)
         for f in flats:
@@ -172,7 +173,7 @@ def _step_hooks(state: ShardState) -> None:
         st = state_ref()
         st.optimizer_steps += 1
         mine = {id(b) for b in buffers}
-        st.regather_persistent([f for f in st.flats if id(f.buffer) in mine])
+        st.regather_resident([f for f in st.flats if id(f.buffer) in mine])
     state_ref = weakref.ref(state)
     step_hooks(state, state.stats, select, before, after)
 
@@ -196,8 +197,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *,
     with paused():  # called inside an open deferred_init() / zero.Init(): nothing recorded
         cfg = cfg if cfg is not None else Config()
         if not isinstance(cfg, Config):
-            raise TypeError("zeropp.shard: cfg must be a zeropp.Config, got "
-                            f"{type(cfg).__name__}")
+            raise TypeError(f"zeropp.shard: cfg must be a zeropp.Config, got {type(cfg).__name__}")
         if any(hasattr(m, "_zeropp_state") or hasattr(m, "_zeropp_unit") for m in model.modules()):
             raise RuntimeError("zeropp.shard: this model (or a submodule of it) is already "
                                "sharded; call shard() once, on the root model")
@@ -313,7 +313,7 @@ def refresh(model: nn.Module) -> None:
     st = get_state(model)
     for f in st.flats:
         f.buffer.invalidate()
-    st.regather_persistent([f for f in st.flats if f.gathered])
+    st.regather_resident([f for f in st.flats if f.gathered])
 
 
 def reset_comm_stats(model: nn.Module) -> None:

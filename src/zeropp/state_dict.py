@@ -123,7 +123,7 @@ def _load(entries: list, module: nn.Module, sd: dict, prefix: str, local_metadat
     for f in touched:
         f.buffer.invalidate()
     if touched:  # (every rank loads the same keys)
-        next(iter(touched)).unit.state.regather_persistent(list(touched))
+        next(iter(touched)).unit.state.regather_resident(list(touched))
 
 
 def _forget_flat_keys(module: nn.Module, incompatible: Any) -> None:

@@ -192,6 +192,11 @@ def _semantics() -> dict:
             h1.attn.c_proj.bias.fill_(float(rank + 1))
     with zeropp.gathered(model):
         out["modifier"] = h1.attn.c_proj.bias.detach().clone()
+        # Inside an outer context too: its resident weights are rank 0's edit on every rank.
+        with zeropp.gathered(model, writable=True, modifier_rank=0):
+            with torch.no_grad():
+                h1.attn.c_attn.bias.fill_(float(rank + 1))
+        out["modifier_nested"] = h1.attn.c_attn.bias.detach().clone()
 
     # Exception inside writable: the edit is discarded.
     with zeropp.gathered(model):
@@ -346,9 +351,21 @@ def _rank_local_exception() -> dict:
     with torch.no_grad():
         after = zeropp.full_state_dict(model)
     loss = step(model, opt, 1)  # would hang if the ranks' gather routes differed
+    # Nested writable contexts (qwZ): the outer writes back what changed since the inner's
+    # exit, not the unedited weights of the blocks the inner's edit touched (their INT8).
+    with torch.no_grad():
+        stepped = zeropp.full_state_dict(model)
+    with zeropp.gathered(model, writable=True, modifier_rank=0):
+        with zeropp.gathered(model, writable=True, modifier_rank=0):
+            with torch.no_grad():
+                model.transformer.h[1].mlp.c_fc.bias[0] = 0.5
+    with torch.no_grad():
+        nested = zeropp.full_state_dict(model)
     return {"raised": raised, "loss": loss,
             "unchanged": all(torch.equal(before[k], after[k]) for k in before) if rank == 0
-            else None}
+            else None,
+            "nested": {k: (v != nested[k]).nonzero().flatten().tolist()
+                       for k, v in stepped.items() if not torch.equal(v, nested[k])}}
 
 
 def test_gathered_rank_local_exception_discards_every_ranks_edit_without_hanging():
@@ -359,6 +376,7 @@ def test_gathered_rank_local_exception_discards_every_ranks_edit_without_hanging
             "RuntimeError: zeropp.gathered: rank 1 raised ValueError: a rank-local failure "
             "(say, in a reward function) inside the context; every rank's edits were discarded")
     assert res[0]["unchanged"]
+    assert res[0]["nested"] == {"transformer.h.1.mlp.c_fc.bias": [0]}
     assert all(math.isfinite(r["loss"]) for r in res)
 
 
@@ -375,6 +393,7 @@ def test_gathered_exception_nesting_writable_and_misuse():
         want[0] = -2.0
         assert torch.equal(r["seen"], want)
         assert torch.equal(r["modifier"], torch.ones(32))  # rank 0's value everywhere
+        assert torch.equal(r["modifier_nested"], torch.ones(96))
         assert r["discarded"]
         assert r["budget"] == [1, 1, 0]
         e = r["errors"]

@@ -150,8 +150,7 @@ class WeightPath:
                 sec.set(out, gather.version)  # stage 1's output is the secondary
             mine, op, group = out, f"all_gather/{gather.phase}/intra", "intra_node"
         else:
-            delta.finish(spec, out, sec.pieces.view(spec.world_size // sec.p, -1),
-                         self.outer_index)
+            delta.finish(spec, out, sec.pieces.view(spec.world_size // sec.p, -1), self.outer_index)
             sec.set(sec.pieces, gather.version)  # the delta applied: current again
             mine, op, group = sec.pieces, f"all_gather/{gather.phase}/hpz", "hpz"
         pending, out = hpz.issue(spec, gather.comm, mine, op, group)
