@@ -181,8 +181,9 @@ class FlatParam:
         self._free_storage()
 
     def _new_buffer(self) -> None:
-        self.full = torch.empty_like(self.full)
-        self.views.renew(self.full)
+        with torch.inference_mode(False):  # (gathered() left inside it: training gathers into it)
+            self.full = torch.empty_like(self.full)
+            self.views.renew(self.full)
 
     def _free_storage(self) -> None:
         self.full.untyped_storage().resize_(0)

@@ -77,8 +77,7 @@ def gathered(model: nn.Module, *, writable: bool = False,
         # As a training forward does: leftovers of an interrupted forward or backward
         # (weights gathered before the last optimizer step) are dropped first.
         st.begin_iteration()
-    snapshots: dict = {}
-    pinned: list[Unit] = []
+    snapshots, pinned = {}, []  # (writable) flat -> its weights at entry; units pinned so far
     try:
         # Issue every gather, then wait: the same collectives in the same (model) order on every
         # rank, all in flight together.

@@ -340,3 +340,22 @@ def test_units_of_frozen_and_trainable_weights_train_as_unsharded(reentrant):
             opt.zero_grad()
     with torch.no_grad():
         assert torch.allclose(model(X), ref(X), atol=1e-6)
+
+
+def test_a_gathered_context_left_inside_inference_mode_lets_training_go_on():
+    """RLHF's rollout: `with torch.inference_mode(), zeropp.gathered(model)`. The buffers
+    let go at its exit were made as inference tensors, and the next training forward's
+    gather into them failed ("Inplace update to inference tensor outside InferenceMode").
+    Two SGD steps around it: outputs within 1e-6 of PyTorch's."""
+    ref, model = _pair()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    for m, opt in zip((ref, model), opts):
+        for x in (X, X2):
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if m is model:
+                with torch.inference_mode(), zeropp.gathered(model):
+                    model(X2)
+    with torch.no_grad():
+        assert torch.allclose(model(X), ref(X), atol=1e-6)
