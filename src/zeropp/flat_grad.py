@@ -75,8 +75,9 @@ class FlatGrad:
         return self.grad is not None
 
     def drop(self) -> None:
-        """Forget a gradient an interrupted backward left behind."""
-        self.grad, self.arrived, self.seen, self.needs_reduce = None, set(), set(), False
+        """Forget a gradient an interrupted backward left behind (not `needs_reduce`: a forward's
+        backward may still come, after an eval forward or a zeropp.gathered() context)."""
+        self.grad, self.arrived, self.seen = None, set(), set()
         for t in self.params:
             t.grad = None
 

@@ -3,6 +3,7 @@ PyTorch on the same model (world size 1 runs every hook; hpZ needs W=2)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -357,5 +358,30 @@ def test_a_gathered_context_left_inside_inference_mode_lets_training_go_on():
             if m is model:
                 with torch.inference_mode(), zeropp.gathered(model):
                     model(X2)
+    with torch.no_grad():
+        assert torch.allclose(model(X), ref(X), atol=1e-6)
+
+
+@pytest.mark.parametrize("between", ["no_grad", "gathered"])
+def test_an_eval_between_forward_and_backward_leaves_units_of_two_flats_gathered(between):
+    """shard(param_groups=...) (the decay / no-decay split HF's Trainer makes) gives each
+    unit two flats. A no_grad root forward, or a zeropp.gathered() context, between a
+    forward and its backward forgot that the forward's units await gradients: a unit was
+    freed when its biases' came, and backward failed ("The size of tensor a (0) must
+    match the size of tensor b (8)"). Two SGD steps: outputs within 1e-6 of PyTorch's."""
+    ref = Blocks()
+    model = copy.deepcopy(ref)
+    model = zeropp.shard(model, param_groups=[[p for n, p in model.named_parameters()
+                                               if n.endswith("weight")]])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    for m, opt in zip((ref, model), opts):
+        for x in (X, X2):
+            loss = m(x).sum()
+            ctx = zeropp.gathered(model) if between == "gathered" and m is model else None
+            with torch.no_grad(), ctx or contextlib.nullcontext():
+                m(X2)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
     with torch.no_grad():
         assert torch.allclose(model(X), ref(X), atol=1e-6)
