@@ -160,9 +160,8 @@ class Comm:
         self._record_peers(op, group, ranks, inp.nbytes // len(ranks), scale_bytes_per_peer)
         if len(ranks) == 1:
             out.copy_(inp)
-        else:
-            self._wait(dist.all_to_all_single(out, inp, group=self.groups[group], async_op=True),
-                       op)
+            return
+        self._wait(dist.all_to_all_single(out, inp, group=self.groups[group], async_op=True), op)
 
     def scatter(self, chunks: torch.Tensor, *, src: int, op: str) -> torch.Tensor:
         """Rank `src`'s `chunks` ([W, n], every rank passes its own: only src's are

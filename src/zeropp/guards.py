@@ -66,8 +66,7 @@ def check_peers(what: str, hint: str = "", size: int = 0) -> list[int]:
     rank is in this exchange (`what`); MismatchedCollective names those that are not, and `hint`."""
     if not _distributed():
         return [size]
-    dev, w = collective_device(), dist.get_world_size()
-    tag = zlib.crc32(what.encode())
+    dev, w, tag = collective_device(), dist.get_world_size(), zlib.crc32(what.encode())
     head = torch.tensor([_MARK, tag, size], dtype=torch.int64, device=dev)
     heads = torch.empty(3 * w, dtype=torch.int64, device=dev)
     _all_gather_flat(heads, head)
@@ -115,17 +114,19 @@ def model_signature(model: torch.nn.Module, unit_names: list[str]) -> list[list]
 
 
 def _describe(item: Optional[list]) -> str:
-    if item is None:
-        return "nothing"
-    if item[0] == "unit":
-        return f"unit {item[1] or '<root>'!r}"
+    if item is None or item[0] == "unit":
+        return f"unit {item[1] or '<root>'!r}" if item else "nothing"
     return f"parameter {item[1]!r} shape {tuple(item[2])} {item[3]}" + (
         "" if item[4] else " (frozen)")
 
 
 def check_same_model(model: torch.nn.Module, unit_names: list[str]) -> None:
-    """Collective: raise the same ValueError on every rank unless all ranks hold the same units
-    and parameters (names, shapes, dtypes, trainability)."""
+    """Collective: the same ValueError on every rank unless all hold the same units and parameters
+    (names, shapes, dtypes, trainability); first a TypeError for a complex or integer one."""
+    odd = next(((n, p.dtype) for n, p in model.named_parameters() if not p.is_floating_point()), 0)
+    if odd:
+        raise TypeError(f"zeropp.shard: parameter {odd[0]!r} is {odd[1]}; only floating-point "
+                        "parameters can be sharded (the master shards are fp32)")
     if not _distributed():
         return
     sig = json.dumps(model_signature(model, unit_names)).encode()
@@ -160,9 +161,8 @@ def forget_parameters(params: list[torch.nn.Parameter]) -> None:
 
 
 def _check_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if opt in _checked:
-        return
-    stale = sum(_replaced.get(id(p)) is p for g in opt.param_groups for p in g["params"])
+    stale = opt not in _checked and sum(_replaced.get(id(p)) is p for g in opt.param_groups
+                                        for p in g["params"])
     if stale:
         raise RuntimeError(
             f"zeropp: this {type(opt).__name__} holds {stale} parameter(s) of the model as it "
