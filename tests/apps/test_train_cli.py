@@ -64,6 +64,22 @@ def test_bad_input_is_one_line_and_exit_2_without_traceback(files, args, message
     assert line.startswith("zeropp train: ") and message in line, line
 
 
+def test_every_text_the_split_accepts_gives_batches_of_both_parts():
+    # At seq_len 32 the shortest text accepted had 66 tokens and a validation part of
+    # 33: every worker then died in torch.randint ("from=0 >= to=0") at its first
+    # evaluation (texts under 340 tokens). The shortest is 68 now, each part 34.
+    import torch
+
+    from zeropp.train.data import DataError, get_batch, split_tokens
+    with pytest.raises(DataError, match="need at least 68"):
+        split_tokens(torch.arange(67), 32)
+    gen = torch.Generator().manual_seed(0)
+    for n in range(68, 400):
+        for part in split_tokens(torch.arange(n), 32):
+            x, y = get_batch(part, 2, 32, gen)
+            assert x.shape == y.shape == (2, 32) and torch.equal(x[:, 1:], y[:, :-1])
+
+
 def test_bad_input_from_the_command_line_is_one_line_and_exit_2():
     r = _cli("--nproc", "3", "--node-size", "2")
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

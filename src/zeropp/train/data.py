@@ -48,11 +48,13 @@ def load_text(path: Optional[str]) -> str:
 
 
 def split_tokens(ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed split: the last 10% (at least one sequence) is validation."""
-    n_val = max(seq_len + 1, len(ids) // 10)
-    if len(ids) < n_val + seq_len + 1:
+    """Fixed split: the last 10% (at least one sequence) is validation. Each part
+    needs seq_len + 2 tokens: get_batch draws starts below len - seq_len - 1 (at
+    seq_len + 1 there is none: a torch.randint error in every worker)."""
+    n_val = max(seq_len + 2, len(ids) // 10)
+    if len(ids) < n_val + seq_len + 2:
         raise DataError(f"the text has {len(ids)} tokens; sequences of {seq_len} need at least "
-                        f"{n_val + seq_len + 1} (one for training, one for validation)")
+                        f"{n_val + seq_len + 2} (one for training, one for validation)")
     return ids[:-n_val], ids[-n_val:]
 
 
