@@ -49,8 +49,10 @@ def files(tmp_path_factory):
     (["--deepspeed-config", "{d}/hpz3.json"], "hpZ's partition size 3 must divide the 4 ranks"),
     (["--sync-every", "8"], "--sync-every 8 does nothing without --replicas"),
     (["--replicas", "2", "--fragments", "2"], "--fragments 2 does nothing without --sync-every"),
+    (["--out", "{d}/short.txt"], "short.txt: cannot create this directory (File exists)"),
+    (["--replicas", "2", "--out", "{d}/short.txt/run"], "cannot create this directory (Not a"),
 ], ids=["missing", "empty", "short", "nproc", "preset", "ds-json", "ds-stage", "compare",
-        "clip", "hpz", "ds-hpz", "replica-only", "diloco-only"])
+        "clip", "hpz", "ds-hpz", "replica-only", "diloco-only", "out-file", "replica-out"])
 def test_bad_input_is_one_line_and_exit_2_without_traceback(files, args, message, capsys,
                                                            monkeypatch):
     # Input that got past the checks would reach the workers: that fails here at
@@ -62,6 +64,14 @@ def test_bad_input_is_one_line_and_exit_2_without_traceback(files, args, message
     monkeypatch.setattr(zeropp.cli.main, "spawn", no_workers)
     line = cli_error_line(["train", *[a.format(d=files) for a in args]], capsys)
     assert line.startswith("zeropp train: ") and message in line, line
+
+
+@pytest.mark.parametrize("argv", [["export", "{d}/no-ckpt", "{d}/short.txt"],
+                                  ["bench", "--configs", "zero3", "--out", "{d}/short.txt"]])
+def test_an_output_directory_that_is_a_file_is_one_line(files, argv, capsys):
+    # It was mkdir's FileExistsError traceback, from export and bench as from train.
+    line = cli_error_line([a.format(d=files) for a in argv], capsys)
+    assert line.endswith("short.txt: cannot create this directory (File exists)"), line
 
 
 def test_every_text_the_split_accepts_gives_batches_of_both_parts():

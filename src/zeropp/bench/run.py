@@ -141,7 +141,11 @@ def run_bench(ns) -> tuple[list[dict], Path]:
         raise ValueError(f"--rounds {ns.rounds} must be >= 1")
     Cluster(ns.nodes, rate)  # validates the node count against the subnet
     out_dir = Path(ns.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:  # (not cli.commands.make_dir: that module imports this one)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out_dir}: cannot create this directory ({e.strerror})"
+                         ) from None
     ok, why = available()
     if not ok:
         print(f"zeropp bench: no emulated cluster ({why}); running on plain loopback instead",

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -22,6 +23,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class UsageError(ValueError):
     """Bad input: reported in one line, exit status 2."""
+
+
+def make_dir(path: os.PathLike, flag: str) -> Path:
+    """`mkdir -p path`; a file in the way or no permission is a UsageError naming
+    `flag` (it was a traceback)."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create this directory ({e.strerror})"
+                         ) from None
+    return Path(path)
 
 
 def _version(pkg: str) -> str:
@@ -101,6 +113,7 @@ def run_plan(ns: argparse.Namespace) -> int:
 
 def run_export(ns: argparse.Namespace) -> int:
     from .export import export
+    make_dir(ns.out, "OUT")
     try:
         files = export(ns.checkpoint, ns.out, dtype=DTYPES[ns.dtype] if ns.dtype else None)
     except CheckpointError as e:

@@ -42,7 +42,7 @@ from ..train.resume import (
 )
 from ..train.resume import find as find_checkpoint
 from ..train.tokenizer import TokenizerError
-from .commands import DTYPES, UsageError, run_bench_cmd, run_export, run_launch, run_plan
+from .commands import DTYPES, UsageError, make_dir, run_bench_cmd, run_export, run_launch, run_plan
 from .launch import WorkerError, spawn
 from .replicas import add_replica_args, refuse_unused, run_replica_train
 
@@ -234,7 +234,7 @@ def run_train(ns: argparse.Namespace) -> int:
         ids, vocab = prepare_tokens(a, CACHE)
     except (DataError, TokenizerError) as e:
         raise UsageError(str(e)) from None
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(run_dir, "--out")
     try:
         with RunLock(run_dir):
             if resume:

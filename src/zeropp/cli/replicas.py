@@ -15,7 +15,7 @@ from ..train.data import DataError
 from ..train.loop import prepare_tokens
 from ..train.model import PRESETS
 from ..train.tokenizer import TokenizerError
-from .commands import UsageError
+from .commands import UsageError, make_dir
 
 
 def add_replica_args(p: argparse.ArgumentParser) -> None:
@@ -135,7 +135,7 @@ def run_replica_train(ns: argparse.Namespace, train_args_from, configs_from,
     run_dir = Path(ns.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if any(run_dir.glob("replica*/metrics.jsonl")):
         raise UsageError(f"--out {run_dir} already holds a replica run; choose another --out")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(run_dir, "--out")
     tokens = run_dir / "tokens.pt"
     torch.save(ids.to(torch.int32), tokens)
     (run_dir / "config.json").write_text(json.dumps(
