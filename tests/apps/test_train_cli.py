@@ -169,6 +169,7 @@ def test_ctrl_c_stops_every_worker_within_seconds(tmp_path):
         _, err = p.communicate(timeout=15)
         assert time.monotonic() - t0 < 10
         assert p.returncode == 130 and "interrupted" in err
+        assert not (out / "tokens.pt").exists()  # the workers' copy of the corpus
         time.sleep(1)
         assert group_alive(p.pid) == [], "processes left behind"
     finally:

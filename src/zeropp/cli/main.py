@@ -258,7 +258,10 @@ def run_train(ns: argparse.Namespace) -> int:
                                      ) from None
                 _say(f"{run_dir} already holds this run: resuming it from "
                      f"{Path(a.resume).name} (another --out starts a new one)")
-            return _train(ns, a, runs, run_dir, ids, vocab)
+            try:
+                return _train(ns, a, runs, run_dir, ids, vocab)
+            finally:  # (also on Ctrl-C: the corpus as int32, 20 MB for Shakespeare)
+                (run_dir / "tokens.pt").unlink(missing_ok=True)
     except RunLocked as e:
         raise UsageError(str(e)) from None
 
@@ -285,7 +288,6 @@ def _train(ns: argparse.Namespace, a: TrainArgs, runs: list, run_dir: Path,
                         pg_timeout=1800, max_restarts=ns.max_restarts, verbose=ns.verbose,
                         log=str(log))[0]
         except WorkerError as e:
-            tokens_file.unlink(missing_ok=True)
             if e.fatal:  # the workers' bad input (a checkpoint that does not load)
                 raise UsageError(e.short.split(": ", 1)[-1]) from None
             after = f" after {ns.max_restarts} restart(s)" if ns.max_restarts else ""
@@ -297,7 +299,6 @@ def _train(ns: argparse.Namespace, a: TrainArgs, runs: list, run_dir: Path,
         (sub / "summary.json").write_text(json.dumps(rows[-1], indent=2))
         if not ns.compare:
             plot(curves, sub / "loss.png", f"zeropp: {a.hf_model or a.model}, {ns.nproc} ranks")
-    tokens_file.unlink()
     if ns.compare:
         drew = plot(curves, run_dir / "compare.png", f"zeropp: {', '.join(curves)}")
         (run_dir / "summary.md").write_text(table(rows) + "\n")
