@@ -234,6 +234,15 @@ def test_resume_into_an_out_holding_another_runs_checkpoints_is_refused(straight
            {k: v for k, v in before.items() if not k.endswith(".lock")}
 
 
+def test_resume_of_a_finished_run_into_a_new_out_is_one_line(straight, tmp_path, capsys):
+    """Its checkpoint at step 40 of --steps 40: the workers ran no step, and the
+    launcher's summary of no rows was an IndexError traceback."""
+    line = cli_error_line(["train", *CMD, "--resume", str(straight), "--out",
+                           str(tmp_path / "o")], capsys)
+    assert line == (f"zeropp train: --resume {straight / LAST} is at step 40: --steps 40 "
+                    "leaves nothing to train")
+
+
 def test_compare_on_a_directory_holding_a_comparison_is_refused_in_one_line(straight,
                                                                            tmp_path, capsys):
     shutil.copytree(straight, tmp_path / "cmp" / "zero3")

@@ -157,10 +157,11 @@ def _say(line: str) -> None:
 
 
 def verified_resume(a: TrainArgs, path: str, keep: bool = False,
-                    cfg: Optional[zeropp.Config] = None) -> str:
+                    cfg: Optional[zeropp.Config] = None, finished_ok: bool = False) -> str:
     """The checkpoint `--resume path` continues from (see resume.resume_point),
-    checked to be this run's (and, given `cfg`, of its ZeRO++ settings); raises
-    UsageError."""
+    checked to be this run's (and, given `cfg`, of its ZeRO++ settings) and, unless
+    `finished_ok` (the same command again on its --out), to leave steps to train;
+    raises UsageError."""
     try:
         ck = resume_point(path, _say, keep)
         man = read_manifest(ck)
@@ -171,6 +172,10 @@ def verified_resume(a: TrainArgs, path: str, keep: bool = False,
         check_same_run(saved, dataclasses.asdict(a), ck)
         if cfg is not None:
             check_same_config(man, cfg, ck)
+        if not finished_ok and man["extra"]["step"] >= a.steps:
+            # (into another --out the run had no rows: an IndexError once workers ran)
+            raise CheckpointError(f"--resume {ck} is at step {man['extra']['step']}: "
+                                  f"--steps {a.steps} leaves nothing to train")
         return str(ck)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
@@ -251,7 +256,8 @@ def run_train(ns: argparse.Namespace) -> int:
                 # The same command again (after a crash, a kill, a reboot): continue
                 # the run rather than start over its metrics and checkpoints.
                 try:
-                    a.resume = verified_resume(a, str(run_dir), cfg=runs[0][1])
+                    a.resume = verified_resume(a, str(run_dir), cfg=runs[0][1],
+                                               finished_ok=True)
                 except UsageError as e:
                     raise UsageError(f"--out {run_dir} already holds a run that cannot be "
                                      f"resumed with these options ({e}); choose another --out"
