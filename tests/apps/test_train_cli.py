@@ -90,6 +90,26 @@ def test_every_text_the_split_accepts_gives_batches_of_both_parts():
             assert x.shape == y.shape == (2, 32) and torch.equal(x[:, 1:], y[:, :-1])
 
 
+def test_validation_loss_is_the_eval_mode_loss_without_dropout(monkeypatch):
+    # --hf-model gpt2 has dropout 0.1 and the evaluation ran in train mode: its val loss
+    # was a dropout sample (5.4629 against 5.4504 without dropout, 2 steps of tiny).
+    import torch
+
+    from zeropp.train import loop
+    from zeropp.train.model import GPT, GPTConfig
+    monkeypatch.setattr(loop.dist, "all_reduce", lambda t: None)  # one rank
+    a = loop.TrainArgs(batch=2, seq_len=16, eval_batches=3)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.5))
+    val = torch.randint(0, 256, (200,))
+    got = loop._val_loss(model, val, a, 0, 1)
+    assert model.training  # as it was
+    gen, model = torch.Generator().manual_seed(10_000), model.eval()
+    with torch.no_grad():
+        want = [model(*loop.get_batch(val, 2, 16, gen))[1].item() for _ in range(3)]
+    assert got == sum(want) / 3
+
+
 def test_bad_input_from_the_command_line_is_one_line_and_exit_2():
     r = _cli("--nproc", "3", "--node-size", "2")
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -109,8 +109,13 @@ def build_model(a: TrainArgs, vocab: int) -> nn.Module:
 @torch.no_grad()
 def _val_loss(model, val, a: TrainArgs, rank: int, world: int) -> float:
     gen = torch.Generator().manual_seed(10_000 + rank)  # the same batches every eval (CPU RNG)
-    losses = [model(*get_batch(val, a.batch, a.seq_len, gen))[1].item()
-              for _ in range(a.eval_batches)]
+    was = model.training
+    model.eval()  # no dropout (--hf-model gpt2 has 0.1: val loss read 0.0125 high at step 2)
+    try:
+        losses = [model(*get_batch(val, a.batch, a.seq_len, gen))[1].item()
+                  for _ in range(a.eval_batches)]
+    finally:
+        model.train(was)
     t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64, device=val.device)
     dist.all_reduce(t)
     return t.item() / world
