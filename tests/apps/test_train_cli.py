@@ -217,3 +217,11 @@ def test_torchrun_launch_runs_the_same_job(tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
     assert (out / "config.json").exists() and (out / "loss.png").exists()
     assert not list(out.glob("tokens-node*.pt"))
+    # Bad input read by each node's first rank: one line from rank 0, every rank exits 2
+    # (rank 1 died in a broadcast with a connection-reset traceback)
+    r = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
+                        "zeropp.train", *SMALL, "--data", "/no/such.txt", "--out", str(out)],
+                       capture_output=True, text=True, timeout=180)
+    assert "zeropp.train: data file '/no/such.txt' does not exist" in r.stderr, r.stderr[-2000:]
+    assert r.returncode != 0 and "[rank1]" not in r.stderr, r.stderr  # (torchrun's own
+    # traceback on a child's status 2 stays)

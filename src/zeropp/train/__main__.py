@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..cli.commands import make_dir
 from ..cli.main import (
     CACHE,
     UsageError,
@@ -49,18 +50,25 @@ def main() -> int:
         run_dir = Path(ns.out or f"runs/torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
         # each machine's first rank prepares its own copy (no shared filesystem assumed)
         tokens_file = run_dir / f"tokens-node{rank // ns.node_size}.pt"
+        vocab, error = None, None
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            ids, vocab = prepare_tokens(a, CACHE)
-            torch.save(ids.to(torch.int32), tokens_file)
-            if rank == 0:
-                (run_dir / "config.json").write_text(_config_json(a, cfg, ns))
-        else:
-            vocab = None
-        info = [vocab]
-        dist.broadcast_object_list(info, src=0)
-        dist.barrier()
-        out = train_worker(a, cfg, str(run_dir), str(tokens_file), info[0])
+            try:
+                make_dir(run_dir, "--out")
+                ids, vocab = prepare_tokens(a, CACHE)
+                torch.save(ids.to(torch.int32), tokens_file)
+                if rank == 0:
+                    (run_dir / "config.json").write_text(_config_json(a, cfg, ns))
+            except (UsageError, DataError, TokenizerError) as e:
+                error = str(e)
+        # Every rank learns of any node's error (each then exits 2, rank 0 saying why),
+        # where the others died in a broadcast with a traceback each (connection reset).
+        # It is also the barrier after each node's tokens file is written.
+        found: list = [None] * world
+        dist.all_gather_object(found, (vocab, error))
+        errors = [e for _, e in found if e]
+        if errors:
+            raise UsageError(errors[0])
+        out = train_worker(a, cfg, str(run_dir), str(tokens_file), found[0][0])
     except (UsageError, DataError, TokenizerError) as e:
         if rank == 0:
             print(f"zeropp.train: {e}", file=sys.stderr)
