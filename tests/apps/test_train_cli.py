@@ -50,9 +50,12 @@ def files(tmp_path_factory):
     (["--sync-every", "8"], "--sync-every 8 does nothing without --replicas"),
     (["--replicas", "2", "--fragments", "2"], "--fragments 2 does nothing without --sync-every"),
     (["--out", "{d}/short.txt"], "short.txt: cannot create this directory (File exists)"),
+    (["--deepspeed-config", "{d}/hpz3.json", "--compare", "zero3,zeropp"],
+     "--deepspeed-config is the one configuration to run; it cannot be combined"),
     (["--replicas", "2", "--out", "{d}/short.txt/run"], "cannot create this directory (Not a"),
 ], ids=["missing", "empty", "short", "nproc", "preset", "ds-json", "ds-stage", "compare",
-        "clip", "hpz", "ds-hpz", "replica-only", "diloco-only", "out-file", "replica-out"])
+        "clip", "hpz", "ds-hpz", "replica-only", "diloco-only", "out-file", "replica-out",
+        "ds-compare"])
 def test_bad_input_is_one_line_and_exit_2_without_traceback(files, args, message, capsys,
                                                            monkeypatch):
     # Input that got past the checks would reach the workers: that fails here at
@@ -72,6 +75,26 @@ def test_an_output_directory_that_is_a_file_is_one_line(files, argv, capsys):
     # It was mkdir's FileExistsError traceback, from export and bench as from train.
     line = cli_error_line([a.format(d=files) for a in argv], capsys)
     assert line.endswith("short.txt: cannot create this directory (File exists)"), line
+
+
+def test_flags_override_a_deepspeed_config_as_they_override_a_preset(files):
+    # --no-qgz, --grad-bits 8 and --param-dtype bf16 were dropped without a word
+    import argparse
+
+    import torch
+
+    from zeropp.cli.main import add_train_args, configs_from
+    (files / "zpp.json").write_text('{"zero_optimization": {"stage": 3, "zero_quantized_weights"'
+                                    ': true, "zero_quantized_gradients": true}}')
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    ds = ["--deepspeed-config", str(files / "zpp.json")]
+    (_, cfg), = configs_from(p.parse_args(ds))
+    assert cfg.quantized_gradients and cfg.grad_bits == 4 and cfg.param_dtype is None
+    (_, cfg), = configs_from(p.parse_args([*ds, "--no-qgz", "--grad-bits", "8",
+                                           "--param-dtype", "bf16"]))
+    assert (cfg.quantized_weights, cfg.quantized_gradients, cfg.grad_bits,
+            cfg.param_dtype) == (True, False, 8, torch.bfloat16)
 
 
 def test_every_text_the_split_accepts_gives_batches_of_both_parts():

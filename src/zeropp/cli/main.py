@@ -111,7 +111,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-bits", dest="grad_bits", type=int, default=None)
     g.add_argument("--intra-grad-bits", dest="intra_node_grad_bits", type=int, default=None)
     g.add_argument("--block-size", dest="block_size", type=int, default=None)
-    g.add_argument("--param-dtype", default="fp32", choices=list(DTYPES),
+    g.add_argument("--param-dtype", default=None, choices=list(DTYPES),
                    help="compute dtype (fp32 default: bf16 matmul is ~150x slower on "
                         "CPUs without bf16 units)")
     g.add_argument("--deepspeed-config", default=None, metavar="FILE",
@@ -125,7 +125,8 @@ def configs_from(ns: argparse.Namespace) -> list[tuple[str, zeropp.Config]]:
     """(name, Config) for each run the options ask for; raises UsageError."""
     try:
         given = {k: getattr(ns, k) for k in _OVERRIDES if getattr(ns, k) is not None}
-        given["param_dtype"] = DTYPES[ns.param_dtype]
+        if ns.param_dtype or not ns.deepspeed_config:  # (else the config's dtype)
+            given["param_dtype"] = DTYPES[ns.param_dtype or "fp32"]
         names = [c.strip() for c in (ns.compare or ns.preset).split(",") if c.strip()]
         bad = [c for c in names if not is_named(c)]
         if bad or not names:
@@ -133,13 +134,16 @@ def configs_from(ns: argparse.Namespace) -> list[tuple[str, zeropp.Config]]:
             raise UsageError(f"{flag}: unknown configuration {bad[0] if bad else ''!r}; "
                              f"choose from {', '.join(NAMED)} (optionally with ~SWITCH "
                              f"flips: {', '.join(SWITCHES)})")
-        if ns.deepspeed_config and not ns.compare:
+        if ns.deepspeed_config:
+            if ns.compare or ns.preset != DEFAULT_PRESET:  # (it was silently ignored)
+                raise UsageError("--deepspeed-config is the one configuration to run; it "
+                                 "cannot be combined with --compare or --preset")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 cfg = zeropp.Config.from_deepspeed(ns.deepspeed_config, node_size=ns.node_size)
             for w in caught:
                 print(f"zeropp train: warning: {w.message}", file=sys.stderr)
-            runs = [("run", cfg)]
+            runs = [("run", cfg.replace(**given))]  # the flags override it, as a preset
         else:
             runs = [(c, named(c, ns.node_size, **given)) for c in names]
         world = ns.nproc // max(1, ns.replicas)  # (a replica group's ranks)
