@@ -125,7 +125,11 @@ def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     (["--configs", "zero3,deepspeed"], "unknown configuration 'deepspeed'"),
     (["--configs", "fsdp2-tp+zeropp,fsdp2-tp+zero4"], "unknown configuration 'fsdp2-tp+zero4'"),
     (["--rounds", "0"], "--rounds 0 must be >= 1"),
-], ids=["rate", "nodes", "layout", "config", "fsdp2-layout", "rounds"])
+    (["--steps", "0"], "--steps 0 must be >= 1"),  # (was a traceback per rank)
+    (["--batch", "0"], "--batch 0 must be >= 1"),  # (timed empty steps, loss nan)
+    (["--seq-len", "0"], "--seq-len 0 must be >= 1"),
+], ids=["rate", "nodes", "layout", "config", "fsdp2-layout", "rounds", "steps", "batch",
+        "seq-len"])
 def test_bench_bad_input_is_one_line(args, message, capsys, monkeypatch):
     import zeropp.bench.run as run
 

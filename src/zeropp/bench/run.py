@@ -137,8 +137,9 @@ def run_bench(ns) -> tuple[list[dict], Path]:
     if ns.nproc is not None and ns.nproc != ns.nodes * ns.node_size:
         raise ValueError(f"--node-size {ns.node_size} does not divide --nproc {ns.nproc} into "
                          f"{ns.nodes} nodes")
-    if ns.rounds < 1:
-        raise ValueError(f"--rounds {ns.rounds} must be >= 1")
+    for flag in ("rounds", "steps", "batch", "seq_len"):  # (0 steps: a traceback per
+        if getattr(ns, flag) < 1:  # rank; an empty batch: step times of nothing, loss nan)
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(ns, flag)} must be >= 1")
     Cluster(ns.nodes, rate)  # validates the node count against the subnet
     out_dir = Path(ns.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     try:  # (not cli.commands.make_dir: that module imports this one)
