@@ -125,6 +125,10 @@ def test_wrap_names_what_is_wrong():
     (["--replicas", "2", "--inside", "fsdp2", "--sync-every", "4"], "runs HSDP (--sync-every 1)"),
     (["--replicas", "2", "--link", "fast"], "unparsable link rate 'fast'"),
     (["--replicas", "2", "--link", "10mbit", "--link-delay", "soon"], "unparsable link delay"),
+    # (these two trained: one micro-batch a step, no checkpoints, a mkdir traceback)
+    (["--replicas", "2", "--accum", "4"], "it does not take --accum 4"),
+    (["--replicas", "2", "--save-every", "10"], "it does not take --save-every 10"),
+    (["--replicas", "2", "--out", "/dev/null"], "--out /dev/null: cannot create this directory"),
 ])
 def test_replica_options_that_cannot_run_are_one_line_each(args, says, capsys):
     assert says in cli_error_line(["train", "--model", "tiny", *args], capsys)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..train.data import DataError
-from ..train.loop import prepare_tokens
+from ..train.loop import TrainArgs, prepare_tokens
 from ..train.model import PRESETS
 from ..train.tokenizer import TokenizerError
 from .commands import UsageError, make_dir
@@ -98,6 +98,12 @@ def run_replica_train(ns: argparse.Namespace, train_args_from, configs_from,
         raise UsageError("--replicas keeps the run going through failures itself; it does not "
                          "take --compare, --resume or --max-restarts")
     a = train_args_from(ns)
+    d = TrainArgs()
+    for k in ("accum", "save_every", "keep_checkpoints"):  # (it trained on without them)
+        if getattr(a, k) != getattr(d, k):
+            raise UsageError(f"--replicas runs one micro-batch a step and writes no "
+                             f"checkpoints: it does not take --{k.replace('_', '-')} "
+                             f"{getattr(a, k)}")
     units = PRESETS[a.model]["n_layer"] + 1 if a.model in PRESETS else None
     if ns.fragments > 1 and (a.hf_model or units is None or ns.fragments > units):
         raise UsageError(f"--fragments {ns.fragments}: the fragments are zeropp's units, a "
