@@ -185,6 +185,19 @@ def verified_resume(a: TrainArgs, path: str, keep: bool = False,
         raise UsageError(str(e)) from None
 
 
+def resume_own_run(a: TrainArgs, run_dir: Path, cfg: zeropp.Config, keep: bool = False) -> str:
+    """The same command again on an --out that holds checkpoints (after a crash, a kill,
+    a reboot): set `a.resume` to continue the run rather than start over its metrics and
+    checkpoints; returns the line that says so. Raises UsageError."""
+    try:
+        a.resume = verified_resume(a, str(run_dir), keep, cfg, finished_ok=True)
+    except UsageError as e:
+        raise UsageError(f"--out {run_dir} already holds a run that cannot be resumed with "
+                         f"these options ({e}); choose another --out") from None
+    return (f"{run_dir} already holds this run: resuming it from {Path(a.resume).name} "
+            "(another --out starts a new one)")
+
+
 def train_args_from(ns: argparse.Namespace) -> TrainArgs:
     a = TrainArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainArgs)})
     if a.model not in PRESETS:
@@ -257,17 +270,7 @@ def run_train(ns: argparse.Namespace) -> int:
                 raise UsageError(f"--out {run_dir} already holds runs of a comparison, which "
                                  "is not resumed; choose another --out")
             elif candidates(run_dir):
-                # The same command again (after a crash, a kill, a reboot): continue
-                # the run rather than start over its metrics and checkpoints.
-                try:
-                    a.resume = verified_resume(a, str(run_dir), cfg=runs[0][1],
-                                               finished_ok=True)
-                except UsageError as e:
-                    raise UsageError(f"--out {run_dir} already holds a run that cannot be "
-                                     f"resumed with these options ({e}); choose another --out"
-                                     ) from None
-                _say(f"{run_dir} already holds this run: resuming it from "
-                     f"{Path(a.resume).name} (another --out starts a new one)")
+                _say(resume_own_run(a, run_dir, runs[0][1]))
             try:
                 return _train(ns, a, runs, run_dir, ids, vocab)
             finally:  # (also on Ctrl-C: the corpus as int32, 20 MB for Shakespeare)

@@ -25,11 +25,13 @@ from ..cli.main import (
     _config_json,
     add_train_args,
     configs_from,
+    resume_own_run,
     train_args_from,
 )
 from .data import DataError
 from .loop import prepare_tokens, train_worker
 from .report import plot, summarize, table
+from .resume import candidates
 from .tokenizer import TokenizerError
 
 
@@ -48,6 +50,10 @@ def main() -> int:
         a = train_args_from(ns)
         (_, cfg), = configs_from(ns)
         run_dir = Path(ns.out or f"runs/torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+        if not a.resume and candidates(run_dir):  # as `zeropp train` does (it started over)
+            said = resume_own_run(a, run_dir, cfg, keep=True)  # (every rank: none renames)
+            if rank == 0:
+                print(f"zeropp.train: {said}", file=sys.stderr, flush=True)
         # each machine's first rank prepares its own copy (no shared filesystem assumed)
         tokens_file = run_dir / f"tokens-node{rank // ns.node_size}.pt"
         vocab, error = None, None
