@@ -19,10 +19,17 @@ def _rank_info():
     return dist.get_rank(), int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]), t.item()
 
 
-def _raise_on_rank_1():
-    if dist.get_rank() == 1:
-        raise ValueError("boom from rank one")
-    dist.barrier()  # rank 0 would wait here until gloo's timeout
+def _raise_on_rank_1(pidfile: str):
+    if dist.get_rank() == 0:  # a child of its own, as a DataLoader worker is
+        import subprocess
+        child = subprocess.Popen(["sleep", "120"])
+        with open(pidfile + ".tmp", "w") as f:
+            f.write(str(child.pid))
+        os.replace(pidfile + ".tmp", pidfile)
+        time.sleep(120)  # until the launcher kills it
+    while not os.path.exists(pidfile):
+        time.sleep(0.01)
+    raise ValueError("boom from rank one")
 
 
 def _hang():
@@ -49,12 +56,17 @@ def test_workers_start_with_the_servers_imported_heap_frozen():
     assert all(frozen > 100_000 and dynamo for frozen, dynamo in out), out
 
 
-def test_failing_rank_traceback_is_raised_within_seconds():
+def test_failing_rank_traceback_is_raised_within_seconds(tmp_path):
     t0 = time.monotonic()
+    pidfile = str(tmp_path / "child")
     with pytest.raises(WorkerError, match="rank 1 raised") as e:
-        spawn(_raise_on_rank_1, 2, timeout=120)
+        spawn(_raise_on_rank_1, 2, args=(pidfile,), timeout=120)
     assert "boom from rank one" in str(e.value)
     assert time.monotonic() - t0 < 30
+    # The killed rank 0's own child went with it (it lived on, orphaned: a script's
+    # DataLoader workers did for 5 s after a Ctrl-C of `zeropp launch`)
+    with open(f"/proc/{int(open(pidfile).read())}/stat") as f:
+        assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_hung_world_is_killed_at_the_timeout():

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import glob
 import multiprocessing as mp
 import os
 import pickle
@@ -50,6 +51,7 @@ import traceback
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 
@@ -331,13 +333,38 @@ def _died(procs: list, results: dict, progress: Any = None) -> str:
 
 
 def _stop(procs: list, grace: float) -> None:
-    end = time.monotonic() + grace
+    _wait(procs, grace)
     for p in procs:
-        p.join(timeout=max(0.0, end - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
+        if p.exitcode is None:
+            for pid in _descendants(p.pid):  # a script's DataLoader workers: orphaned,
+                try:  # they lived on until their watchdog noticed (5 s); torchrun's too
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             p.kill()
-            p.join(timeout=5)
+    _wait(procs, 5.0)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The children of `pid` and theirs (Linux's /proc; elsewhere none)."""
+    found: list[int] = []
+    for f in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            kids = [int(k) for k in Path(f).read_text().split()]
+        except OSError:
+            continue
+        for k in kids:
+            found += [k, *_descendants(k)]
+    return found
+
+
+def _wait(procs: list, seconds: float) -> None:
+    """Until every worker has exited (reaped) or `seconds` passed. It polls exitcode
+    (waitpid), not join: under "fork" join waits for EOF on a pipe that a killed
+    worker's own children (DataLoader workers) still hold, 5 s a rank on Ctrl-C."""
+    end = time.monotonic() + seconds
+    while any(p.exitcode is None for p in procs) and time.monotonic() < end:
+        time.sleep(0.01)
 
 
 def host_store(timeout: float = 1800.0) -> Any:
