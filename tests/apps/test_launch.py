@@ -123,8 +123,10 @@ def test_launch_preload_and_as_deepspeed_run_an_unmodified_deepspeed_script(tmp_
 
 _RENDEZVOUS = """
 import os, sys, torch, torch.distributed as dist
+from torch.utils.data import DataLoader
 dist.init_process_group("gloo")
-t = torch.ones(1)
+# one batch through a loader worker: a rank that was a daemonic process could start none
+t = torch.ones(1) * len(list(DataLoader(range(1), num_workers=1)))
 dist.all_reduce(t)
 attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
 if attempt == "0" and sys.argv[1] == "fail-once" and dist.get_rank() == 1:

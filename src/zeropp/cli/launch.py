@@ -262,7 +262,10 @@ def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
     progress = ctx.RawArray("q", [-1] * world_size)
     with tempfile.TemporaryDirectory(prefix="zeropp-") as tmp:
         init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, daemon=True,
+        # Not daemonic: a daemonic process may not start children, and a script's
+        # DataLoader(num_workers > 0) must (it died in an AssertionError). _stop and
+        # _die_with end the workers; multiprocessing's exit need not.
+        procs = [ctx.Process(target=_worker, daemon=False,
                              args=(r, world_size, node_size, init_file, fn, tuple(args), q,
                                    pg_timeout, threads, backend, restart, os.getpid(),
                                    progress))
