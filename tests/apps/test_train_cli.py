@@ -141,11 +141,11 @@ def test_bad_input_from_the_command_line_is_one_line_and_exit_2():
 
 
 def test_compare_zero3_and_zeropp_val_loss_within_2pct(tmp_path, capsys):
-    """Same seed, corpus (Shakespeare bytes) and 100 steps at W=4 (2 nodes x 2):
+    """Same seed, corpus (Shakespeare bytes) and 60 steps at W=4 (2 nodes x 2):
     ZeRO++ with all three techniques ends within 2% of ZeRO-3's validation loss
-    (measured: 2.7363 against 2.7033, +1.2%)."""
+    (measured: 3.0021 against 2.9664, +1.2%; at 100 steps 2.7363 against 2.7033)."""
     out = tmp_path / "cmp"
-    rc = main(["train", *SMALL, "--steps", "100", "--eval-every", "50", "--lr", "3e-3",
+    rc = main(["train", *SMALL, "--steps", "60", "--eval-every", "30", "--lr", "3e-3",
                "--compare", "zero3,zeropp", "--out", str(out)])
     assert rc == 0
     rows = {n: json.loads((out / n / "summary.json").read_text()) for n in ("zero3", "zeropp")}
@@ -156,11 +156,11 @@ def test_compare_zero3_and_zeropp_val_loss_within_2pct(tmp_path, capsys):
     assert abs(rows["zero3"]["vs_zero3_analytic"] - 1) < 0.01
     for n in ("zero3", "zeropp"):
         metrics = [json.loads(x) for x in (out / n / "metrics.jsonl").read_text().splitlines()]
-        assert len(metrics) == 100 and {"train_loss", "lr", "grad_norm", "step_time",
+        assert len(metrics) == 60 and {"train_loss", "lr", "grad_norm", "step_time",
                                         "inter_node_bytes", "intra_node_bytes",
                                         "skipped"} <= set(metrics[0])
         assert sum("val_loss" in m for m in metrics) == 2
-        assert json.loads((out / n / "config.json").read_text())["train"]["steps"] == 100
+        assert json.loads((out / n / "config.json").read_text())["train"]["steps"] == 60
     assert (out / "compare.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "final val loss" in printed and str(out) in printed
