@@ -176,8 +176,8 @@ def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
         q.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException as e:
         what, gloo = _summary(e)
-        q.put((rank, False, (traceback.format_exc(), what, gloo,
-                             bool(getattr(e, "zeropp_no_restart", False)))))
+        text = f"{e}\n" if getattr(e, "zeropp_one_line", False) else traceback.format_exc()
+        q.put((rank, False, (text, what, gloo, bool(getattr(e, "zeropp_no_restart", False)))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -403,4 +403,6 @@ def run_script(path: str, argv: Sequence[str], ports: Sequence[int]) -> None:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
-            raise RuntimeError(f"{path} exited with status {e.code}") from None
+            error = RuntimeError(f"{path} exited with status {e.code}")
+            error.zeropp_one_line = True  # the script said why (sys.exit): no traceback of ours
+            raise error from None
