@@ -154,6 +154,7 @@ def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
     # Ctrl-C reaches the whole process group; the parent alone handles it (and
     # kills us), so workers do not each print a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (forked: not the launcher's handler)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % node_size),
                       LOCAL_WORLD_SIZE=str(node_size), GROUP_RANK=str(rank // node_size),
                       TORCHELASTIC_RESTART_COUNT=str(restart))

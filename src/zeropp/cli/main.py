@@ -327,6 +327,15 @@ def _train(ns: argparse.Namespace, a: TrainArgs, runs: list, run_dir: Path,
     return 0
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the main thread is, so that every `finally` on the way out
+    runs (the workers stopped, the run's lock and RUN/tokens.pt gone), as for Ctrl-C."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="zeropp", description="ZeRO-3 + ZeRO++ in plain PyTorch")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -407,8 +416,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv is None and hasattr(signal, "pthread_sigmask"):
         # Ctrl-C must stop the run and its workers even when the process that
         # started us left SIGINT blocked or ignored (both are inherited across exec).
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _terminated)  # `kill`, a scheduler's stop: as Ctrl-C
     try:
         if ns.cmd == "export":
             return run_export(ns)
@@ -428,6 +438,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"zeropp {ns.cmd}: interrupted; all workers stopped", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"zeropp {ns.cmd}: terminated (SIGTERM); all workers stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":
