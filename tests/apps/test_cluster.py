@@ -128,8 +128,9 @@ def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     (["--steps", "0"], "--steps 0 must be >= 1"),  # (was a traceback per rank)
     (["--batch", "0"], "--batch 0 must be >= 1"),  # (timed empty steps, loss nan)
     (["--seq-len", "0"], "--seq-len 0 must be >= 1"),
+    (["--out", "/dev/null"], "--out /dev/null: cannot create this directory (File exists)"),
 ], ids=["rate", "nodes", "layout", "config", "fsdp2-layout", "rounds", "steps", "batch",
-        "seq-len"])
+        "seq-len", "out-a-file"])
 def test_bench_bad_input_is_one_line(args, message, capsys, monkeypatch):
     import zeropp.bench.run as run
 
