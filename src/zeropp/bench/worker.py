@@ -139,7 +139,11 @@ def main() -> None:
     model = build(a.config, a, node_size, nodes)
     ours = is_named(a.config) or fsdp2_zeropp  # zeropp's comms: instrumented (comm_stats)
     engine = a.config in DEEPSPEED
-    opt = None if engine else torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # foreach: torch's default for CUDA tensors. On the CPU the default is a loop over the
+    # parameters: FSDP2's per-parameter DTensors step in 0.11 s at gpt-6x384 (W=4), 0.04 s
+    # with foreach (the engine's few flat shards: 0.02 to 0.03 s either way). The emulated
+    # cluster steps as a GPU one would.
+    opt = None if engine else torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     data_rank = rank // 2 if base == "fsdp2-tp" else rank  # a TP pair reads one batch
     x = torch.randint(0, 256, (a.batch, a.seq_len),
                       generator=torch.Generator().manual_seed(data_rank))
