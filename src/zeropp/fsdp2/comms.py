@@ -130,6 +130,7 @@ class Buffers(dict):
                  op: str = "reduce_scatter/qgz") -> None:
         super().__init__()
         self.comm, self.cfg, self.version, self.op = comm, cfg, version, op
+        self.trained: dict[str, Optional[tuple]] = {}  # whose gradients a route's residuals are
 
     def of(self, kind: str, numel: int) -> ShardedBuffer:
         """Region `kind`'s buffer for a gathered size (W chunks) of `numel`."""
@@ -143,21 +144,26 @@ class Buffers(dict):
             self[kind].route = old and old.route
         return self[kind]
 
-    def route(self, kind: str, block: int, numel: int = 0, partial: bool = False) -> QgzReduce:
+    def route(self, kind: str, block: int, numel: int = 0, partial: bool = False,
+              trained: Optional[tuple] = None) -> QgzReduce:
         """qgZ's route for region `kind`'s gradient in blocks of `block` (the region's
         buffer made for a gathered size of `numel` when it has none yet). `partial`: a
         chunk of some parameters only (Kinds.partial): a route of its own, without the error
         feedback, whose residuals belong to the positions of other parameters (an expert's
-        residual was added to another's gradient: 2e4 times its norm)."""
+        residual was added to another's gradient: 2e4 times its norm). So a route anew for
+        another set `trained` (Kinds.trained: adapters of one size trained in turn, the
+        chunk the same size); one loaded from a checkpoint (None) takes the next set."""
         if partial:
             route = QgzReduce.from_config(replace(self.cfg, gradient_error_feedback=False),
                                           block=block)
             route.op = self.op
             return route
         buf = self.get(kind) or self.of(kind, numel)
-        if buf.route is None or buf.route.block != block:
+        if buf.route is None or buf.route.block != block or self.trained.get(kind) not in (
+                None, trained):
             buf.route = QgzReduce.from_config(self.cfg, block=block)
             buf.route.op = self.op
+        self.trained[kind] = trained
         return buf.route
 
     def state(self) -> dict[str, dict[str, Any]]:
@@ -293,7 +299,8 @@ class GradReduce(_ModuleComm, ReduceScatter):
         for region in self.kinds.regions(c, grads=True):
             lay = ShardLayout.of(region.numel * w, w, self.cfg)
             g = region.take(input_tensor.view(w, c), lay.shard_numel)
-            route = self.buffers.route(region.kind, lay.block, lay.numel, partial)
+            route = self.buffers.route(region.kind, lay.block, lay.numel, partial,
+                                       self.kinds.trained())
 
             def put(mean: torch.Tensor, region: Any = region) -> None:  # mean: sum / W
                 region.put((mean[:region.numel] * (scale * w)).view(1, -1),

@@ -78,7 +78,7 @@ class Kinds:
     def regions(self, chunk: int, grads: bool = False) -> tuple[Region, ...]:
         """The regions of a chunk of `chunk` elements: of every parameter (weights), or of
         those with a gradient (`grads`): the trainable ones, or all."""
-        trainable = tuple(p.requires_grad for p in self.params) if grads and self.mixed else None
+        trainable = self.trained() if grads and self.mixed else None
         key = (chunk, trainable)
         if key not in self._made:
             self._made[key] = (self._cut(chunk, trainable) if self.mixed
@@ -104,6 +104,10 @@ class Kinds:
                 "bitwise equal; model.set_reduce_scatter_unused_params(True) keeps them equal",
                 stacklevel=4)
         return (Region("*", ((0, chunk),)),)
+
+    def trained(self) -> tuple[bool, ...]:
+        """Which parameters have a gradient (requires_grad), in FSDP2's order."""
+        return tuple(p.requires_grad for p in self.params)
 
     def partial(self, chunk: int) -> bool:
         """Whether a gradient chunk of `chunk` elements holds only some of the trainable

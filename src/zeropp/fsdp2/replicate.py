@@ -79,8 +79,8 @@ class ReplicaMean:
             lay = buf.layout
             g = region.take(grad.view(1, n), lay.padded_numel)
             # this replica's chunk of the sum / R
-            mean = self.buffers.route(region.kind, lay.block,
-                                      partial=self.kinds.partial(n)).reduce(self.comm, g)
+            mean = self.buffers.route(region.kind, lay.block, partial=self.kinds.partial(n),
+                                      trained=self.kinds.trained()).reduce(self.comm, g)
             full = torch.empty(lay.padded_numel, dtype=torch.float32, device=grad.device)
             buf.weights.finish(buf.weights.issue(self.comm, "hsdp_grad", mean, full))
             if self.factor is not None:
