@@ -20,7 +20,6 @@ import threading
 import time
 from pathlib import Path
 
-from ..cli.commands import make_dir
 from ..cli.launch import host_store
 from ..config import is_named
 from .cluster import Cluster, available, parse_rate, rate_bytes_per_s
@@ -143,7 +142,11 @@ def run_bench(ns) -> tuple[list[dict], Path]:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(ns, flag)} must be >= 1")
     Cluster(ns.nodes, rate)  # validates the node count against the subnet
     out_dir = Path(ns.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    make_dir(out_dir, "--out")
+    try:  # (not cli.commands.make_dir: that module imports this one)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out_dir}: cannot create this directory ({e.strerror})"
+                         ) from None
     ok, why = available()
     if not ok:
         print(f"zeropp bench: no emulated cluster ({why}); running on plain loopback instead",
