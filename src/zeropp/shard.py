@@ -160,7 +160,13 @@ def _step_hooks(state: ShardState) -> None:
     reductions; after, count the step and gather again the persistent flats it updated."""
     def select(opt: torch.optim.Optimizer) -> list[ShardedBuffer]:
         st, held = state_ref(), held_params(opt)
-        return [] if st is None else [f.buffer for f in st.flats if id(f.primary_shard) in held]
+        mine = [] if st is None else [f.buffer for f in st.flats if id(f.primary_shard) in held]
+        if mine and isinstance(opt, (torch.optim.LBFGS, getattr(torch.optim, "Adafactor", ()))):
+            raise TypeError(f"zeropp: {type(opt).__name__} reads whole parameters (Adafactor's "
+                            "factored moments and RMS, LBFGS's dot products), not elements: on "
+                            "flat master shards it would silently compute other numbers; use an "
+                            "elementwise optimizer (AdamW, SGD, Adagrad, ...)")
+        return mine
 
     def before(buffers: list[ShardedBuffer]) -> None:
         st = state_ref()
@@ -178,10 +184,8 @@ def _step_hooks(state: ShardState) -> None:
     step_hooks(state, state.stats, select, before, after)
 
 
-def shard(model: nn.Module, cfg: Optional[Config] = None, *,
-          unit_types: Optional[tuple] = None,
-          param_groups: Optional[list] = None,
-          sync_module_states: bool = False) -> nn.Module:
+def shard(model: nn.Module, cfg: Optional[Config] = None, *, unit_types: Optional[tuple] = None,
+          param_groups: Optional[list] = None, sync_module_states: bool = False) -> nn.Module:
     """Shard `model` in place (ZeRO-3) and return it.
 
     `unit_types`: module classes whose instances become units; default: the

@@ -56,9 +56,5 @@ class CommStats:
     def as_dict(self) -> dict:
         ops = {k: dict(v) for k, v in self.by_op.items()}
         totals = ("inter_node_bytes", "intra_node_bytes", "scale_bytes")
-        return {
-            **{k: sum(v[k] for v in ops.values()) for k in totals},
-            "by_op": ops,
-            "by_unit": {u: dict(c) for u, c in self.by_unit.items()},
-            "steps": self.steps,
-        }
+        return {**{k: sum(v[k] for v in ops.values()) for k in totals}, "by_op": ops,
+                "by_unit": {u: dict(c) for u, c in self.by_unit.items()}, "steps": self.steps}
