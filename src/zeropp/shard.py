@@ -24,7 +24,7 @@ from .config import Config
 from .deferred import defer_meta, paused, show_module
 from .flat_param import FlatParam
 from .grads.pipeline import ReducePipeline
-from .guards import check_same_model, forget_parameters
+from .guards import check_same_model, forget_parameters, one_line
 from .host_memory import mmap_threshold_for, release_freed_host_memory
 from .meter import GatherMeter
 from .quant import release_scratch
@@ -56,6 +56,10 @@ class ShardState:
         self.snapshots: list[dict] = []  # the open writable ones' (gathered.py)
         self.held: Any = None  # coalesce.HeldGradients inside coalesced_reduction()
         self.optimizer_steps = 0  # steps over these shards; kept in checkpoints
+
+    def __reduce_ex__(self, protocol: int) -> Any:  # (its process groups, threads and hooks)
+        raise one_line(TypeError("zeropp: a sharded model cannot be copied (copy.deepcopy, "
+                                 "AveragedModel): copy it before zeropp.shard(), then shard both"))
 
     @property
     def root(self) -> nn.Module:

@@ -56,8 +56,7 @@ def install(units: list, order: dict[nn.Module, list[str]]) -> None:
         keep_vars: dict[str, bool] = {}
         mod.register_state_dict_pre_hook(functools.partial(_note_keep_vars, keep_vars))
         mod.register_state_dict_post_hook(functools.partial(_save, entries, keep_vars))
-        mod._register_load_state_dict_pre_hook(functools.partial(_load, entries),
-                                               with_module=True)
+        mod._register_load_state_dict_pre_hook(functools.partial(_load, entries), with_module=True)
         if mod in unit_modules:
             mod.register_load_state_dict_post_hook(_forget_flat_keys)
 

@@ -106,8 +106,7 @@ def reduce_groups(topo: Topology) -> dict[str, Any]:
     if key not in _CACHE:  # the entry holds WORLD so its id stays unique
         world = dist.new_group(list(range(topo.world_size)))
         intra, inter = _node_groups(topo)
-        _CACHE[key] = (topo.world_group, {"world": world, "intra_node": intra,
-                                          "inter_node": inter})
+        _CACHE[key] = (topo.world_group, {"world": world, "intra_node": intra, "inter_node": inter})
     return _CACHE[key][1]
 
 
@@ -127,18 +126,16 @@ def get_topology(node_size: Optional[int] = None) -> Topology:
     (or LOCAL_SIZE, DeepSpeed's launcher's); without either all ranks share one node."""
     if not dist.is_available() or not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise RuntimeError(
-                "zeropp: WORLD_SIZE > 1 but torch.distributed is not initialized; "
-                "call torch.distributed.init_process_group() before zeropp.shard()")
+            raise RuntimeError("zeropp: WORLD_SIZE > 1 but torch.distributed is not initialized; "
+                               "call torch.distributed.init_process_group() before zeropp.shard()")
         return Topology(world_size=1, rank=0, node_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
     if node_size is None:
         node_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
                         or world)
     if node_size < 1 or world % node_size != 0:
-        raise ValueError(
-            f"zeropp: node_size={node_size} must divide the world size {world} "
-            f"(ranks per node; set Config.node_size or LOCAL_WORLD_SIZE)")
+        raise ValueError(f"zeropp: node_size={node_size} must divide the world size {world} "
+                         "(ranks per node; set Config.node_size or LOCAL_WORLD_SIZE)")
     key = (id(dist.group.WORLD), world, node_size)
     if key not in _CACHE:  # the Topology holds WORLD so its id stays unique
         intra, inter = _node_groups(Topology(world, rank, node_size))

@@ -302,3 +302,31 @@ def test_an_optimizer_that_reads_whole_parameters_is_refused_at_its_first_step(n
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     sgd.step()
     assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_copying_a_sharded_model_is_refused_by_name_and_a_copy_made_before_shard_works():
+    """copy.deepcopy of a sharded model (AveragedModel's EMA) failed deep inside `copy` with
+    "cannot pickle '_thread.lock' object". Now refused naming the way that works: copy before
+    shard(), shard both; that EMA computes bit for bit the unsharded one's outputs."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    sharded = zeropp.shard(_Branchy())
+    for copying in (lambda: copy.deepcopy(sharded), lambda: AveragedModel(sharded),
+                    lambda: copy.deepcopy(sharded.blocks[0])):
+        with pytest.raises(TypeError, match=r"cannot be copied .* copy it before zeropp.shard"):
+            copying()
+    torch.manual_seed(0)
+    ref = _Branchy()
+    model = copy.deepcopy(ref)
+    emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for m in (ref, model)]
+    zeropp.shard(model)
+    zeropp.shard(emas[1].module)
+    for m, ema in zip((ref, model), emas):
+        opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+        for step in range(3):
+            m(torch.randn(4, 16, generator=torch.Generator().manual_seed(step)), True).backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(m)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        assert torch.equal(emas[0](x, True), emas[1](x, True))
