@@ -90,26 +90,39 @@ def _train(preset, dp: int = 2, steps: int = STEPS):
     return _fit(model, preset, mesh["dp"].get_local_rank(), steps=steps, replicated=True)
 
 
-def _hsdp_gpt():
+def _hsdp_gpt(split: bool = False):
+    """HSDP; with `split`, each block's MLP goes on the 1-D mesh of all 4 ranks beside
+    the rest on the HSDP mesh (two parameter groups), through a `shard_placement_fn`
+    that hands every block the same two mesh infos, as torchtitan's MoE sharding does."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    hsdp = HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    flat = FSDPMeshInfo(init_device_mesh("cpu", (4,)), shard_mesh_dim=0) if split else None
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=3, n_embd=64, n_head=2))
     for block in model.h:
-        fully_shard(block, mesh=mesh)
+        mlp = set(block.mlp.parameters())
+        fully_shard(block, mesh=mesh, shard_placement_fn=(lambda p, mlp=mlp: ShardPlacementResult(
+            Shard(0), flat if p in mlp else hsdp)) if split else None)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def _train_hsdp(preset, hooks: bool = False, steps: int = STEPS):
+def _train_hsdp(preset, hooks: bool = False, steps: int = STEPS, split: bool = False):
     """HSDP; with `hooks`, every module gets an all-reduce hook of the user's that only
     records a digest and the L2 norm of what it sees: the first block's set before
     install, the others' after it, as torchtitan's fault-tolerant HSDP sets them. Under
     zeropp every module but the first also gets a gradient divide factor of 4 (every
     rank: the mean again), the second block's before install, the others' after."""
     from zeropp.stats import ring_send
-    model, seen, l2 = _hsdp_gpt(), [], []
+    model, seen, l2 = _hsdp_gpt(split), [], []
 
     def hook(grad: torch.Tensor) -> None:
         seen.append(hashlib.sha256(grad.numpy().tobytes()).hexdigest())
@@ -126,7 +139,8 @@ def _train_hsdp(preset, hooks: bool = False, steps: int = STEPS):
             model.h[1].set_gradient_divide_factor(4.0)
     out = _fit(model, preset, dist.get_rank(), probe=False, steps=steps,
                then=set_later if hooks else None)
-    local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    local = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()
+                       if p.device_mesh.ndim == 2])  # (the HSDP mesh's)
     # stock HSDP's all-reduce: a ring over the 2 replicas of each module's fp32
     # reduce-scatter output (this rank's shard), every step, all of it across nodes
     shard_bytes = 4 * sum(fp.padded_sharded_param_size.numel()
@@ -194,6 +208,7 @@ def _work(ckpt: str) -> dict:
     out.update({f"hsdp-{p or 'stock'}": _train_hsdp(p, hooks=p is None)
                 for p in (None, "zero3", "zeropp-plus")})
     out["hsdp-hooked"] = _train_hsdp("zeropp-plus", hooks=True, steps=HOOKED)
+    out["hsdp-split"] = _train_hsdp("zeropp-plus", steps=3, split=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # hpZ off on the TP and expert meshes: tested above
         out.update({f"ep-{p or 'stock'}": _train_ep(p) for p in (None, "zero3", "zeropp-plus")})
@@ -264,6 +279,15 @@ def test_hsdp_zero3_preset_counts_fsdp2s_all_reduce_as_all_its_cross_node_bytes(
 def test_hsdp_replicas_stay_bitwise_identical(runs, preset):
     for a, b in ((0, 2), (1, 3)):  # (replicate, shard) mesh: rank = 2 * replica + shard
         assert runs[a][f"hsdp-{preset}"]["local"] == runs[b][f"hsdp-{preset}"]["local"]
+
+
+def test_hsdp_replicas_stay_bitwise_identical_with_two_groups_per_block_on_shared_mesh_infos(
+        runs):
+    """replicate.py's note: each group's all-reduce is taken over in its own copy of
+    the mesh info; taken over in the shared one, every block after the first found no
+    replicas in it and reduced over none (its replicas parted from the first step)."""
+    for a, b in ((0, 2), (1, 3)):
+        assert runs[a]["hsdp-split"]["local"] == runs[b]["hsdp-split"]["local"]
 
 
 def test_a_users_all_reduce_hook_on_hsdp_runs_on_zeropps_replica_mean(runs):

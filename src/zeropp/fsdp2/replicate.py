@@ -14,12 +14,12 @@ dequantizes the same bytes, so the replicas stay bitwise identical.
 FSDP2 (torch 2.13) has no custom-comm slot for it. It all-reduces over
 `mesh_info.replicate_process_group` (FSDPParamGroup._all_reduce_process_group),
 then calls the module's all-reduce hook (`set_all_reduce_hook`, public) on the
-result. `take_over` points that attribute at a group of this rank alone, so FSDP2's
-all-reduce becomes a copy in place that sends nothing, and installs `ReplicaMean`
-as the hook. The attribute is read nowhere else after `fully_shard` (its init groups
-parameters by it, before). `check_internals` verifies both facts from FSDP2's
-source at install and refuses, naming the torch version, when they no longer hold;
-tests/fsdp2/test_fsdp2_nd.py calls it.
+result. `take_over` points that attribute (in the group's own copy of its mesh info)
+at a group of this rank alone, so FSDP2's all-reduce becomes a copy in place that
+sends nothing, and installs `ReplicaMean` as the hook. The attribute is read nowhere
+else after `fully_shard` (its init groups parameters by it, before). `check_internals`
+verifies both facts from FSDP2's source at install and refuses, naming the torch
+version, when they no longer hold; tests/fsdp2/test_fsdp2_nd.py calls it.
 
 [Note: the user's all-reduce hook]
 FSDP2 has one hook slot, which the mean now fills; a hook of the user's (torchtitan's
@@ -36,6 +36,7 @@ and the group's factor is 1 (the module's `set_gradient_divide_factor` sets ours
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import weakref
@@ -121,6 +122,9 @@ def take_over(module: Any, param_group: Any, hook: ReplicaMean, solo: Any) -> No
     shard group's size after the hook, which means over the replicas itself. A hook the
     user set, or sets later, runs on the mean, divided as FSDP2 divides it (the note)."""
     check_internals(param_group)
+    # the group's own copy: shard_placement_fn may hand one mesh info to every module,
+    # whose later groups must still find their replicas in it
+    param_group.mesh_info = copy.copy(param_group.mesh_info)
     param_group.mesh_info.replicate_process_group = solo
     module.set_force_sum_reduction_for_comms(True)
     hook.user_hook = param_group._all_reduce_hook
