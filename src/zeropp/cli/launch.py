@@ -271,20 +271,22 @@ def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
                                    pg_timeout, threads, backend, restart, os.getpid(),
                                    progress))
                  for r in range(world_size)]
-        with warnings.catch_warnings():
-            # Python >= 3.12 warns at a fork from a process with threads (under
-            # start="fork", the rendezvous stores' server threads, which the workers
-            # never use); under -W error that warning would replace a clean start.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            for p in procs:
-                p.start()
-        ok = False
-        try:
+        ok, started = False, []
+        try:  # (a stop while they start, Ctrl-C or SIGTERM, kills those started so far; one
+            # the fork server is forking just then still prints a traceback, finding us gone)
+            with warnings.catch_warnings():
+                # Python >= 3.12 warns at a fork from a process with threads (under
+                # start="fork", the rendezvous stores' server threads, which the workers
+                # never use); under -W error that warning would replace a clean start.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                for p in procs:
+                    p.start()
+                    started.append(p)
             results = _collect(procs, q, timeout, progress)
             ok = True
             return results
         finally:
-            _stop(procs, grace=10.0 if ok else 0.0)
+            _stop(started, grace=10.0 if ok else 0.0)
 
 
 def _collect(procs: list, q: Any, timeout: Optional[float], progress: Any) -> list[Any]:
