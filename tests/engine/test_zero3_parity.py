@@ -17,7 +17,7 @@ from cases import build, train
 import zeropp
 from zeropp.cli.launch import spawn
 
-STEPS = 20
+STEPS = 10
 CASES = [  # (model, optimizer, micro-batches per step, clip)
     ("gpt", "adamw", 1, 0.5),
     ("gpt", "sgd", 1, None),
