@@ -27,7 +27,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -67,10 +67,13 @@ class Kinds:
     size in the chunk (its padded shard), in FSDP2's order."""
 
     def __init__(self, group: Any, label: str) -> None:
-        dp_dims = group.mesh_info.mesh.ndim  # FSDP's own dims lead the sharded DTensor
+        # FSDP's own mesh dims lead the sharded DTensor's, or under fully_shard(dp_mesh_dims=)
+        # (an SPMD mesh, its dims in any order) are those named there
+        dims = getattr(group.mesh_info, "dp_mesh_dims", None)
+        fsdp = {*dims.shard_names, *dims.replicate_names} if dims else group.mesh_info.mesh.ndim
         self.group = weakref.ref(group)  # (it holds the model, which the step hooks must not)
         self.sizes = [fp.padded_sharded_param_size.numel() for fp in group.fsdp_params]
-        self.kinds = [kind_of(p, dp_dims) for p in self.params]
+        self.kinds = [kind_of(p, fsdp) for p in self.params]
         self.mixed = len(set(self.kinds)) > 1
         self.label, self.warned = label, False
         self._made: dict[tuple, tuple[Region, ...]] = {}  # by (chunk, trainable flags)
@@ -123,10 +126,13 @@ class Kinds:
         return [fp.sharded_param for fp in group.fsdp_params] if group is not None else []
 
 
-def kind_of(param: torch.Tensor, dp_dims: int) -> str:
-    """The mesh dimensions beyond FSDP's first `dp_dims` over which `param`'s values
-    differ (its non-replicate placements there), e.g. "tp:S(0)"; "" when none."""
+def kind_of(param: torch.Tensor, fsdp: Union[int, set[str]]) -> str:
+    """The mesh dimensions beyond FSDP's (its first `fsdp`, or those named in `fsdp`) over
+    which `param`'s values differ (its non-replicate placements there), e.g. "tp:S(0)";
+    "" when none."""
     mesh, places = getattr(param, "device_mesh", None), getattr(param, "placements", ())
     names = (mesh.mesh_dim_names if mesh is not None else None) or ()
-    return ",".join(f"{names[i] if i < len(names) else i}:{p}"
-                    for i, p in enumerate(places) if i >= dp_dims and not p.is_replicate())
+    name = [names[i] if i < len(names) else i for i in range(len(places))]
+    own = [i < fsdp if isinstance(fsdp, int) else name[i] in fsdp for i in range(len(places))]
+    return ",".join(f"{name[i]}:{p}" for i, p in enumerate(places)
+                    if not own[i] and not p.is_replicate())
