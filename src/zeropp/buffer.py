@@ -123,9 +123,10 @@ def step_hooks(owner: Any, stats: CommStats, select: Callable[[torch.optim.Optim
     """Around every optimizer step over the ShardedBuffers `select(optimizer)` returns (asked anew
     when its groups' sizes change: `add_param_group`; none: no-op), while `owner` lives (callbacks
     must not hold it): before, `before(buffers)` then each buffer's `before_step`; after, the step
-    is counted, `after(buffers)` runs (a driver's step count, read by its versions, moves there),
-    then each `after_step`."""
+    is counted (once for optimizers over parts of the model: by the first to step a buffer again),
+    `after(buffers)` runs (a driver's step count, read by its versions), then each `after_step`."""
     chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    stepped: weakref.WeakSet = weakref.WeakSet()  # the buffers stepped since the last count
 
     def items(opt: torch.optim.Optimizer) -> list:
         sizes = tuple(len(g["params"]) for g in opt.param_groups)
@@ -141,7 +142,10 @@ def step_hooks(owner: Any, stats: CommStats, select: Callable[[torch.optim.Optim
 
     def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if buffers := items(opt):
-            stats.steps += 1
+            if not stepped or any(b in stepped for b in buffers):
+                stepped.clear()
+                stats.steps += 1
+            stepped.update(buffers)
             after(buffers)
             for b in buffers:
                 b.after_step()

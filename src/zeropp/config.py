@@ -178,15 +178,11 @@ NAMED = {
 }
 # The switches "NAME~SWITCH" flips (ablations): field -> the two values it toggles (intra8: the
 # intra-node gradient hop's bits; deep, buckets: prefetch depth, reduce pipeline's full gradients).
-SWITCHES = {"hier": ("hierarchical_gather", (False, True)),
-            "qwd": ("weight_delta", (False, True)),
+SWITCHES = {"hier": ("hierarchical_gather", (False, True)), "qwd": ("weight_delta", (False, True)),
             "ef": ("gradient_error_feedback", (False, True)),
-            "intra8": ("intra_node_grad_bits", (4, 8)),
-            "qwz": ("quantized_weights", (False, True)),
-            "qgz": ("quantized_gradients", (False, True)),
-            "async": ("async_reduce", (False, True)),
-            "deep": ("prefetch_depth", (1, 2)),
-            "buckets": ("reduce_buckets", (1, 2))}
+            "intra8": ("intra_node_grad_bits", (4, 8)), "qwz": ("quantized_weights", (False, True)),
+            "qgz": ("quantized_gradients", (False, True)), "async": ("async_reduce", (False, True)),
+            "deep": ("prefetch_depth", (1, 2)), "buckets": ("reduce_buckets", (1, 2))}
 
 
 def is_named(name: str) -> bool:

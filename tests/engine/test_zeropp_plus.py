@@ -4,6 +4,8 @@ feedback -- bytes, exactness, consistency."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,14 +25,20 @@ def _plus(d: int, **kw) -> zeropp.Config:
 
 # ---- bytes ----------------------------------------------------------------------------
 def _steady_bytes(d: int) -> dict:
-    """Inter-node bytes of the third step (after the first, full refresh) per preset."""
-    rank = dist.get_rank()
-    out = {}
-    for name in ("zero3", "zeropp", "zeropp-plus", "zeropp~hier"):
+    """Inter-node bytes of the third step (after the first, full refresh) per preset. At
+    W=4 also zeropp-plus with two optimizers (the blocks', the root's): its stats, and
+    whether its shards end as the one optimizer's, bit for bit ("same")."""
+    rank, out, shards = dist.get_rank(), {}, {}
+    two = ("two-optimizers",) if dist.get_world_size() == 4 else ()
+    for name in ("zero3", "zeropp", "zeropp-plus", "zeropp~hier", *two):
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_embd=128, n_head=4))
-        zeropp.shard(model, zeropp.Config.preset(name, node_size=d))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        zeropp.shard(model, zeropp.Config.preset(name.replace("two-optimizers", "zeropp-plus"),
+                                                 node_size=d))
+        blocks = list(model.h.parameters())
+        root = [p for p in model.parameters() if all(p is not q for q in blocks)]
+        opts = [torch.optim.AdamW(ps, lr=1e-3)
+                for ps in ([blocks, root] if name in two else [blocks + root])]
         g = torch.Generator().manual_seed(rank)
         for step in range(3):
             if step == 2:
@@ -38,10 +46,19 @@ def _steady_bytes(d: int) -> dict:
             x = torch.randint(0, 256, (2, 32), generator=g)
             model(x, x)[1].backward()
             zeropp.clip_grad_norm_(model, 1.0)
-            opt.step()
-            opt.zero_grad()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
         out[name] = zeropp.comm_stats(model)
+        shards[name] = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    if two:
+        out["two-optimizers"]["same"] = shards["two-optimizers"] == shards["zeropp-plus"]
     return out
+
+
+@functools.cache
+def _steady_world(w: int, d: int) -> list:
+    return spawn(_steady_bytes, w, d, args=(d,), timeout=300)
 
 
 def _node_max(res: list, d: int, name: str, op: str | None = None) -> int:
@@ -55,7 +72,7 @@ def _node_max(res: list, d: int, name: str, op: str | None = None) -> int:
 @pytest.mark.parametrize("w,d,limit", [(4, 2, 0.062), (6, 2, 0.075)], ids=["2x2", "3x2"])
 def test_zeropp_plus_steady_inter_node_bytes_at_most_0062_2x2_and_0075_3x2_of_zero3(w, d, limit):
     """... and inside the node its qWD copies travel as INT8 (see the last block)."""
-    res = spawn(_steady_bytes, w, d, args=(d,), timeout=300)
+    res = _steady_world(w, d)
     z3, plus_inter = _node_max(res, d, "zero3"), _node_max(res, d, "zeropp-plus")
     assert plus_inter <= limit * z3, plus_inter / z3
     # Forward and backward gathers stay inside the node; only deltas and qgZ cross.
@@ -77,6 +94,17 @@ def test_zeropp_plus_steady_inter_node_bytes_at_most_0062_2x2_and_0075_3x2_of_ze
     delta = _node_max(res, d, "zeropp-plus", "all_gather/forward/delta")
     hier8 = _node_max(res, d, "zeropp", "all_gather/forward") * ((n - 1) / n) / ((w - 1) / w)
     assert 0.5 < delta / hier8 <= 0.5 * (1 + 6 / 1024) / (1 + 4 / 2048) + 1e-3, delta / hier8
+
+
+def test_two_optimizers_over_parts_of_the_model_train_and_count_as_one():
+    """zeropp-plus at 2x2, the blocks and the root each with an AdamW of their own: the
+    shards end bit for bit as under one AdamW over both, and comm_stats counts each
+    training step once (it counted every optimizer's step: 2 a step, the per-step bytes
+    halved), its bytes the one optimizer's."""
+    for r in _steady_world(4, 2):
+        two = {k: v for k, v in r["two-optimizers"].items() if k != "same"}
+        assert r["two-optimizers"]["same"] and two == r["zeropp-plus"], (two, r["zeropp-plus"])
+        assert two["steps"] == 1  # the step after reset_comm_stats
 
 
 def _intra(res: list, d: int, name: str, op: str) -> int:
