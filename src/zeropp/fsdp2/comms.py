@@ -296,11 +296,11 @@ class GradReduce(_ModuleComm, ReduceScatter):
             output_tensor.copy_(total if scale == 1.0 else total * scale)
             return
         later, partial = self._deferrable(input_tensor.dtype), self.kinds.partial(c)
+        trained = self.kinds.trained()
         for region in self.kinds.regions(c, grads=True):
             lay = ShardLayout.of(region.numel * w, w, self.cfg)
             g = region.take(input_tensor.view(w, c), lay.shard_numel)
-            route = self.buffers.route(region.kind, lay.block, lay.numel, partial,
-                                       self.kinds.trained())
+            route = self.buffers.route(region.kind, lay.block, lay.numel, partial, trained)
 
             def put(mean: torch.Tensor, region: Any = region) -> None:  # mean: sum / W
                 region.put((mean[:region.numel] * (scale * w)).view(1, -1),

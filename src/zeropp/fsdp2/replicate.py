@@ -75,13 +75,14 @@ class ReplicaMean:
     def _mean(self, grad: torch.Tensor) -> None:
         self.comm.unit = self.label
         r, n = self.comm.topo.world_size, grad.numel()
+        partial, trained = self.kinds.partial(n), self.kinds.trained()
         for region in self.kinds.regions(n, grads=True):
             buf = self.buffers.of(region.kind, region.numel)
             lay = buf.layout
             g = region.take(grad.view(1, n), lay.padded_numel)
             # this replica's chunk of the sum / R
-            mean = self.buffers.route(region.kind, lay.block, partial=self.kinds.partial(n),
-                                      trained=self.kinds.trained()).reduce(self.comm, g)
+            mean = self.buffers.route(region.kind, lay.block, partial=partial,
+                                      trained=trained).reduce(self.comm, g)
             full = torch.empty(lay.padded_numel, dtype=torch.float32, device=grad.device)
             buf.weights.finish(buf.weights.issue(self.comm, "hsdp_grad", mean, full))
             if self.factor is not None:
