@@ -204,23 +204,35 @@ def test_non_finite_steps_are_skipped_counted_and_the_run_goes_on(tmp_path):
     assert "leaked" not in r.stderr, r.stderr[-800:]  # the fork server exits quietly
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_ctrl_c_and_sigterm_stop_every_worker_within_seconds(tmp_path):
     """Ctrl-C (SIGINT to the terminal's process group) and SIGTERM to the launcher alone
     (`kill`, a scheduler's stop; it left RUN/tokens.pt and said nothing), each once
-    training runs: each run stops within 10 s, says so in one line (status 130 / 143),
-    removes the workers' copy of the corpus and leaves no process. The two runs start
-    together, each on 2 ranks."""
+    training runs, and Ctrl-C as soon as the fork server runs, while it imports torch
+    (the server, or the worker it forked for the launcher after it had gone, printed a
+    KeyboardInterrupt or FileNotFoundError traceback: 6 of 8 Ctrl-Cs 1-8 s in): each run
+    stops within 10 s, says so in one line (status 130 / 143), removes the workers' copy of
+    the corpus and leaves no process. The three runs start together, each on 2 ranks."""
     runs = {}
-    for how in ("term", "int"):
+    for how in ("early", "term", "int"):
         runs[how] = subprocess.Popen(
             [sys.executable, "-m", "zeropp", "train", *SMALL, "--nproc", "2", "--node-size", "2",
              "--steps", "100000",
              "--out", str(tmp_path / how)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, start_new_session=True)
     said = {"int": (130, "zeropp train: interrupted; all workers stopped"),
+            "early": (130, "zeropp train: interrupted; all workers stopped"),
             "term": (143, "zeropp train: terminated (SIGTERM); all workers stopped")}
 
     def started(how: str) -> bool:
+        if how == "early":
+            return any(b"forkserver" in _cmdline(pid) for pid in group_alive(runs[how].pid))
         metrics = tmp_path / how / "metrics.jsonl"
         return metrics.exists() and metrics.read_text().count("\n") >= 1
     try:
@@ -240,7 +252,7 @@ def test_ctrl_c_and_sigterm_stop_every_worker_within_seconds(tmp_path):
             assert "Traceback" not in err, err[-2000:]
             assert not (tmp_path / how / "tokens.pt").exists()  # the workers' copy of the corpus
         time.sleep(1)
-        assert [group_alive(p.pid) for p in runs.values()] == [[], []], "processes left behind"
+        assert [group_alive(p.pid) for p in runs.values()] == [[]] * 3, "processes left behind"
     finally:
         for p in runs.values():
             if p.poll() is None:
