@@ -199,19 +199,22 @@ def _train_ep(preset):
     return {**out, "groups": [len(b._get_fsdp_state()._fsdp_param_groups) for b in model.h]}
 
 
-def _train_spmd(steps: int = 3) -> str:
-    """TP x FSDP with `fully_shard(dp_mesh_dims=...)`: every parameter a DTensor on one
-    ("tp", "dp") mesh (TP inside the node, its dim first; dp across nodes), two
-    `TPBlock`s, zeropp-plus, `steps` of AdamW on a regression; the digest of this rank's
-    shards of the TP-replicated parameters (the norms, `down`'s bias)."""
+def _train_spmd(hsdp: bool = False, steps: int = 3) -> dict:
+    """`fully_shard(dp_mesh_dims=...)`: every parameter a DTensor on one 2-D mesh, the
+    second dim inside the node. TP x FSDP on ("tp", "dp") (TP's dim first, `up` and `down`
+    TP-sharded), or with `hsdp` HSDP on ("shard", "rep") (the replicas across nodes), two
+    `TPBlock`s, zeropp-plus, `steps` of AdamW on a regression. The digest of this rank's
+    shards (TP: of the parameters TP leaves whole), and the ops comm_stats counted."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     import zeropp.fsdp2
-    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2).T, mesh_dim_names=("tp", "dp"))
-    tp, dims = {"up.weight": Shard(0), "up.bias": Shard(0), "down.weight": Shard(1)}, \
+    names = ("shard", "rep") if hsdp else ("tp", "dp")
+    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2).T, mesh_dim_names=names)
+    dims = DataParallelMeshDims(shard="shard", replicate="rep") if hsdp else \
         DataParallelMeshDims(shard="dp")
+    tp = {} if hsdp else {"up.weight": Shard(0), "up.bias": Shard(0), "down.weight": Shard(1)}
     torch.manual_seed(0)
     model = nn.Sequential(TPBlock(16), TPBlock(16))
     for block in model:
@@ -221,10 +224,12 @@ def _train_spmd(steps: int = 3) -> str:
                 p.detach(), mesh, [tp.get(name, Replicate()), Replicate()])))
         fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
     fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
-    zeropp.fsdp2.install(model, "zeropp-plus", node_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (TP: hpZ off, one dp rank per node)
+        zeropp.fsdp2.install(model, "zeropp-plus", node_size=2)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
-    batch = [Replicate(), Shard(0)]  # each dp rank's own rows, the same on its TP ranks
+    g = torch.Generator().manual_seed(dist.get_rank() if hsdp else mesh["dp"].get_local_rank())
+    batch = [Shard(0), Shard(0)] if hsdp else [Replicate(), Shard(0)]  # each dp rank's rows
     for _ in range(steps):
         x, y = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
         out = model(DTensor.from_local(x, mesh, batch)).redistribute(mesh, batch).to_local()
@@ -233,9 +238,9 @@ def _train_spmd(steps: int = 3) -> str:
         opt.zero_grad()
     h = hashlib.sha256()
     for _, p in sorted(model.named_parameters()):
-        if p.placements[0].is_replicate():
+        if hsdp or p.placements[0].is_replicate():
             h.update(p.to_local().detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
+    return {"digest": h.hexdigest(), "ops": sorted(zeropp.comm_stats(model)["by_op"])}
 
 
 PRESETS = ["zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-plus"]
@@ -255,6 +260,7 @@ def _work(ckpt: str) -> dict:
         warnings.simplefilter("ignore")  # hpZ off on the TP and expert meshes: tested above
         out.update({f"ep-{p or 'stock'}": _train_ep(p) for p in (None, "zero3", "zeropp-plus")})
         out["spmd"] = _train_spmd()
+        out["spmd-hsdp"] = _train_spmd(hsdp=True)
         out["resume-tp"] = dcp_resume(lambda: _tp_lm()[0], dist.get_rank() // 2, f"{ckpt}/tp")
     out["resume-hsdp"] = dcp_resume(_hsdp_gpt, dist.get_rank(), f"{ckpt}/hsdp")
     return out
@@ -295,7 +301,18 @@ def test_tp_replicated_parameters_stay_bitwise_equal_under_dp_mesh_dims_with_tp_
     wherever they are in the mesh; taken as the leading ones, on a ("tp", "dp") mesh every
     parameter counted as one kind, the block was one region, and the norms' copies parted
     (4e-4 to 7.9e-3 apart in 4 steps)."""
-    assert runs[0]["spmd"] == runs[1]["spmd"] and runs[2]["spmd"] == runs[3]["spmd"]
+    assert [r["spmd"]["digest"] for r in runs[::2]] == [r["spmd"]["digest"] for r in runs[1::2]]
+
+
+def test_hsdp_under_dp_mesh_dims_keeps_the_replicas_bitwise_identical_with_zeropps_mean(runs):
+    """HSDP named by dp_mesh_dims on a ("shard", "rep") mesh (the replicas' dim second):
+    zeropp's mean over the replicas runs in place of FSDP2's all-reduce, which sends
+    nothing (no `all_reduce/fsdp2/replicas` counted), and the replicas stay identical."""
+    for a, b in ((0, 2), (1, 3)):  # rank = 2 x replica + shard
+        assert runs[a]["spmd-hsdp"]["digest"] == runs[b]["spmd-hsdp"]["digest"]
+    for r in runs:
+        ops = r["spmd-hsdp"]["ops"]
+        assert "all_reduce/fsdp2/replicas" not in ops and "reduce_scatter/hsdp_grad/inter" in ops, ops
 
 
 def test_tp_x_fsdp_zeropp_plus_reaches_98pct_of_stocks_loss_drop(runs):
