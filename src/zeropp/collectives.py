@@ -132,8 +132,8 @@ class Comm:
                 self.stats.record(op, group=group, sent=piece, inter=piece if inter else 0.0,
                                   scale=scale)
 
-    def _record_ring(self, op: str, group: str, nbytes: int, passes: int,
-                     scale_bytes: int = 0) -> None:
+    def record_ring(self, op: str, group: str, nbytes: int, passes: int,
+                    scale_bytes: int = 0) -> None:
         ranks = self.ranks[group]
         g = len(ranks)
         succ = ranks[(ranks.index(self.topo.rank) + 1) % g]
@@ -146,7 +146,7 @@ class Comm:
                    group: str = "world", scale_bytes: int = 0) -> Pending:
         """Gather every group rank's `shard` into the flat `out` (group-rank
         order), asynchronously. `scale_bytes`: how much of `out` is scales."""
-        self._record_ring(op, group, out.nbytes, 1, scale_bytes)
+        self.record_ring(op, group, out.nbytes, 1, scale_bytes)
         if len(self.ranks[group]) == 1:
             out.copy_(shard)
             return Pending()
@@ -181,7 +181,7 @@ class Comm:
         """Sum `full` (flat, W equal chunks) over the world; return this rank's chunk.
         `full` is consumed (gloo's ring sums into it)."""
         g, i = self.topo.world_size, self.topo.rank
-        self._record_ring(op, "world", full.nbytes, 1)
+        self.record_ring(op, "world", full.nbytes, 1)
         if g == 1:
             return full.clone()
         group = self.groups["world"]
@@ -213,7 +213,7 @@ class Comm:
     def all_reduce(self, t: torch.Tensor, *, op: str,
                    reduce_op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce of a small tensor (norms, flags) over the world."""
-        self._record_ring(op, "world", t.nbytes, 2)
+        self.record_ring(op, "world", t.nbytes, 2)
         if self.topo.world_size > 1:
             self._wait(dist.all_reduce(t, op=reduce_op, group=self.groups["world"],
                                        async_op=True), op)

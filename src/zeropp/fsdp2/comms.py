@@ -289,7 +289,7 @@ class GradReduce(_ModuleComm, ReduceScatter):
                 and param_group.all_reduce_grads:
             # FSDP2 all-reduces the output over the replicas next, at full width: what
             # travels is counted, as for zeropp's own collectives
-            self.replicas._record_ring("all_reduce/fsdp2/replicas", "world",
+            self.replicas.record_ring("all_reduce/fsdp2/replicas", "world",
                                        output_tensor.nbytes, 2)
         if not self.cfg.quantized_gradients:
             total = self.comm.reduce_scatter_sum(input_tensor, op="reduce_scatter/fsdp2")
