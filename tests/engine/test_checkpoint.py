@@ -70,6 +70,11 @@ def _first_half(kw: dict, n: int, path: str) -> list[float]:
     return losses
 
 
+def _straight_then_first_half(kw: dict, n: int, path: str) -> tuple[list[float], list[float]]:
+    """2n steps straight, then n of a fresh model, saved (one world for both)."""
+    return _straight(kw, 2 * n), _first_half(kw, n, path)
+
+
 # Fields that change when work happens, never the numbers (zeropp.config.SCHEDULE_ONLY).
 RESCHEDULED = dict(prefetch_depth=2, async_reduce=False, reduce_buckets=2, collective_timeout=600.0)
 
@@ -92,17 +97,16 @@ def _second_half(kw: dict, n: int, path: str) -> tuple[list[float], int, list[st
 
 @pytest.mark.parametrize("kw", [{}, GPT_ZEROPP, GPT_PLUS],
                          ids=["compression-off", "qwz+hpz+qgz", "zeropp-plus"])
-def test_resume_after_10_steps_gives_the_20_step_losses_bit_for_bit(tmp_path, kw):
-    """Also under other prefetch depth, reduce pipeline and timeout (they keep qWD copies
-    and error-feedback residuals, silently); a checkpoint whose engine state a config
-    change drops says so in one warning naming the field."""
+def test_resume_after_6_steps_gives_the_12_step_losses_bit_for_bit(tmp_path, kw):
+    """In a new world of processes; also under other prefetch depth, reduce pipeline and
+    timeout (they keep qWD copies and error-feedback residuals, silently); a checkpoint
+    whose engine state a config change drops says so in one warning naming the field."""
     ck = str(tmp_path / "ck")
-    straight = spawn(_straight, 4, 2, args=(kw, 20), timeout=240)[0]
-    first = spawn(_first_half, 4, 2, args=(kw, 10, ck), timeout=240)[0]
-    second, step, same, flipped = spawn(_second_half, 4, 2, args=(kw, 10, ck), timeout=240)[0]
-    assert step == 10
-    assert first == straight[:10]
-    assert second == straight[10:]  # exact float equality, every step
+    straight, first = spawn(_straight_then_first_half, 4, 2, args=(kw, 6, ck), timeout=240)[0]
+    second, step, same, flipped = spawn(_second_half, 4, 2, args=(kw, 6, ck), timeout=240)[0]
+    assert step == 6
+    assert first == straight[:6]
+    assert second == straight[6:]  # exact float equality, every step
     assert same == []
     assert flipped == ([f"zeropp: {ck} was saved with another gradient_error_feedback: its qWD "
                         "copies and error-feedback residuals are not restored"]
