@@ -290,7 +290,7 @@ class GradReduce(_ModuleComm, ReduceScatter):
             # FSDP2 all-reduces the output over the replicas next, at full width: what
             # travels is counted, as for zeropp's own collectives
             self.replicas.record_ring("all_reduce/fsdp2/replicas", "world",
-                                       output_tensor.nbytes, 2)
+                                      output_tensor.nbytes, 2)
         if not self.cfg.quantized_gradients:
             total = self.comm.reduce_scatter_sum(input_tensor, op="reduce_scatter/fsdp2")
             output_tensor.copy_(total if scale == 1.0 else total * scale)
