@@ -238,7 +238,11 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
         try:
             return _spawn_once(fn, world_size, node_size, args, timeout, threads, backend,
                                pg_timeout or timeout or 1800.0, attempt, modules, start)
-        except WorkerError as e:
+        except BaseException as e:
+            if not isinstance(e, WorkerError):
+                if not isinstance(e, Exception) and start == "forkserver":  # a stop
+                    _stop_forkserver()
+                raise
             if log:
                 with open(log, "a") as f:
                     f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} attempt {attempt}: "
@@ -270,9 +274,10 @@ def _start_forkserver() -> None:
 
 
 def _stop_forkserver() -> None:
-    """Kill the fork server after a stop in `p.start()`, which waits while the server
-    imports the preloads: the server would fork that request after we are gone, and the
-    worker, finding our queue gone, printed a traceback."""
+    """Kill the fork server at a stop (Ctrl-C, SIGTERM): while it imports the preloads it
+    neither sees us go (it held our stdout open for seconds) nor forgets a request of
+    `p.start()` (it forked it after we had gone, and the worker, finding our queue gone,
+    printed a traceback)."""
     from multiprocessing import forkserver
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
     if pid:
@@ -307,11 +312,7 @@ def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
                 # never use); under -W error that warning would replace a clean start.
                 warnings.simplefilter("ignore", DeprecationWarning)
                 for p in procs:
-                    try:
-                        p.start()
-                    except BaseException:
-                        _stop_forkserver()
-                        raise
+                    p.start()
                     started.append(p)
             results = _collect(procs, q, timeout, progress)
             ok = True
