@@ -123,10 +123,10 @@ def step_hooks(owner: Any, stats: CommStats, select: Callable[[torch.optim.Optim
     """Around every optimizer step over the ShardedBuffers `select(optimizer)` returns (asked anew
     when its groups' sizes change: `add_param_group`; none: no-op), while `owner` lives (callbacks
     must not hold it): before, `before(buffers)` then each buffer's `before_step`; after, the step
-    is counted (once for optimizers over parts of the model: by the first to step a buffer again),
-    `after(buffers)` runs (a driver's step count, read by its versions), then each `after_step`."""
+    is counted (once for optimizers over parts of the model: at the first to step a parameter
+    again), then `after(buffers)` (a driver's step count moves there), then each `after_step`."""
     chosen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-    stepped: weakref.WeakSet = weakref.WeakSet()  # the buffers stepped since the last count
+    stepped: set[int] = set()  # ids of the parameters stepped since the last count
 
     def items(opt: torch.optim.Optimizer) -> list:
         sizes = tuple(len(g["params"]) for g in opt.param_groups)
@@ -142,10 +142,10 @@ def step_hooks(owner: Any, stats: CommStats, select: Callable[[torch.optim.Optim
 
     def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if buffers := items(opt):
-            if not stepped or any(b in stepped for b in buffers):
+            if (held := held_params(opt)) & stepped or not stepped:
                 stepped.clear()
                 stats.steps += 1
-            stepped.update(buffers)
+            stepped.update(held)
             after(buffers)
             for b in buffers:
                 b.after_step()
