@@ -64,7 +64,8 @@ def killed(tmp_path_factory) -> dict:
                          start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not (run / "checkpoints" / "step_000016" / "manifest.json").exists():
+        latest = run / "checkpoints" / "latest"  # written last, after step_000016's renames
+        while not (latest.exists() and latest.read_text().strip() == "step_000016"):
             assert p.poll() is None and time.monotonic() < deadline, "never reached step 16"
             time.sleep(0.01)
         gone_s = kill_session(p, within=30)

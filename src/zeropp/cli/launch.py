@@ -259,18 +259,22 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
 
 
 def _start_forkserver() -> None:
-    """The fork server started with SIGINT ignored, which its exec keeps and the workers
-    it forks keep until `_worker` sets theirs: a Ctrl-C while it imports the preloads or
-    forks a worker is the launcher's alone (they printed KeyboardInterrupt tracebacks: 6
-    of 8 Ctrl-Cs in `zeropp train`'s first 8 s). (signal.signal: the main thread only.)"""
+    """The fork server started with SIGINT ignored, which its exec keeps and the workers it
+    forks keep until `_worker` sets theirs: a Ctrl-C while it imports the preloads or forks
+    a worker is the launcher's alone (they printed KeyboardInterrupt tracebacks: 6 of 8
+    Ctrl-Cs in `zeropp train`'s first 8 s). Blocked here meanwhile, so that one arriving
+    then waits for the handler's return (ignored alone, it was lost)."""
     from multiprocessing import forkserver
-    main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    main = threading.current_thread() is threading.main_thread()  # (signal.signal's rule)
+    if not main or signal.getsignal(signal.SIGINT) is None:  # (a handler not Python's)
+        return forkserver.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         forkserver.ensure_running()
     finally:
-        if old is not None:
-            signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGINT, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _stop_forkserver() -> None:
