@@ -215,14 +215,14 @@ def tp_fsdp(model: TPLM, dp: int, tp: int = 2) -> tuple[nn.Module, Any]:
     return model, mesh
 
 
-def replicated_digest(model: nn.Module) -> str:
+def replicated_digest(model: nn.Module, fsdp_dim: int = 0) -> str:
     """A digest of this rank's shards of the parameters that tensor parallel leaves
-    whole (FSDP's dim first, then only Replicate): the same on every TP rank of one
-    data-parallel index while they hold one model. Call it while the model is sharded."""
+    whole (Replicate on every mesh dim but FSDP's, `fsdp_dim`): the same on every TP rank
+    of one data-parallel index while they hold one model. Call it while the model is sharded."""
     import hashlib
     h = hashlib.sha256()
     for _, p in sorted(model.named_parameters()):
-        if all(pl.is_replicate() for pl in p.placements[1:]):
+        if all(pl.is_replicate() for i, pl in enumerate(p.placements) if i != fsdp_dim):
             h.update(p.to_local().detach().contiguous().numpy().tobytes())
     return h.hexdigest()
 
