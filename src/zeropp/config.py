@@ -214,7 +214,5 @@ def _default_node_size() -> int:
     if "LOCAL_WORLD_SIZE" in os.environ:
         return int(os.environ["LOCAL_WORLD_SIZE"])
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 

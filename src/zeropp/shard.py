@@ -58,8 +58,9 @@ class ShardState:
         self.optimizer_steps = 0  # steps over these shards; kept in checkpoints
 
     def __reduce_ex__(self, protocol: int) -> Any:  # (its process groups, threads and hooks)
-        raise one_line(TypeError("zeropp: a sharded model cannot be copied (copy.deepcopy, "
-                                 "AveragedModel): copy it before zeropp.shard(), then shard both"))
+        raise one_line(TypeError("zeropp: a sharded model cannot be copied or pickled (deepcopy, "
+                                 "AveragedModel, torch.save(model)): copy it before zeropp.shard()"
+                                 ", then shard both; save zeropp.full_state_dict(model) instead"))
 
     @property
     def root(self) -> nn.Module:
@@ -249,6 +250,7 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *, unit_types: Optiona
             for k, f in enumerate(flats):
                 mod.register_parameter(f"_zeropp_flat{k}", f.primary_shard)
             mod._zeropp_unit = unit = Unit(name, mod, flats, state)
+            mod.__reduce_ex__ = state.__reduce_ex__  # pickle meets it before the hooks
             # Under torch.compile(model) the hooks (collectives, storage resizes) run
             # eagerly, each a graph break at the unit's boundary; the units' compute compiles.
             # Gathers before the pre-hooks the model brought (weight_norm's read the weights).

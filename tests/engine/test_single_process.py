@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
+import pickle
 
 import pytest
 import torch
@@ -304,16 +306,25 @@ def test_an_optimizer_that_reads_whole_parameters_is_refused_at_its_first_step(n
     assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def test_copying_a_sharded_model_is_refused_by_name_and_a_copy_made_before_shard_works():
+def test_copying_or_pickling_a_sharded_model_is_refused_by_name_and_a_copy_made_before_works():
     """copy.deepcopy of a sharded model (AveragedModel's EMA) failed deep inside `copy` with
-    "cannot pickle '_thread.lock' object". Now refused naming the way that works: copy before
-    shard(), shard both; that EMA computes bit for bit the unsharded one's outputs."""
+    "cannot pickle '_thread.lock' object", and torch.save(model) with pickle's "Can't pickle
+    <function Unit.post_forward>" (a hook, met first). Both refused naming the ways that work:
+    copy before shard(), shard both (that EMA computes bit for bit the unsharded one's
+    outputs); save the state dict, which pickles."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
     sharded = zeropp.shard(_Branchy())
     for copying in (lambda: copy.deepcopy(sharded), lambda: AveragedModel(sharded),
-                    lambda: copy.deepcopy(sharded.blocks[0])):
-        with pytest.raises(TypeError, match=r"cannot be copied .* copy it before zeropp.shard"):
+                    lambda: copy.deepcopy(sharded.blocks[0]),
+                    lambda: torch.save(sharded, io.BytesIO()), lambda: pickle.dumps(sharded),
+                    lambda: torch.save(sharded.blocks[0], io.BytesIO())):
+        with pytest.raises(TypeError, match=r"cannot be copied or pickled .* copy it before "
+                                            r"zeropp.shard.* save zeropp.full_state_dict"):
             copying()
+    buf = io.BytesIO()
+    torch.save(sharded.state_dict(), buf)
+    buf.seek(0)
+    assert torch.load(buf).keys() == sharded.state_dict().keys()
     torch.manual_seed(0)
     ref = _Branchy()
     model = copy.deepcopy(ref)
