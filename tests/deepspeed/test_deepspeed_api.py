@@ -446,7 +446,7 @@ def _launch(script: str, cfg: Path, *args: str) -> str:
 
 
 @pytest.mark.parametrize("script, config, steps", [
-    ("cifar_cnn.py", "ds_config_cnn.json", 40),
+    ("cifar_cnn.py", "ds_config_cnn.json", 32),  # the loss at 0.46x by 32 (bound 0.6)
     ("transformer_lm.py", "ds_config_lm.json", 30),
 ])
 def test_example_runs_under_torchrun_and_zeropp_launch_and_resumes_bit_exactly(
