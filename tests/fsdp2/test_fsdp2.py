@@ -18,6 +18,7 @@ from zeropp.train.model import GPT, GPTConfig
 
 STEPS = 25
 NODE_STEPS = 10  # reshard_after_forward at the node size: against zeropp's first 10 steps
+ZERO3_STEPS = 10  # zero3 against stock's first 10 (exact to 1e-5 at each)
 
 
 def _fsdp2_gpt(reshard=True, bf16=False):
@@ -231,7 +232,8 @@ def _experts_in_turn(freeze: bool = False) -> list[float]:
 
 def _work() -> dict:
     torch.set_num_threads(1)
-    return {"refresh": _refresh(), "in_flight": _in_flight(), "stock": _train(None), "zero3": _train("zero3"), "zeropp": _train("zeropp"),
+    return {"refresh": _refresh(), "in_flight": _in_flight(), "stock": _train(None),
+            "zero3": _train("zero3", steps=ZERO3_STEPS), "zeropp": _train("zeropp"),
             "zeropp-plus": _train("zeropp-plus"),
             "zeropp-plus-inline": _train(zeropp.Config.preset("zeropp-plus", node_size=2,
                                                               async_reduce=False),
@@ -250,12 +252,12 @@ def runs():
 
 
 def test_zero3_preset_gives_stock_fsdp2_losses_to_1e5_relative(runs):
-    assert_same_losses(runs[0]["zero3"]["losses"], runs[0]["stock"]["losses"])
+    assert_same_losses(runs[0]["zero3"]["losses"], runs[0]["stock"]["losses"][:ZERO3_STEPS])
 
 
 def test_zeropp_sends_at_most_0_12x_and_zeropp_plus_0_065x_zero3_inter_node_bytes(runs):
-    inter = {p: sum(r[p]["stats"]["inter_node_bytes"] for r in runs)
-             for p in ("zero3", "zeropp", "zeropp-plus")}
+    inter = {p: sum(r[p]["stats"]["inter_node_bytes"] / r[p]["stats"]["steps"] for r in runs)
+             for p in ("zero3", "zeropp", "zeropp-plus")}  # a step's mean
     assert 0 < inter["zeropp"] <= 0.12 * inter["zero3"], inter
     assert 0 < inter["zeropp-plus"] <= 0.065 * inter["zero3"], inter
 
@@ -319,8 +321,9 @@ def test_unsupported_setups_are_refused_in_one_line(runs):
 
 def test_comm_stats_count_the_optimizer_steps(runs):
     """Once a step with two optimizers too ("zeropp-plus-inline": it counted each)."""
-    presets = ("zero3", "zeropp-plus", "zeropp-plus-inline")
-    assert [r[p]["stats"]["steps"] for r in runs for p in presets] == [STEPS] * 12
+    presets = ("zeropp-plus", "zeropp-plus-inline")
+    assert [r[p]["stats"]["steps"] for r in runs for p in presets] == [STEPS] * 8
+    assert [r["zero3"]["stats"]["steps"] for r in runs] == [ZERO3_STEPS] * 4
     assert runs[0]["zeropp-node"]["stats"]["steps"] == NODE_STEPS
 
 
