@@ -136,8 +136,9 @@ def assert_loss_drop(ours: list[float], ref: list[float], frac: float = 0.98) ->
 
 def dcp_resume(build, data_rank: int, ckpt: str) -> dict:
     """FSDP2 with zeropp-plus installed (`build()` makes the fully_shard model): 8 steps
-    straight, and 4, saved (DCP + zeropp.fsdp2.save_comm_state), loaded into a fresh
-    model and optimizer, 4 more; the losses of the last 4 both ways."""
+    straight, saved after the 4th (DCP + zeropp.fsdp2.save_comm_state), and that
+    checkpoint loaded into a fresh model and optimizer, 4 more; the losses of the last 4
+    both ways (so the save also leaves the straight run's bits alone)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -148,19 +149,18 @@ def dcp_resume(build, data_rank: int, ckpt: str) -> dict:
         model = zeropp.fsdp2.install(build(), "zeropp-plus", node_size=2)
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, opt = fresh()
-    whole = fit(model, opt, batches)
-    model, opt = fresh()
     fit(model, opt, batches[:4])
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
     zeropp.fsdp2.save_comm_state(model, ckpt)
+    whole = fit(model, opt, batches[4:])
     model, opt = fresh()
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=ckpt)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     zeropp.fsdp2.load_comm_state(model, ckpt)
-    return {"whole": whole[4:], "resumed": fit(model, opt, batches[4:])}
+    return {"whole": whole, "resumed": fit(model, opt, batches[4:])}
 
 
 class TPBlock(nn.Module):
