@@ -193,9 +193,9 @@ def _ep_gpt():
     return model
 
 
-def _train_ep(preset):
+def _train_ep(preset, steps: int = EP_STEPS):
     model = _ep_gpt()
-    out = _fit(model, preset, dist.get_rank(), steps=EP_STEPS)
+    out = _fit(model, preset, dist.get_rank(), steps=steps)
     return {**out, "groups": [len(b._get_fsdp_state()._fsdp_param_groups) for b in model.h]}
 
 
@@ -257,7 +257,8 @@ def _work(ckpt: str) -> dict:
     out["hsdp-split"] = _train_hsdp("zeropp-plus", steps=3, split=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # hpZ off on the TP and expert meshes: tested above
-        out.update({f"ep-{p or 'stock'}": _train_ep(p) for p in (None, "zero3", "zeropp-plus")})
+        out.update({f"ep-{p or 'stock'}": _train_ep(p) for p in (None, "zeropp-plus")})
+        out["ep-zero3"] = _train_ep("zero3", steps=8)  # against stock's first 8
         out["spmd"] = _train_spmd()
         out["spmd-hsdp"] = _train_spmd(hsdp=True)
         out["resume-tp"] = dcp_resume(lambda: _tp_lm()[0], dist.get_rank() // 2, f"{ckpt}/tp")
@@ -387,12 +388,12 @@ def test_hsdp_zeropp_plus_reaches_98pct_of_stock_hsdps_loss_drop(runs):
 def test_expert_parallel_blocks_hold_two_fsdp_groups_and_zero3_gives_stocks_losses(runs):
     assert runs[0]["ep-zero3"]["groups"] == [2, 2]
     for r in runs:  # each rank's own losses: the ep ranks train different experts
-        assert_same_losses(r["ep-zero3"]["own"], r["ep-stock"]["own"])
+        assert_same_losses(r["ep-zero3"]["own"], r["ep-stock"]["own"][:8])
 
 
 def test_expert_parallel_zeropp_plus_sends_at_most_0_25x_zero3s_cross_node_bytes(runs):
-    inter = {p: sum(r[f"ep-{p}"]["stats"]["inter_node_bytes"] for r in runs)
-             for p in ("zero3", "zeropp-plus")}
+    inter = {p: sum(r[f"ep-{p}"]["stats"]["inter_node_bytes"] / r[f"ep-{p}"]["stats"]["steps"]
+                    for r in runs) for p in ("zero3", "zeropp-plus")}  # a step's mean
     assert 0 < inter["zeropp-plus"] <= 0.25 * inter["zero3"], inter
 
 
