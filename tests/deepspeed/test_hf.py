@@ -59,10 +59,24 @@ def _sharded(kind: str, kw: dict, steps: int, lr: float, ckpt: str | None):
     return losses, units, logits
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_hf_model_matches_single_process_and_exports_for_from_pretrained(tmp_path, kind):
+KINDS = ["gpt2", "llama"]
+
+
+def _each_kind(kw: dict, steps: int, lr: float, ckpt: str | None) -> dict:
+    return {kind: _sharded(kind, kw, steps, lr, ckpt and f"{ckpt}/{kind}") for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory) -> tuple:
+    """Both kinds in one world (its ranks import HF once): 10 steps, saved."""
+    ckpt = tmp_path_factory.mktemp("ck")
+    return ckpt, spawn(_each_kind, 2, 2, args=({}, 10, 1e-3, str(ckpt)), timeout=300)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_model_matches_single_process_and_exports_for_from_pretrained(tmp_path, exact, kind):
     ref = _train(build(kind), 10, 2, None, 1e-3)
-    res = spawn(_sharded, 2, 2, args=(kind, {}, 10, 1e-3, str(tmp_path / "ck")), timeout=300)
+    ckpt, res = exact[0] / kind, [r[kind] for r in exact[1]]
     units = res[0][1]
     # decoder layers + root; Llama's untied input embedding is a unit of its own (not
     # gathered for backward: checked in _sharded); the head stays in the root
@@ -71,18 +85,23 @@ def test_hf_model_matches_single_process_and_exports_for_from_pretrained(tmp_pat
     for a, b in zip(mean, ref):
         assert abs(a - b) <= 1e-5 * abs(b), (mean, ref)
     from zeropp.cli.main import main
-    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "hf")]) == 0
+    assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 0
     loaded = type(build(kind)).from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         logits = loaded(input_ids=task_batch(99, 1, None)[0]).logits
     assert torch.allclose(logits, res[0][2], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_hf_model_trains_with_zeropp_on(kind):
+@pytest.fixture(scope="module")
+def zeropp_on() -> list:
     kw = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
               block_size=64)
-    res = spawn(_sharded, 4, 2, args=(kind, kw, 30, 3e-3, None), timeout=300)
+    return spawn(_each_kind, 4, 2, args=(kw, 30, 3e-3, None), timeout=300)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_model_trains_with_zeropp_on(zeropp_on, kind):
+    res = [r[kind] for r in zeropp_on]
     mean = [sum(r[0][s] for r in res) / 4 for s in range(30)]
     first, last = sum(mean[:3]) / 3, sum(mean[-3:]) / 3
     assert last < 0.8 * first, mean

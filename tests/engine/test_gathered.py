@@ -104,9 +104,21 @@ def _generation(preset: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("preset", ["zero3", "zeropp", "zeropp-plus"])
-def test_gathered_generates_the_same_tokens_with_no_bytes_per_token(preset):
-    res = spawn(_generation, 4, 2, args=(preset,), timeout=240)
+PRESETS = ["zero3", "zeropp", "zeropp-plus"]
+
+
+def _generations() -> dict:
+    return {preset: _generation(preset) for preset in PRESETS}
+
+
+@pytest.fixture(scope="module")
+def generations() -> list:
+    return spawn(_generations, 4, 2, timeout=300)  # one world: its ranks import HF once
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gathered_generates_the_same_tokens_with_no_bytes_per_token(generations, preset):
+    res = [r[preset] for r in generations]
     for r in res:
         entry, during12, during30 = r["bytes"]
         assert entry > 0 and during12 == 0 and during30 == 0, r["bytes"]
