@@ -468,6 +468,30 @@ def test_fsdp2s_custom_comm_setters_write_the_group_slots_zeropp_sets_per_group(
         check_setter("set_custom_all_gather", "_reduce_scatter_comm")
 
 
+def test_fsdp_dims_named_as_a_tuple_count_as_fsdps_own_in_the_kinds():
+    """fully_shard(dp_mesh_dims=DataParallelMeshDims(shard=("a", "b"))) flattens the two
+    dims into one, "a_b" in the sharded DTensor's mesh: FSDP's own, not a kind (it read
+    'a_b:S(0)', a region per FSDP placement). Measured on 8 ranks, ("a", "b", "tp") and
+    HSDP x TP on 16: zero3 = stock, TP copies and replicas bitwise equal before and after."""
+    from types import SimpleNamespace as NS
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from zeropp.fsdp2.regions import Kinds
+
+    class Group:  # what Kinds reads of an FSDPParamGroup (weakly: a class of its own)
+        mesh_info = NS(mesh=NS(ndim=1, mesh_dim_names=("a_b",)),
+                       dp_mesh_dims=NS(shard_names=("a", "b"), replicate_names=()))
+        fsdp_params = [NS(sharded_param=NS(device_mesh=NS(mesh_dim_names=("a_b", "tp")),
+                                           placements=(fsdp, tp), requires_grad=True),
+                          padded_sharded_param_size=torch.Size([4]))
+                       for fsdp, tp in ((Shard(0), Replicate()), (Shard(1), Replicate()),
+                                        (Shard(0), Shard(0)))]
+    kinds = Kinds(Group(), "block")
+    assert kinds.kinds == ["", "", "tp:S(0)"]
+    assert [r.kind for r in kinds.regions(12)] == ["", "tp:S(0)"]
+
+
 def test_a_chunk_short_of_an_unused_parameter_warns_naming_fsdp2s_remedy():
     """regions.py's note: a chunk of neither every parameter nor the trainable ones
     travels as one region, and the warning names set_reduce_scatter_unused_params."""

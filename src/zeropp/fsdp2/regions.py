@@ -68,9 +68,12 @@ class Kinds:
 
     def __init__(self, group: Any, label: str) -> None:
         # FSDP's own mesh dims lead the sharded DTensor's, or under fully_shard(dp_mesh_dims=)
-        # (an SPMD mesh, its dims in any order) are those named there
-        dims = getattr(group.mesh_info, "dp_mesh_dims", None)
-        fsdp = {*dims.shard_names, *dims.replicate_names} if dims else group.mesh_info.mesh.ndim
+        # (an SPMD mesh, its dims in any order) are those named there, and those of FSDP's
+        # own mesh: a tuple of names there is one flattened dim of it ("a_b") in the DTensor's
+        info = group.mesh_info
+        dims = getattr(info, "dp_mesh_dims", None)
+        fsdp = {*dims.shard_names, *dims.replicate_names, *(info.mesh.mesh_dim_names or ())
+                } if dims else info.mesh.ndim
         self.group = weakref.ref(group)  # (it holds the model, which the step hooks must not)
         self.sizes = [fp.padded_sharded_param_size.numel() for fp in group.fsdp_params]
         self.kinds = [kind_of(p, fsdp) for p in self.params]
