@@ -147,7 +147,9 @@ def _run(tmp: Path, H: int, steps: int, kill, back: int, cluster=None) -> dict:
                         cluster=cluster)
 
 
-@pytest.mark.parametrize("H,steps,kill,back,link", [(1, 100, 30, 30, False),
+# hsdp: the final validation loss 0.61x the first train loss at 50 steps (bound 0.8), 15
+# syncs with group 0 alone; 0.56x at 100 steps
+@pytest.mark.parametrize("H,steps,kill,back,link", [(1, 50, 16, 16, False),
                                                     (8, 128, 32, 40, True)],
                          ids=["hsdp", "diloco-h8-on-2-nodes"])
 def test_a_killed_replica_group_heals_from_the_survivor_which_commits_every_step(
