@@ -5,6 +5,7 @@ DeepSpeed scripts run on it with `import zeropp as deepspeed` (`initialize`,
 `init_distributed`, `zero`, `comm`, `accelerator`; see zeropp/deepspeed/), and
 Hugging Face's Trainer, accelerate and TRL after `zeropp.install_as_deepspeed()`."""
 
+from .cli import quiet_start  # noqa: F401, I001 (first, before torch: a Ctrl-C as it loads)
 import importlib
 import importlib.abc
 import importlib.util
@@ -67,7 +68,6 @@ class _Aliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 if not any(isinstance(f, _Aliases) for f in sys.meta_path):
     sys.meta_path.append(_Aliases())
-
 
 _config._DEEPSPEED[:] = _config._DEEPSPEED or [lambda *a, **k: importlib.import_module(
     f"{__name__}.deepspeed.zero_config").zero_config(*a, **k)]  # Config.from_deepspeed
