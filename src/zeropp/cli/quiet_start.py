@@ -24,5 +24,7 @@ def _ours() -> bool:
     return "-m" in _ARGV[:-1] and _ARGV[_ARGV.index("-m") + 1] == "zeropp"
 
 
-if _ours() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+if _ours():  # (also where the parent left SIGINT ignored or blocked, as main() does)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, _interrupted)
