@@ -128,10 +128,10 @@ def test_the_core_stays_within_5600_lines():
     assert 3000 < lines <= 5600, lines
 
 
-def _fresh_python(code: str) -> None:
+def _fresh_python(code: str, *args: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                        timeout=240, env=env)
     assert r.returncode == 0, r.stderr
 
@@ -139,7 +139,8 @@ def _fresh_python(code: str) -> None:
 def test_zeropp_fsdp2_is_reachable_after_a_plain_import_zeropp():
     """As the README writes it: `import zeropp`, then `zeropp.fsdp2.install(...)`. The
     subpackage loads on first access (torch.distributed.fsdp is a slow import). The
-    program's Ctrl-C stays Python's (cli/quiet_start.py acts for zeropp's own command)."""
+    program's Ctrl-C stays its own (cli/quiet_start.py acts for zeropp's own command
+    line only, not for a program given the arguments `-m zeropp`)."""
     _fresh_python("import signal, sys\n"
                   "was = signal.getsignal(signal.SIGINT)\n"
                   "import zeropp\n"
@@ -148,7 +149,7 @@ def test_zeropp_fsdp2_is_reachable_after_a_plain_import_zeropp():
                   "assert callable(zeropp.fsdp2.install)\n"
                   "from zeropp import fsdp2\n"
                   "assert fsdp2 is zeropp.fsdp2 is sys.modules['zeropp.fsdp2']\n"
-                  "assert not hasattr(zeropp, 'no_such_name')\n")
+                  "assert not hasattr(zeropp, 'no_such_name')\n", "-m", "zeropp")
 
 
 def test_import_zeropp_loads_no_deepspeed_front_door_module_until_one_is_used():

@@ -19,9 +19,12 @@ def _interrupted(signum: int, frame: object) -> None:
 
 
 def _ours() -> bool:
-    if os.path.basename(sys.argv[0] if sys.argv else "") == "zeropp":  # the console script
+    first = sys.argv[0] if sys.argv else ""
+    if os.path.basename(first) == "zeropp":  # the console script
         return True
-    return "-m" in _ARGV[:-1] and _ARGV[_ARGV.index("-m") + 1] == "zeropp"
+    # "-m" while Python imports the package of `-m NAME` (its argv[0] before NAME runs),
+    # and NAME zeropp itself, not zeropp.train (torchrun's) or a "-m" a script was given
+    return first == "-m" and "-m" in _ARGV[:-1] and _ARGV[_ARGV.index("-m") + 1] == "zeropp"
 
 
 if _ours():  # (also where the parent left SIGINT ignored or blocked, as main() does)
