@@ -220,15 +220,13 @@ def _maps(pid: int) -> bytes:
 
 def test_ctrl_c_and_sigterm_stop_every_worker_within_seconds(tmp_path):
     """Ctrl-C (SIGINT to the terminal's process group) and SIGTERM to the launcher alone
-    (`kill`, a scheduler's stop; it left RUN/tokens.pt and said nothing), each once
-    training runs; Ctrl-C 0.5 s after the fork server starts, while it imports torch
-    (the server, or the worker it forked for the launcher after it had gone, printed a
-    KeyboardInterrupt or FileNotFoundError traceback: 6 of 8 Ctrl-Cs 1-8 s in); and
-    Ctrl-C while the launcher itself still imports torch (Python's KeyboardInterrupt
-    traceback through importlib, status -2): each run stops within 10 s, says so in one
-    line (status 130 / 143), removes the workers' copy of the corpus and leaves no
-    process. The four runs start together, each on 2 ranks, and each is stopped as soon
-    as it is where its stop should land."""
+    (`kill`; it left RUN/tokens.pt and said nothing) once training runs; Ctrl-C 0.5 s
+    after the fork server starts (a KeyboardInterrupt or FileNotFoundError traceback from
+    the server or a worker it forked late: 6 of 8 Ctrl-Cs 1-8 s in); Ctrl-C while the
+    launcher itself imports torch (Python's traceback, status -2). Each run stops within
+    10 s, says so in one line (status 130 / 143), removes the workers' copy of the
+    corpus and leaves no process. Four runs of 2 ranks, started together, each stopped
+    as soon as it is ready."""
     runs = {}
     for how in ("import", "early", "term", "int"):
         runs[how] = subprocess.Popen(
@@ -279,6 +277,27 @@ def test_ctrl_c_and_sigterm_stop_every_worker_within_seconds(tmp_path):
         for p in runs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("orig_argv,argv,ours", [
+    (["py", "/venv/bin/zeropp", "train"], ["/venv/bin/zeropp", "train"], True),
+    (["py", "-W", "ignore", "-m", "zeropp", "train"], ["-m", "train"], True),
+    # multiprocessing's "spawn" worker of the console script (`train --replicas`): it
+    # copies the parent's sys.argv and never runs main(), so it kept the handler
+    (["py", "-c", "from multiprocessing.spawn import spawn_main; spawn_main()",
+      "--multiprocessing-fork"], ["/venv/bin/zeropp", "train"], False),
+    (["py", "-m", "zeropp.train", "--steps", "4"], ["-m", "--steps", "4"], False),  # torchrun's
+    (["py", "script.py", "-m", "zeropp"], ["script.py", "-m", "zeropp"], False),
+    (["py", "-c", "import zeropp", "-m", "zeropp"], ["-c", "-m", "zeropp"], False),
+], ids=["script", "-m", "spawned", "-m-train", "args", "-c-args"])
+def test_the_start_up_handler_is_for_zeropps_own_command_alone(orig_argv, argv, ours,
+                                                                monkeypatch):
+    """cli/quiet_start.py's test of the command line: its handler ends the process with
+    no cleanup, so a process that never runs main() (which replaces it) must not get it."""
+    from zeropp.cli import quiet_start
+    monkeypatch.setattr(quiet_start, "_ARGV", orig_argv)
+    monkeypatch.setattr(sys, "argv", argv)
+    assert quiet_start._ours() is ours
 
 
 def test_torchrun_launch_runs_the_same_job(tmp_path):

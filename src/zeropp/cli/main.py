@@ -413,10 +413,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ns = p.parse_args(argv)
     if ns.cmd == "launch" and ns.node_size is None:
         ns.node_size = ns.nproc
-    if argv is None and hasattr(signal, "pthread_sigmask"):
+    if argv is None:  # (also replaces quiet_start's handlers, which skip every cleanup)
         # Ctrl-C must stop the run and its workers even when the process that
         # started us left SIGINT blocked or ignored (both are inherited across exec).
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _terminated)  # `kill`, a scheduler's stop: as Ctrl-C
     try:
