@@ -134,6 +134,28 @@ def test_replica_options_that_cannot_run_are_one_line_each(args, says, capsys):
     assert says in cli_error_line(["train", "--model", "tiny", *args], capsys)
 
 
+def test_a_stop_while_the_lighthouse_starts_does_not_leave_it_running(tmp_path, monkeypatch):
+    """SIGTERM's `Terminated` (here a KeyboardInterrupt, both BaseExceptions) in
+    start_lighthouse's wait for it to listen left torchft_lighthouse running after the
+    launcher had gone (a review's run: `zeropp train --replicas 2`, SIGTERM at once)."""
+    import subprocess
+
+    from zeropp.train import replicas
+    started, popen = [], subprocess.Popen
+
+    def start(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(subprocess, "Popen", start)
+    monkeypatch.setattr(subprocess, "run", stop)  # (the probe of its port)
+    with pytest.raises(KeyboardInterrupt):
+        replicas.start_lighthouse(tmp_path / "lighthouse.log")
+    assert len(started) == 1 and started[0].poll() is not None
+
+
 def _run(tmp: Path, H: int, steps: int, kill, back: int, cluster=None) -> dict:
     a = TrainArgs(steps=steps, batch=4, seq_len=32, model="tiny", eval_every=10**9,
                   log_every=10**9, warmup=5)

@@ -223,20 +223,24 @@ def test_ctrl_c_and_sigterm_stop_every_worker_within_seconds(tmp_path):
     (`kill`; it left RUN/tokens.pt and said nothing) once training runs; Ctrl-C 0.5 s
     after the fork server starts (a KeyboardInterrupt or FileNotFoundError traceback from
     the server or a worker it forked late: 6 of 8 Ctrl-Cs 1-8 s in); Ctrl-C while the
-    launcher itself imports torch (Python's traceback, status -2). Each run stops within
-    10 s, says so in one line (status 130 / 143), removes the workers' copy of the
-    corpus and leaves no process. Four runs of 2 ranks, started together, each stopped
-    as soon as it is ready."""
+    launcher itself imports torch (Python's traceback, status -2); and Ctrl-C once 2
+    replica groups of one rank train (`--replicas 2`: a KeyboardInterrupt traceback from
+    each of their spawned workers). Each run stops within 10 s, says so in one line (status
+    130 / 143), removes the workers' copy of the corpus and leaves no process (torchft's
+    lighthouse included). The runs start together, each stopped as soon as it is ready."""
     runs = {}
-    for how in ("import", "early", "term", "int"):
+    for how in ("import", "early", "term", "int", "replicas"):
+        layout = ["--replicas", "2", "--node-size", "1"] if how == "replicas" else \
+            ["--node-size", "2"]
         runs[how] = subprocess.Popen(
-            [sys.executable, "-m", "zeropp", "train", *SMALL, "--nproc", "2", "--node-size", "2",
+            [sys.executable, "-m", "zeropp", "train", *SMALL, "--nproc", "2", *layout,
              "--steps", "100000",
              "--out", str(tmp_path / how)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, start_new_session=True)
     stopped = "interrupted; all workers stopped"
     said = {"import": (130, "zeropp train: interrupted while starting"),
             "early": (130, f"zeropp train: {stopped}"), "int": (130, f"zeropp train: {stopped}"),
+            "replicas": (130, f"zeropp train: {stopped}"),
             "term": (143, "zeropp train: terminated (SIGTERM); all workers stopped")}
 
     def ready(how: str) -> bool:
@@ -244,8 +248,8 @@ def test_ctrl_c_and_sigterm_stop_every_worker_within_seconds(tmp_path):
             return b"libtorch" in _maps(runs[how].pid)
         if how == "early":
             return any(b"forkserver" in _cmdline(pid) for pid in group_alive(runs[how].pid))
-        metrics = tmp_path / how / "metrics.jsonl"
-        return metrics.exists() and metrics.read_text().count("\n") >= 1
+        metrics = (tmp_path / how).glob("**/metrics.jsonl")  # (replica groups: replica*/)
+        return any(m.read_text().count("\n") >= 1 for m in metrics)
     try:
         deadline, sent, ended = time.monotonic() + 120, {}, {}
         while len(ended) < len(runs):
@@ -272,7 +276,7 @@ def test_ctrl_c_and_sigterm_stop_every_worker_within_seconds(tmp_path):
             assert "Traceback" not in err, err[-2000:]
             assert not (tmp_path / how / "tokens.pt").exists()  # the workers' copy of the corpus
         time.sleep(1)
-        assert [group_alive(p.pid) for p in runs.values()] == [[]] * 4, "processes left behind"
+        assert [group_alive(p.pid) for p in runs.values()] == [[]] * 5, "processes left behind"
     finally:
         for p in runs.values():
             if p.poll() is None:

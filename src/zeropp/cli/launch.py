@@ -50,7 +50,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -258,23 +258,33 @@ def spawn(fn: Callable, world_size: int, node_size: Optional[int] = None,
     raise AssertionError("unreachable")
 
 
-def _start_forkserver() -> None:
-    """The fork server started with SIGINT ignored, which its exec keeps and the workers it
-    forks keep until `_worker` sets theirs: a Ctrl-C while it imports the preloads or forks
-    a worker is the launcher's alone (they printed KeyboardInterrupt tracebacks: 6 of 8
-    Ctrl-Cs in `zeropp train`'s first 8 s). Blocked here meanwhile, so that one arriving
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Processes started inside start with SIGINT ignored, which an exec keeps: a Ctrl-C
+    (the whole process group's) is then the launcher's alone, which stops them, and they
+    print no KeyboardInterrupt traceback. Blocked here meanwhile, so that one arriving
     then waits for the handler's return (ignored alone, it was lost)."""
-    from multiprocessing import forkserver
     main = threading.current_thread() is threading.main_thread()  # (signal.signal's rule)
     if not main or signal.getsignal(signal.SIGINT) is None:  # (a handler not Python's)
-        return forkserver.ensure_running()
+        yield
+        return
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        forkserver.ensure_running()
+        yield
     finally:
         signal.signal(signal.SIGINT, old)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _start_forkserver() -> None:
+    """The fork server started with SIGINT ignored; the workers it forks keep that until
+    `_worker` sets theirs: a Ctrl-C while it imports the preloads or forks a worker is the
+    launcher's alone (they printed KeyboardInterrupt tracebacks: 6 of 8 Ctrl-Cs in `zeropp
+    train`'s first 8 s)."""
+    from multiprocessing import forkserver
+    with children_ignore_sigint():
+        forkserver.ensure_running()
 
 
 def _stop_forkserver() -> None:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import zeropp
 
 from ..bench.cluster import enter_netns
+from ..cli.launch import children_ignore_sigint
 from .data import get_batch, split_tokens
 from .loop import TrainArgs, _val_loss, build_model, lr_at
 
@@ -94,15 +95,18 @@ def start_lighthouse(log: Path, min_replicas: int = 1, netns: Optional[str] = No
                             env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "info")))
     probe = [*where, "bash", "-c", f"exec 3<>/dev/tcp/{host}/{port}"]
     deadline = time.time() + 30
-    while time.time() < deadline:  # serving once it accepts a connection
-        if subprocess.run(probe, capture_output=True).returncode == 0:
-            return proc, f"http://{host}:{port}"
-        if proc.poll() is not None:
-            raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}")
-        time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError("torchft_lighthouse did not start listening within 30 s")
+    try:  # (a stop meanwhile, SIGTERM's Terminated too, must not leave it running)
+        while time.time() < deadline:  # serving once it accepts a connection
+            if subprocess.run(probe, capture_output=True).returncode == 0:
+                return proc, f"http://{host}:{port}"
+            if proc.poll() is not None:
+                raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}")
+            time.sleep(0.1)
+        raise RuntimeError("torchft_lighthouse did not start listening within 30 s")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -376,8 +380,9 @@ def _start_group(ctx, group: int, lighthouse: str, a, cfg, ra, run_dir, tokens_f
                                               ra, run_dir, tokens_file, vocab, attempt),
                          daemon=True)
              for r in range(ra.group_size)]
-    for p in procs:
-        p.start()
+    with children_ignore_sigint():  # (Ctrl-C: the launcher stops them, no traceback each)
+        for p in procs:
+            p.start()
     return procs
 
 
@@ -453,11 +458,12 @@ def run_replicas(a: TrainArgs, cfg: zeropp.Config, ra: ReplicaArgs, run_dir: Pat
                     go.touch()
             time.sleep(0.2)
         check()
-    finally:
+    finally:  # every worker killed before any is waited for: a group still running while
+        # another dies fails in its all-reduce, and torchft logs that with a traceback
+        for p in [p for ps in groups.values() for p in ps if p.is_alive()]:
+            p.kill()
         for ps in groups.values():
             for p in ps:
-                if p.is_alive():
-                    p.kill()
                 p.join(5)
         lh.kill()
         lh.wait()
