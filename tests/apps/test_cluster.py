@@ -85,6 +85,33 @@ def test_more_nodes_than_the_subnet_holds_is_rejected():
 
 
 @pytest.mark.skipif(not OK, reason=f"no emulated cluster here: {WHY}")
+def test_a_stop_during_teardown_is_raised_after_it_and_leaves_no_namespace(monkeypatch):
+    """A Ctrl-C (or SIGTERM) while the cluster's namespaces go was raised between two
+    `ip netns del`s and left the rest (a review's `zeropp bench`, stopped just after its
+    last result line). Now it waits for the teardown's end."""
+    import os
+    import signal
+
+    from zeropp.bench import cluster
+    prefix, listed = "zppstop", cluster.leftovers
+
+    def interrupted(name: str) -> list[str]:  # a Ctrl-C as the teardown starts
+        os.kill(os.getpid(), signal.SIGINT)
+        return listed(name)
+    c = Cluster(2, "1gbit", prefix=prefix).__enter__()
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # (xdist: ignored)
+    try:
+        monkeypatch.setattr(cluster, "leftovers", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            c.teardown()
+        assert listed(prefix) == []
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        monkeypatch.setattr(cluster, "leftovers", listed)
+        c.teardown()
+
+
+@pytest.mark.skipif(not OK, reason=f"no emulated cluster here: {WHY}")
 def test_two_nodes_train_over_a_shaped_link_and_leave_nothing_behind(tmp_path):
     """2 nodes x 1 rank, 2 steps of the main job under torchrun, one torchrun
     per namespace: bytes cross cl0 (at least what zeropp's accounting says it

@@ -18,13 +18,16 @@ and waited for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Optional
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
@@ -114,8 +117,34 @@ def link_counters(net_dev: str, dev: str = "cl0") -> Optional[tuple[int, int]]:
     return None
 
 
+@contextlib.contextmanager
+def _stops_held() -> Iterator[None]:
+    """SIGINT and SIGTERM recorded inside, then handed to their handlers at the end (a
+    KeyboardInterrupt, main()'s Terminated). Python runs its handlers in the main thread,
+    whichever thread a signal reaches, so none is lost, as one ignored or blocked in one
+    thread could be."""
+    stops = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or None in map(
+            signal.getsignal, stops):  # (a handler not set from Python cannot be put back)
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in stops}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for s in got[:1]:
+            if callable(old[s]):
+                old[s](s, None)
+            elif old[s] == signal.SIG_DFL:
+                signal.raise_signal(s)
+
+
 def leftovers(prefix: str) -> list[str]:
-    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                       start_new_session=True)
     names = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
     return [n for n in names if re.fullmatch(re.escape(prefix) + r"(\d+|sw)", n)]
 
@@ -206,6 +235,12 @@ class Cluster:
         self.teardown()
 
     def teardown(self) -> None:
+        # Whole, even at a Ctrl-C or SIGTERM, raised after it: one raised between two `ip
+        # netns del`s left namespaces behind (and the `ip`s took the terminal's Ctrl-C)
+        with _stops_held():
+            self._teardown()
+
+    def _teardown(self) -> None:
         if self.relay is not None:
             try:  # stdin closing is its signal to stop; it answers with its flows
                 out, _ = self.relay.communicate(timeout=10)
@@ -216,12 +251,13 @@ class Cluster:
             self.relay = None
         for name in leftovers(self.prefix):
             for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True,
-                                      text=True).stdout.split():
+                                      text=True, start_new_session=True).stdout.split():
                 try:
                     os.kill(int(pid), 9)
                 except (ProcessLookupError, ValueError):
                     pass
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True,
+                           start_new_session=True)
 
     def counters(self, i: int) -> tuple[int, int]:
         """(rx, tx) bytes of node i's link, read inside its namespace."""
