@@ -19,6 +19,12 @@ Checks, each a row (ok / FAILED, what was measured, seconds):
                plain load's (fp32, to 1e-5)
   pipeline     the reduce pipeline on its side stream / threads (async_reduce) vs
                the synchronous path, zeropp-plus: bitwise equal weights after 4 steps
+  fsdp2        the same GPT under stock FSDP2 (`fully_shard` per block and on the root,
+               a mesh of the device's type) with `zeropp.fsdp2.install`, in the same
+               world: zero3's losses equal one unsharded process's (fp32, to 1e-5);
+               zero3 and zeropp-plus each give every rank the same probe loss (the
+               same gathered weights), count every step, and zeropp-plus's ranks
+               send fewer bytes across nodes than zero3's
   quant        INT8 and INT4 blockwise quantize + dequantize of 64 MiB (CPU: 16 MiB)
                into preallocated outputs, against a copy of the same bytes: GB/s, eager
                and compiled (zeropp/kernels.py; Triton on a GPU), whose wire bytes and
@@ -56,6 +62,7 @@ import codec_cases  # noqa: E402  (the compiled codecs' byte cases: a fixture of
 
 STEPS, WORLD, NODE = 4, 4, 2  # 2 emulated nodes x 2 ranks: every route runs
 PRESETS = ["zero3", "zeropp", "zeropp-plus"]
+FSDP2 = ["zero3", "zeropp-plus"]
 
 
 def _model(device: str) -> torch.nn.Module:
@@ -133,6 +140,38 @@ def _train_each(device: str, cfgs: list) -> list[dict]:
     return out
 
 
+def _fsdp2(device: str, preset: str) -> dict:
+    """One rank's FSDP2 run under `install(preset)`: losses, the probe loss on a batch
+    every rank shares, the steps and inter-node bytes zeropp counted."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import zeropp.fsdp2
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    m = _model(device)
+    for block in m.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    zeropp.fsdp2.install(m, preset, node_size=NODE)
+    t0 = time.perf_counter()
+    losses, _ = _steps(m, device, dist.get_rank())
+    with torch.no_grad():
+        probe = torch.tensor([_loss(m, *_batch(99, 1, None, device)).item()], dtype=torch.float64)
+    probes = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(probes, probe)  # CPU tensors: any backend's all-gather takes them
+    stats = zeropp.comm_stats(m)
+    inter = torch.tensor([stats["inter_node_bytes"]], dtype=torch.int64)
+    dist.all_reduce(inter)  # every rank's: on a ring only a node's last rank sends across
+    return {"losses": losses, "probes": [t.item() for t in probes], "steps": stats["steps"],
+            "inter_node_bytes": int(inter),
+            "seconds": time.perf_counter() - t0}
+
+
+def _train_world(device: str, cfgs: list) -> tuple[list[dict], list[dict]]:
+    """The engine's runs, then FSDP2's, in one world."""
+    return _train_each(device, cfgs), [_fsdp2(device, p) for p in FSDP2]
+
+
 def _reference(device: str) -> list[float]:
     """One unsharded process on the whole batch."""
     return _steps(_model(device), device, None)[0]
@@ -148,8 +187,8 @@ def check_train(device: str, timeout: float) -> list[dict]:
             for p in presets]
     cfgs.append(zeropp.Config.preset("zeropp-plus", node_size=NODE, async_reduce=False))
     t0 = time.perf_counter()
-    runs = spawn(_train_each, WORLD, node_size=NODE, args=(device, cfgs),
-                 timeout=timeout * len(cfgs))[0]
+    runs, fsdp2 = spawn(_train_world, WORLD, node_size=NODE, args=(device, cfgs),
+                        timeout=timeout * (len(cfgs) + len(FSDP2)))[0]
     same = runs[PRESETS.index("zeropp-plus")]["weights"] == runs[-1]["weights"]
     pipeline = {"check": "pipeline async == sync", "ok": same,
                 "measured": f"bitwise equal weights after {STEPS} steps: {same}",
@@ -169,7 +208,25 @@ def check_train(device: str, timeout: float) -> list[dict]:
                                  f"{r['same_on_every_rank']}",
                      "seconds": r["seconds"], "memory": r["memory"],
                      "peak": r["peak"]})
-    return rows + [pipeline]
+    return rows + [pipeline] + _fsdp2_rows(fsdp2, ref)
+
+
+def _fsdp2_rows(runs: list[dict], ref: list[float]) -> list[dict]:
+    rows, zero3_bytes = [], runs[FSDP2.index("zero3")]["inter_node_bytes"]
+    for preset, r in zip(FSDP2, runs):
+        finite = all(v == v and abs(v) < 1e9 for v in r["losses"])
+        same = len(set(r["probes"])) == 1
+        worst = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
+        ratio = r["inter_node_bytes"] / zero3_bytes if zero3_bytes else float("nan")
+        ok = finite and same and r["steps"] == STEPS and (
+            worst <= 1e-5 if preset == "zero3" else ratio < 1.0)
+        rows.append({"check": f"fsdp2 {preset}", "ok": ok,
+                     "measured": f"losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}; "
+                                 f"vs one process max rel {worst:.1e}; probe equal on every "
+                                 f"rank {same}; steps counted {r['steps']}; inter-node bytes "
+                                 f"{r['inter_node_bytes']:,} ({ratio:.3f}x zero3's)",
+                     "seconds": r["seconds"]})
+    return rows
 
 
 def _w1(device: str) -> dict:

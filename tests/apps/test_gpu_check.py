@@ -1,6 +1,7 @@
 """benchmarks/conformance/gpu_check.py, the script a GPU task runs first, in its CPU
 mode so that it cannot rot: every check passes (zero3 equal to one process to 1e-5,
-ranks bitwise equal, the reduce pipeline bitwise equal to the synchronous path,
+ranks bitwise equal, the reduce pipeline bitwise equal to the synchronous path, FSDP2
+with zeropp's comms (zero3 equal to one process to 1e-5, the same probe loss on every rank),
 quantization error within bounds, the compiled codecs' bytes equal the eager ones) and
 the memory table is there."""
 
@@ -25,7 +26,7 @@ def test_gpu_check_cpu_mode_passes_every_check(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     names = [row["check"] for row in rows]
     assert names == ["train zero3", "train zeropp", "train zeropp-plus", "train zeropp-plus bf16",
-                     "pipeline async == sync", "w1 (gloo)", "hf_load (gloo)",
+                     "pipeline async == sync", "fsdp2 zero3", "fsdp2 zeropp-plus", "w1 (gloo)", "hf_load (gloo)",
                      "quant int8 eager", "quant int8 compiled",
                      "quant int4 eager", "quant int4 compiled",
                      "codecs int8 compiled == eager", "codecs int4 compiled == eager", "qwd"]
