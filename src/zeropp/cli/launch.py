@@ -263,7 +263,10 @@ def children_ignore_sigint() -> Iterator[None]:
     """Processes started inside start with SIGINT ignored, which an exec keeps: a Ctrl-C
     (the whole process group's) is then the launcher's alone, which stops them, and they
     print no KeyboardInterrupt traceback. Blocked here meanwhile, so that one arriving
-    then waits for the handler's return (ignored alone, it was lost)."""
+    then waits for the handler's return (ignored alone, it was lost). Blocked in this
+    thread only: one another thread takes in these milliseconds is still lost. Not the
+    teardown's record-and-replay (bench/cluster.py): an exec resets a caught signal to
+    its default, so the children would not ignore it."""
     main = threading.current_thread() is threading.main_thread()  # (signal.signal's rule)
     if not main or signal.getsignal(signal.SIGINT) is None:  # (a handler not Python's)
         yield
