@@ -44,9 +44,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 def collective_device() -> torch.device:
     """Where the default group's collectives take their tensors: the current CUDA device
     under NCCL (it moves only those), the host otherwise."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    nccl = dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 class CollectiveError(RuntimeError):

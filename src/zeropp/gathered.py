@@ -3,15 +3,16 @@
 Generation under ZeRO-3 re-gathers every unit for every token: an RLHF actor generating 100
 tokens moves its weights 100 times. Inside `gathered()` the units stay gathered, so forwards
 issue no collective; the gather on entry is a training forward's (hpZ's secondary inside the
-node when current, else qwZ's INT8 or qWD's copies), so the weights are bit for bit those
-training uses. Models: PyTorch's `summon_full_params` and DeepSpeed's `GatheredParameters`.
+node when current, else qwZ's INT8 or qWD's copies), so the weights are bit for bit those training
+uses (`writable`: unquantized). Models: `summon_full_params` and DeepSpeed's `GatheredParameters`.
 
 [Note: writing back]
 With `writable=True` every gathered flat buffer is also kept as gathered (a snapshot); on a
 normal exit each rank compares its own shard's slice of the (possibly edited) full weights with
 the snapshot, bit for bit, and writes the elements that differ into its fp32 master shard.
-Unedited weights keep their exact master values though qwZ's copy is rounded; an edit such as
-`w.mul_(2)` doubles what the forward saw. With `modifier_rank=r`, rank r's edits count: it first
+Under qwZ the buffers are first gathered again unquantized (counted, `all_gather/gathered`):
+compared with qwZ's rounding, an edit that wrote what the rounding showed (zeroing a weight
+shown as 0) was lost. With `modifier_rank=r`, rank r's edits count: it first
 scatters each rank's slice of its full weights (DeepSpeed's GatheredParameters semantics);
 otherwise every rank must make the same edits (PyTorch's writeback semantics). Then every rank
 drops its hpZ secondaries / qWD copies of those units, edited or not, so routes stay identical
@@ -58,9 +59,9 @@ def gathered(model: nn.Module, *, writable: bool = False,
     else as many units as fit: each saves its whole size per token, so which ones matters little.
     Keeping units matters most without hpZ (a per-token gather then crosses nodes).
 
-    `writable=True`: edits made inside are written into the master shards on exit (the note
-    above), at the cost of a snapshot of every kept unit during the context and a full (non-hpZ)
-    gather of them afterwards. `modifier_rank`: with `writable`, the rank whose edits are kept.
+    `writable=True`: edits made inside are written into the master shards on exit (the note),
+    for a snapshot of every kept unit, an unquantized gather of them on entry (qwZ) and a full
+    (non-hpZ) one at exit. `modifier_rank`: with `writable`, the rank whose edits are kept.
     """
     st = _state(model)
     if _in_backward():
@@ -86,7 +87,11 @@ def gathered(model: nn.Module, *, writable: bool = False,
                 u.issue_gather()
             for u in chosen:
                 u.wait()
-            if writable:
+            if writable:  # qwZ's rounding is not what edits are compared with (the note)
+                for f in [f for u in chosen for f in u.flats if st.cfg.quantized_weights
+                          and not f.int_storage]:
+                    st.comm.all_gather(f.full, f.primary_shard.detach().to(f.full.dtype),
+                                       op="all_gather/gathered").wait()
                 snapshots = {f: f.full.clone() for u in chosen for f in u.flats}
             for u in chosen:
                 u.pins += 1

@@ -58,9 +58,8 @@ class QTensor:
 
     def to_bytes(self) -> torch.Tensor:
         """One uint8 buffer: scales (fp32 bytes), then data; no copy if they share one already."""
-        if self.wire is not None:
-            return self.wire
-        return torch.cat([self.scales.view(torch.uint8), self.data.view(torch.uint8)])
+        return self.wire if self.wire is not None else torch.cat(
+            [self.scales.view(torch.uint8), self.data.view(torch.uint8)])
 
     @staticmethod
     def wire_bytes(numel: int, bits: int, block_size: int) -> int:

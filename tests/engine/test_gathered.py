@@ -90,8 +90,13 @@ def _generation(preset: str) -> dict:
     if preset == "zeropp":  # writable under qwZ: the INT8 rounding is not written back
         with torch.no_grad():
             before = zeropp.full_state_dict(model)
+            w = model.transformer.h[1].attn.c_attn
+            with zeropp.gathered(model):  # INT8 shows some weights as 0 (their masters not)
+                out["qwz_shown_zero"] = int((w.weight == 0).sum())
             with zeropp.gathered(model, writable=True):
+                out["qwz_writable_shows"] = w.weight.detach().clone()  # the masters
                 model.transformer.h[0].mlp.c_proj.bias.fill_(0.25)
+                w.weight.zero_()  # those too: compared with INT8's 0, it was no edit
             out["qwz_edit"] = (before, zeropp.full_state_dict(model))
             # Frozen weights stored as INT8: only the edited blocks are requantized.
             frozen = build()
@@ -134,9 +139,12 @@ def test_gathered_generates_the_same_tokens_with_no_bytes_per_token(generations,
         assert res[0]["gathered"] == greedy(build(), 12)
     if preset == "zeropp":
         before, after = res[0]["qwz_edit"]
-        name = "transformer.h.0.mlp.c_proj.bias"
+        name, zeroed = "transformer.h.0.mlp.c_proj.bias", "transformer.h.1.attn.c_attn.weight"
         assert torch.all(after[name] == 0.25)
-        assert all(torch.equal(before[k], after[k]) for k in before if k != name)
+        # every weight zeroed, those whose INT8 display was 0 already (and master not) too
+        assert res[0]["qwz_shown_zero"] > 0 and torch.all(after[zeroed] == 0)
+        assert torch.equal(res[0]["qwz_writable_shows"], before[zeroed])
+        assert all(torch.equal(before[k], after[k]) for k in before if k not in (name, zeroed))
         before, after = res[0]["int_edit"]
         name = "transformer.wpe.weight"
         assert all(torch.equal(before[k], after[k]) for k in before if k != name)

@@ -22,6 +22,5 @@ from .ring import RingReduce
 
 def route_for(cfg: Config, *, block: int) -> Union[QgzReduce, RingReduce]:
     """The gradient route of a flat buffer (quantization blocks of `block`)."""
-    if cfg.quantized_gradients:
-        return QgzReduce.from_config(cfg, block=block)
-    return RingReduce(cfg.reduce_dtype)
+    return (QgzReduce.from_config(cfg, block=block) if cfg.quantized_gradients
+            else RingReduce(cfg.reduce_dtype))

@@ -83,9 +83,8 @@ class HopCodec:
 
     # ---- checkpoints: what a bit-exact resume needs -----------------------------------
     def state(self) -> dict[str, torch.Tensor]:
-        if self.residual is None:
-            return {}
-        return {"residual": self.residual.detach().cpu(), "sends": torch.tensor([self.sends])}
+        return {} if self.residual is None else {
+            "residual": self.residual.detach().cpu(), "sends": torch.tensor([self.sends])}
 
     def load_state(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
         self.residual, self.sends = None, 0
@@ -154,9 +153,8 @@ def qgz_intra_hop(comm: Comm, g: torch.Tensor, *, block: int, intra_bits: int,
 def qgz_inter_encode(topo: Topology, partial: torch.Tensor, *, inter: HopCodec) -> tuple:
     """The second hop's quantization (no communication): the reduce pipeline
     runs it beside the first hop, so the thread holding the link only sends."""
-    if topo.num_nodes == 1:
-        return None, partial
-    return _encode(partial.view(topo.num_nodes, -1), inter, topo.node)
+    return (None, partial) if topo.num_nodes == 1 else _encode(
+        partial.view(topo.num_nodes, -1), inter, topo.node)
 
 
 def qgz_inter_exchange(comm: Comm, encoded: tuple, *, inter: HopCodec, op: str) -> torch.Tensor:
