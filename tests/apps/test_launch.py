@@ -69,11 +69,15 @@ def test_failing_rank_traceback_is_raised_within_seconds(tmp_path):
         assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def test_hung_world_is_killed_at_the_timeout():
+def test_hung_world_is_killed_at_the_timeout_after_each_ranks_stacks_in_turn(capfd):
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="did not finish within 3s"):
         spawn(_hang, 2, timeout=3)
     assert time.monotonic() - t0 < 20
+    # each rank's dump whole under its own heading (sent at once, they interleaved)
+    dumps = capfd.readouterr().err.split("--- rank ")[1:]
+    assert [d.split("'")[0] for d in dumps] == ["0", "1"]
+    assert all("most recent call first" in d and "in _hang" in d for d in dumps), dumps
 
 
 def test_node_size_must_divide_world_size():

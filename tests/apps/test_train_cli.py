@@ -164,6 +164,11 @@ def test_compare_zero3_and_zeropp_val_loss_within_2pct(tmp_path, capsys):
     assert (out / "compare.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "final val loss" in printed and str(out) in printed
+    # the last line names the files where they are (the runs' in their own directories)
+    assert printed.rstrip().splitlines()[-1] == (
+        f"Files in {out}/: summary.md, loss plot compare.png; in each of zero3/, zeropp/: "
+        "config.json, metrics.jsonl, summary.json, checkpoints/")
+    assert (out / "summary.md").exists() and (out / "zeropp" / "checkpoints").is_dir()
 
 
 @pytest.mark.parametrize("preset", ["zeropp", "zeropp-plus"])
@@ -313,6 +318,9 @@ def test_torchrun_launch_runs_the_same_job(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
     assert (out / "config.json").exists() and (out / "loss.png").exists()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4  # as zeropp train's
+    assert r.stdout.rstrip().endswith(f"Files in {out}/: config.json, metrics.jsonl, "
+                                      "summary.json, checkpoints/, loss plot loss.png")
     assert not list(out.glob("tokens-node*.pt"))
     # The entry torchrun runs (`-m zeropp.train`) again under `zeropp launch`, which sets
     # torchrun's environment and forks from a server that imported it (7.2 s against 4.3 s

@@ -350,10 +350,11 @@ def _collect(procs: list, q: Any, timeout: Optional[float], progress: Any) -> li
                 raise WorkerError(died) from None
             if time.monotonic() > deadline:
                 missing = [r for r in range(len(procs)) if r not in results]
-                for r in missing:  # ask for stacks on stderr before killing
-                    if procs[r].is_alive():
+                for r in missing:  # stacks on stderr before killing, one rank at a time
+                    if procs[r].is_alive():  # (all at once, they interleaved by character)
+                        print(f"--- rank {r}'s stacks:", file=sys.stderr, flush=True)
                         os.kill(procs[r].pid, signal.SIGUSR1)
-                time.sleep(0.5)
+                        time.sleep(0.5)
                 raise WorkerError(f"ranks {missing} did not finish within {timeout:.0f}s "
                                   "(hang?); their stacks are on stderr above") from None
             continue

@@ -321,9 +321,12 @@ def _train(ns: argparse.Namespace, a: TrainArgs, runs: list, run_dir: Path,
     if out["nodes"] > 1:
         print(f"\nZeRO-3's analytic inter-node bytes: "
               f"{out['zero3_inter_node_bytes'] / 1e6:.2f} MB per node per step.")
-    print(f"Files in {run_dir}/: config.json, metrics.jsonl, summary.json, checkpoints/"
-          + (", loss plot " + ("compare.png" if ns.compare else "loss.png") if drew
-             else " (no plot: matplotlib is not installed)"))
+    files = "config.json, metrics.jsonl, summary.json, checkpoints/"
+    shown = (f", loss plot {'compare.png' if ns.compare else 'loss.png'}" if drew
+             else " (no plot: matplotlib is not installed)")
+    each = ", ".join(name + "/" for name, _ in runs)
+    print(f"Files in {run_dir}/: " + (f"summary.md{shown}; in each of {each}: {files}"
+                                      if ns.compare else files + shown))
     return 0
 
 

@@ -11,6 +11,7 @@ single-machine launcher (`zeropp train`).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -85,8 +86,11 @@ def main() -> int:
         tokens_file.unlink(missing_ok=True)
     if rank == 0:
         row = summarize("run", out)
-        plot({"run": out["history"]}, run_dir / "loss.png", f"zeropp: {world} ranks")
-        print("\n" + table([row]) + f"\n\nFiles in {run_dir}/")
+        (run_dir / "summary.json").write_text(json.dumps(row, indent=2))  # as zeropp train's
+        drew = plot({"run": out["history"]}, run_dir / "loss.png", f"zeropp: {world} ranks")
+        print("\n" + table([row]) + f"\n\nFiles in {run_dir}/: config.json, metrics.jsonl, "
+              "summary.json, checkpoints/" + (", loss plot loss.png" if drew else
+                                              " (no plot: matplotlib is not installed)"))
     dist.destroy_process_group()
     return 0
 
