@@ -155,8 +155,9 @@ def test_zeropp_fsdp2_is_reachable_after_a_plain_import_zeropp():
 def test_import_zeropp_loads_no_deepspeed_front_door_module_until_one_is_used():
     """`import zeropp` and a plain `zeropp.shard` load no `zeropp.deepspeed` module, and
     the model carries no `ds_*` attribute; `import zeropp as deepspeed` still gives
-    DeepSpeed's names (each loads the front door), `from zeropp.accelerator import ...`
-    works and `zeropp.zero` is the front door's module itself."""
+    DeepSpeed's names (each loads the front door, though not its checkpoint converter,
+    a `python -m` script), `from zeropp.accelerator import ...` works and `zeropp.zero`
+    is the front door's module itself."""
     _fresh_python(
         "import sys, torch, zeropp\n"
         "front = lambda: sorted(m for m in sys.modules if m.startswith('zeropp.deepspeed'))\n"
@@ -167,6 +168,8 @@ def test_import_zeropp_loads_no_deepspeed_front_door_module_until_one_is_used():
         "assert isinstance(cfg, zeropp.Config) and 'zeropp.deepspeed.zero_config' in front()\n"
         "import zeropp as deepspeed\n"
         "assert callable(deepspeed.initialize)\n"
+        # (else `python -m zeropp.deepspeed.zero_to_fp32` warns that runpy found it loaded)
+        "assert 'zeropp.deepspeed.zero_to_fp32' not in sys.modules\n"
         "from zeropp.accelerator import get_accelerator\n"
         "import zeropp.zero\n"
         "assert zeropp.zero is sys.modules['zeropp.deepspeed.zero'] is deepspeed.zero\n"

@@ -17,7 +17,6 @@ from ..checkpoint_files import CheckpointError
 from ..guards import agree, all_gather_bytes
 from ..shard import get_state
 from .errors import EngineAssertionError
-from .zero_to_fp32 import unshared
 
 
 class EngineCheckpoints:
@@ -128,6 +127,8 @@ class EngineCheckpoints:
         path = Path(save_dir) / save_filename
         if save_filename.endswith(".safetensors"):
             from safetensors.torch import save_file
+
+            from .zero_to_fp32 import unshared  # (here: `python -m` runs it, unloaded)
             save_file(unshared(sd), str(path))
         else:
             torch.save(sd, path)
