@@ -78,6 +78,7 @@ def no_restart(error: BaseException) -> BaseException:
 # Each worker's latest step, shared with the launcher (`at_step`): the restart
 # line says where the world was when a rank died.
 _progress: Optional[tuple[Any, int]] = None
+_stacks: Any = None
 
 
 def at_step(step: int) -> None:
@@ -159,7 +160,9 @@ def _worker(rank: int, world: int, node_size: int, init_file: str, fn: Callable,
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % node_size),
                       LOCAL_WORLD_SIZE=str(node_size), GROUP_RANK=str(rank // node_size),
                       TORCHELASTIC_RESTART_COUNT=str(restart))
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    global _stacks  # kept open: the launcher's SIGUSR1 at a timeout writes this rank's stacks
+    _stacks = open(os.path.join(os.path.dirname(init_file), f"stacks{rank}"), "w")
+    faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
@@ -331,14 +334,15 @@ def _spawn_once(fn: Callable, world_size: int, node_size: int, args: Sequence,
                 for p in procs:
                     p.start()
                     started.append(p)
-            results = _collect(procs, q, timeout, progress)
+            results = _collect(procs, q, timeout, progress, tmp)
             ok = True
             return results
         finally:
             _stop(started, grace=10.0 if ok else 0.0)
 
 
-def _collect(procs: list, q: Any, timeout: Optional[float], progress: Any) -> list[Any]:
+def _collect(procs: list, q: Any, timeout: Optional[float], progress: Any,
+             tmp: str) -> list[Any]:
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout if timeout is not None else float("inf")
     while len(results) < len(procs):
@@ -350,11 +354,15 @@ def _collect(procs: list, q: Any, timeout: Optional[float], progress: Any) -> li
                 raise WorkerError(died) from None
             if time.monotonic() > deadline:
                 missing = [r for r in range(len(procs)) if r not in results]
-                for r in missing:  # stacks on stderr before killing, one rank at a time
-                    if procs[r].is_alive():  # (all at once, they interleaved by character)
-                        print(f"--- rank {r}'s stacks:", file=sys.stderr, flush=True)
+                for r in missing:  # each rank's stacks on stderr before killing, in turn
+                    if procs[r].is_alive():  # (each printing its own, they interleaved)
                         os.kill(procs[r].pid, signal.SIGUSR1)
-                        time.sleep(0.5)
+                time.sleep(0.5)
+                for r in missing:
+                    with contextlib.suppress(OSError):
+                        with open(os.path.join(tmp, f"stacks{r}")) as f:
+                            print(f"--- rank {r}'s stacks:\n{f.read()}", file=sys.stderr,
+                                  end="", flush=True)
                 raise WorkerError(f"ranks {missing} did not finish within {timeout:.0f}s "
                                   "(hang?); their stacks are on stderr above") from None
             continue
