@@ -118,6 +118,17 @@ def test_wrap_names_what_is_wrong():
         zeropp.ft.wrap(ProcessGroupGloo(), "2bit").follow_fragments(None, 0)
 
 
+
+def test_set_timeout_reaches_the_wrapped_group_that_builds_the_backend():
+    """(before: it set the wrapper's own timeout, which nothing reads: collectives kept
+    the wrapped group's 60 s)"""
+    from datetime import timedelta
+
+    from torchft.process_group import ProcessGroupGloo
+    inner = ProcessGroupGloo(timeout=timedelta(seconds=60))
+    zeropp.ft.wrap(inner, "2bit").set_timeout(timedelta(seconds=5))
+    assert inner._timeout == timedelta(seconds=5)
+
 @pytest.mark.parametrize("args, says", [
     (["--replicas", "3"], "--replicas 3 must be at least 2 and divide --nproc 4"),
     (["--replicas", "2", "--sync-every", "8", "--fragments", "3"], "--fragments 3 must be"),

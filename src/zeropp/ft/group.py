@@ -77,6 +77,11 @@ class CompressedGroup(ProcessGroupWrapper):
     def errored(self) -> Optional[Exception]:
         return self._inner.errored()
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        # the wrapped group builds the gloo/NCCL backend (with its timeout) at reconfigure;
+        # ProcessGroupWrapper's would set ours, which nothing reads
+        self._inner.set_timeout(timeout)
+
     @property
     def parent(self) -> Any:
         return self._inner
