@@ -13,14 +13,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """Clip the gradients of a sharded model by their global norm, like
     `torch.nn.utils.clip_grad_norm_` on the unsharded model; returns the norm.
 
-    One all-reduce of one number over the world; padding carries zero gradient, so it does not
-    change the norm. A NaN or Inf gradient on any rank makes the returned norm non-finite on every
-    rank (the gradients too, as in torch): a loop can test the norm and skip."""
+    One all-reduce of two numbers, this rank's part of the norm and whether it is NaN (gloo's MAX
+    keeps or drops a NaN by the order it compares); padding carries zero gradient. A NaN or Inf
+    gradient on any rank makes the norm non-finite on every rank (the gradients too, as in torch)."""
     if not max_norm > 0:  # (torch's own would flip or zero every gradient)
         raise ValueError(f"zeropp.clip_grad_norm_: max_norm must be > 0 (inf: no clipping), got {max_norm}")
     st = get_state(model)
-    norm_type = float(norm_type)
-    if norm_type not in (2.0, float("inf")):
+    if (norm_type := float(norm_type)) not in (2.0, float("inf")):
         raise ValueError(f"zeropp.clip_grad_norm_: norm_type={norm_type} is not supported; "
                          "use 2.0 or inf")
     st.comm.unit = "<all: gradient norm>"
@@ -31,9 +30,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     for g in grads:
         local = (local + g.float().pow(2).sum() if l2
                  else torch.maximum(local, g.float().abs().max()))
-    total = st.comm.all_reduce(local.reshape(1), op="all_reduce/grad_norm",
-                               reduce_op=dist.ReduceOp.SUM if l2 else dist.ReduceOp.MAX)[0]
-    total = total.sqrt() if l2 else total
+    both = torch.stack([local.nan_to_num(0.0, posinf=torch.inf), local.isnan().float()])
+    total, nan = st.comm.all_reduce(both, op="all_reduce/grad_norm",
+                                    reduce_op=dist.ReduceOp.SUM if l2 else dist.ReduceOp.MAX)
+    total = torch.where(nan > 0, torch.nan, total.sqrt() if l2 else total)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

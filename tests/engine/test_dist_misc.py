@@ -35,6 +35,14 @@ def _non_finite_norm(kw: dict, bad: float):
     return float(zeropp.clip_grad_norm_(model, 1.0))
 
 
+def _nan_in_rank_1s_shard(norm_type: float):
+    model = zeropp.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    model(torch.ones(3, 4)).sum().backward()
+    if dist.get_rank() == 1:  # one element's gradient, held by the rank that owns it
+        next(model.parameters()).grad[0] = float("nan")
+    return float(zeropp.clip_grad_norm_(model, 1.0, norm_type=norm_type))
+
+
 def _reference_losses():
     model = build("gpt")
     return train("gpt", "adamw", model, steps=STEPS, accum=1, world=2, rank=None,
@@ -64,3 +72,10 @@ def test_prefetch_off_gives_identical_losses():
 def test_non_finite_loss_on_one_rank_makes_the_norm_non_finite_on_every_rank(kw, bad):
     norms = spawn(_non_finite_norm, 4, 2, args=(kw, bad), timeout=120)
     assert all(not math.isfinite(n) for n in norms), norms
+
+
+def test_a_nan_in_one_ranks_shard_makes_the_inf_norm_nan_on_every_rank():
+    """The inf norm's MAX all-reduce dropped a NaN that only rank 1 held (gloo keeps whichever
+    of NaN and a number it compares first): both ranks returned 0.71, finite, and stepped."""
+    norms = spawn(_nan_in_rank_1s_shard, 2, args=(math.inf,), timeout=60)
+    assert all(math.isnan(n) for n in norms), norms
