@@ -247,6 +247,27 @@ def test_a_parameter_unused_in_one_backward_and_used_in_the_next_trains_as_unsha
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
 
 
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_hook_on_a_master_shard_is_refused_and_one_on_the_attribute_runs(kind):
+    """model.parameters() are the master shards, which autograd never reaches: their hooks never
+    ran, so an optimizer stepped in backward (torch's tutorial pattern) silently never stepped.
+    A hook on the module's attribute sees this rank's full gradient, as under DDP."""
+    torch.manual_seed(0)
+    model = zeropp.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    master = next(model.parameters())
+    opt = torch.optim.SGD([master], lr=0.1)
+    handle = getattr(master, kind)(lambda t: opt.step() if kind.startswith("register_post")
+                                   else None)
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match=r"hook on a master shard .*holds 0\.weight\) never runs"):
+        model(x).sum().backward()
+    handle.remove()
+    seen = []
+    model[0].weight.register_hook(lambda g: seen.append(g.shape) or g * 0)
+    model(x).sum().backward()
+    assert seen == [torch.Size([4, 4])] and master.grad[:16].abs().sum() == 0
+
+
 def test_a_freeze_through_model_parameters_holds_and_other_requires_grad_changes_are_refused():
     """`unit.requires_grad_(False)` after shard() (a GAN's critic while the generator
     trains): no gradient and no step for it, the rest trains; unfrozen, it trains again. It
