@@ -111,10 +111,7 @@ class Comm:
         (`unit`: the one that issued it, by default the one being issued)."""
         t, unit = self.timeout, self.unit if unit is None else unit
         try:
-            if t is None:
-                work.wait()
-            else:
-                work.wait(timedelta(seconds=t))
+            work.wait() if t is None else work.wait(timedelta(seconds=t))
         except RuntimeError as e:
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             limit = f" within the {t:g}s collective_timeout" if t is not None else ""

@@ -58,10 +58,7 @@ class FlatGrad:
         if self.grad is None:  # zeroed where nothing arrives, in take
             self.grad = torch.empty(self.padded_numel, dtype=g.dtype, device=g.device)
         dst = self.grad[info.offset:info.offset + info.numel].view(info.shape)
-        if i in self.arrived:
-            dst.add_(g)
-        else:
-            dst.copy_(g)
+        (dst.add_ if i in self.arrived else dst.copy_)(g)
         self.arrived.add(i)
         self.seen.add(i)
         if self.arrived >= self.expected and self.on_ready is not None:

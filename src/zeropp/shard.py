@@ -233,6 +233,10 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *, unit_types: Optiona
         regs = [r for plist in owned.values() for _, rs, _ in plist for r in rs]
         order = {m: list(m._parameters) for m, _ in regs}  # for the state dict's key order
         persistent = _persistent(model, cfg)
+        if hooked := [fqns[0] for plist in owned.values() for p, _, fqns in plist
+                      if p._backward_hooks or p._post_accumulate_grad_hooks]:
+            raise ValueError(f"zeropp.shard: {hooked[0]} has a gradient hook, which shard() would drop "
+                             "with the parameter: hook the module's attribute after shard() instead")
         for m, attr in regs:
             del m._parameters[attr]
         forget_parameters([p for plist in owned.values() for p, _, _ in plist])

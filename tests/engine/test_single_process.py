@@ -248,6 +248,16 @@ def test_a_parameter_unused_in_one_backward_and_used_in_the_next_trains_as_unsha
 
 
 @pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_hook_registered_before_shard_is_refused_by_name(kind):
+    """shard() replaces the parameters: a hook on one (a gradient clamp) was dropped silently,
+    and the unclamped gradient trained the model."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    getattr(model[1].bias, kind)(lambda t: None)
+    with pytest.raises(ValueError, match=r"1\.bias has a gradient hook"):
+        zeropp.shard(model)
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
 def test_a_gradient_hook_on_a_master_shard_is_refused_and_one_on_the_attribute_runs(kind):
     """model.parameters() are the master shards, which autograd never reaches: their hooks never
     ran, so an optimizer stepped in backward (torch's tutorial pattern) silently never stepped.
