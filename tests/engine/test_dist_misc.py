@@ -36,11 +36,19 @@ def _non_finite_norm(kw: dict, bad: float):
 
 
 def _nan_in_rank_1s_shard(norm_type: float):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     model = zeropp.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
-    model(torch.ones(3, 4)).sum().backward()
+    master = next(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
     if dist.get_rank() == 1:  # one element's gradient, held by the rank that owns it
-        next(model.parameters()).grad[0] = float("nan")
-    return float(zeropp.clip_grad_norm_(model, 1.0, norm_type=norm_type))
+        master.grad[0] = float("nan")
+    before = master.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    skipped = torch.equal(before, master) and scaler.get_scale() == 2.0
+    return float(zeropp.clip_grad_norm_(model, 1.0, norm_type=norm_type)), skipped
 
 
 def _reference_losses():
@@ -74,8 +82,10 @@ def test_non_finite_loss_on_one_rank_makes_the_norm_non_finite_on_every_rank(kw,
     assert all(not math.isfinite(n) for n in norms), norms
 
 
-def test_a_nan_in_one_ranks_shard_makes_the_inf_norm_nan_on_every_rank():
+def test_a_nan_in_one_ranks_shard_makes_the_inf_norm_nan_and_the_sharded_scaler_skip_everywhere():
     """The inf norm's MAX all-reduce dropped a NaN that only rank 1 held (gloo keeps whichever
-    of NaN and a number it compares first): both ranks returned 0.71, finite, and stepped."""
-    norms = spawn(_nan_in_rank_1s_shard, 2, args=(math.inf,), timeout=60)
-    assert all(math.isnan(n) for n in norms), norms
+    of NaN and a number it compares first): both ranks returned 0.71, finite, and stepped.
+    torch.amp.GradScaler would skip on rank 1 alone; ShardedGradScaler, which design.md names
+    for fp16, skips the step and halves the scale on every rank."""
+    results = spawn(_nan_in_rank_1s_shard, 2, args=(math.inf,), timeout=60)
+    assert all(math.isnan(norm) and skipped for norm, skipped in results), results
