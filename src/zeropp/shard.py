@@ -195,9 +195,9 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *, unit_types: Optiona
 
     `unit_types`: module classes whose instances become units; default: the
     entries of every `nn.ModuleList`. The root is always a unit.
-    `param_groups`: lists of the model's parameters that an optimizer will treat differently
-    (e.g. no weight decay); a unit's parameters of different groups go to different flat
-    buffers, and `FlatParam.param_group` says which (the index in this list; in none: -1).
+    `param_groups`: lists of the model's parameters (or torch's group dicts) that an optimizer
+    will treat differently (no weight decay); a unit's parameters of different groups go to
+    different flat buffers, and `FlatParam.param_group` says which (the index; in none: -1).
     `sync_module_states`: every rank starts from rank 0's weights and buffers (broadcast one
     unit at a time, as FSDP's flag of that name does).
     A model built under `zeropp.deferred_init()` (or on the meta device: deferred.defer_meta) is
@@ -229,7 +229,8 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *, unit_types: Optiona
             for b in model.buffers():
                 sync(b.data)  # (.data: no autograd)
         owned = assign_params(model, units)
-        group_of = {id(p): k for k, ps in enumerate(param_groups or []) for p in ps}
+        group_of = {id(p): k for k, ps in enumerate(param_groups or [])
+                    for p in (ps["params"] if isinstance(ps, dict) else ps)}
         regs = [r for plist in owned.values() for _, rs, _ in plist for r in rs]
         order = {m: list(m._parameters) for m, _ in regs}  # for the state dict's key order
         persistent = _persistent(model, cfg)

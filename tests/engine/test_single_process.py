@@ -296,6 +296,18 @@ def test_a_branch_unused_in_some_steps_trains_as_unsharded_under_adamw_as_a_unit
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
 
 
+def test_param_groups_given_as_torch_dicts_split_the_flats_as_lists_do():
+    """HF's decay / no-decay split as torch writes groups, {"params": [...], ...}: iterating a
+    dict gave its keys, so every flat silently fell in no group (-1) and all got the decay."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    decay = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    zeropp.shard(model, param_groups=[{"params": decay}, {"params": rest, "weight_decay": 0.0}])
+    flats = model._zeropp_state.flats
+    assert sorted(f.param_group for f in flats) == [0, 1]
+    assert [f.numel for f in flats if f.param_group == 0] == [16 + 8]
+
+
 def test_a_freeze_through_model_parameters_holds_and_other_requires_grad_changes_are_refused():
     """`unit.requires_grad_(False)` after shard() (a GAN's critic while the generator
     trains): no gradient and no step for it, the rest trains; unfrozen, it trains again. It
