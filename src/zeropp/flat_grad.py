@@ -53,7 +53,7 @@ class FlatGrad:
 
     def arrive(self, i: int, t: torch.Tensor) -> None:
         """Parameter i's gradient is complete for this backward: into `grad`."""
-        g, t.grad = t.grad, None
+        g, t.grad = t.grad.to_dense(), None  # (itself unless sparse: an Embedding(sparse=True)'s)
         info = self.infos[i]
         if self.grad is None:  # zeroed where nothing arrives, in take
             self.grad = torch.empty(self.padded_numel, dtype=g.dtype, device=g.device)

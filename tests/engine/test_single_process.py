@@ -308,6 +308,23 @@ def test_param_groups_given_as_torch_dicts_split_the_flats_as_lists_do():
     assert [f.numel for f in flats if f.param_group == 0] == [16 + 8]
 
 
+def test_a_sparse_embedding_trains_as_unsharded():
+    """nn.Embedding(sparse=True) hands autograd a sparse gradient; copying it into the flat
+    gradient failed ("copy_() between dense and sparse Tensors is not implemented"). Within
+    1e-6: torch's SGD adds a sparse gradient row by row, the flat one densely."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    model = zeropp.shard(copy.deepcopy(ref))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for idx in ([[1, 2, 1]], [[3, 1, 9]]):
+        for m, opt in zip((ref, model), opts):
+            m(torch.tensor(idx)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    sd = zeropp.full_state_dict(model)
+    assert all(torch.allclose(sd[k], v, rtol=0, atol=1e-6) for k, v in ref.state_dict().items())
+
+
 def test_a_freeze_through_model_parameters_holds_and_other_requires_grad_changes_are_refused():
     """`unit.requires_grad_(False)` after shard() (a GAN's critic while the generator
     trains): no gradient and no step for it, the rest trains; unfrozen, it trains again. It
