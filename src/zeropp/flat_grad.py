@@ -93,8 +93,8 @@ class FlatGrad:
         """This rank's chunk of a reduced gradient (the mean, fp32) into the master
         shard's `.grad`, accumulating micro-batches."""
         if self.master._backward_hooks or self.master._post_accumulate_grad_hooks:
-            raise RuntimeError(f"zeropp: a gradient hook on a master shard (model.parameters(); this "
-                               f"one holds {self.infos[0].fqns[0]}) never runs: autograd never reaches it."
-                               " Hook the module's attribute (its full gradient), or act after backward")
+            raise RuntimeError(f"zeropp: a gradient hook on a master shard (model.parameters(); "
+                               f"this one holds {self.infos[0].fqns[0]}) never runs: autograd does "
+                               "not reach it. Hook the module's attribute, or act after backward")
         part[self.valid:] = 0  # padding stays exactly zero (it is part of every later gather)
         self.master.grad = part if self.master.grad is None else self.master.grad.add_(part)

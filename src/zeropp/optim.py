@@ -13,15 +13,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """Clip the gradients of a sharded model by their global norm, like
     `torch.nn.utils.clip_grad_norm_` on the unsharded model; returns the norm.
 
-    One all-reduce of two numbers, this rank's part of the norm and whether it is NaN (gloo's MAX
-    keeps or drops a NaN by the order it compares); padding carries zero gradient. A NaN or Inf
-    gradient on any rank makes the norm non-finite on every rank (the gradients too, as in torch)."""
+    One all-reduce of two numbers, this rank's part of the norm and whether it is NaN (gloo's
+    MAX keeps or drops a NaN by the order it compares); padding has zero gradient. A NaN or Inf
+    gradient on any rank makes the norm non-finite on every rank (gradients too, as in torch)."""
     if not max_norm > 0:  # (torch's own would flip or zero every gradient)
         raise ValueError(f"zeropp.clip_grad_norm_: max_norm must be > 0 (inf: no clipping), got {max_norm}")
     st = get_state(model)
     if (norm_type := float(norm_type)) not in (2.0, float("inf")):
-        raise ValueError(f"zeropp.clip_grad_norm_: norm_type={norm_type} is not supported; "
-                         "use 2.0 or inf")
+        raise ValueError(f"zeropp.clip_grad_norm_: norm_type={norm_type} unsupported (2.0, inf)")
     st.comm.unit = "<all: gradient norm>"
     grads = [f.primary_shard.grad for f in st.flats if f.primary_shard.grad is not None]
     device = st.flats[0].primary_shard.device if st.flats else torch.device("cpu")

@@ -152,10 +152,9 @@ class ShardState:
             release_scratch()  # qgZ's temporaries: reused within the backward only
         finally:
             for u in self.units:
-                for f in u.flats:
-                    f.grads.needs_reduce = False
                 u.free()
                 for f in u.flats:
+                    f.grads.needs_reduce = False
                     f.settle()
             self.backward_active = False
 
@@ -236,8 +235,8 @@ def shard(model: nn.Module, cfg: Optional[Config] = None, *, unit_types: Optiona
         persistent = _persistent(model, cfg)
         if hooked := [fqns[0] for plist in owned.values() for p, _, fqns in plist
                       if p._backward_hooks or p._post_accumulate_grad_hooks]:
-            raise ValueError(f"zeropp.shard: {hooked[0]} has a gradient hook, which shard() would drop "
-                             "with the parameter: hook the module's attribute after shard() instead")
+            raise ValueError(f"zeropp.shard: {hooked[0]} has a gradient hook, which shard() "
+                             "would drop: hook the module's attribute after shard() instead")
         for m, attr in regs:
             del m._parameters[attr]
         forget_parameters([p for plist in owned.values() for p, _, _ in plist])

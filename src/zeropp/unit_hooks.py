@@ -106,6 +106,9 @@ class Unit:
             raise RuntimeError("zeropp: backward with create_graph=True (double backward, e.g. a "
                                "gradient penalty) through sharded units is not supported: their "
                                "weights are freed after use")
+        if any(f.gathered_for != f.version for f in self.flats):  # torch's in-place check, here
+            raise RuntimeError(f"zeropp: {self.label}'s weights changed between its forward and "
+                               "this backward (an optimizer step?): torch refuses it too")
         st = self.state
         st.begin_backward()
         self.input_grads_due = self.hooks_inputs

@@ -325,6 +325,22 @@ def test_a_sparse_embedding_trains_as_unsharded():
     assert all(torch.allclose(sd[k], v, rtol=0, atol=1e-6) for k, v in ref.state_dict().items())
 
 
+def test_an_optimizer_step_between_a_forward_and_its_backward_is_refused_as_torch_refuses_it():
+    """torch's in-place check fails that backward ("modified by an inplace operation"; a GAN's
+    generator loss computed before the critic's step); zeropp gathered the stepped weights for
+    it and returned the gradient of other weights than the forward's, silently."""
+    torch.manual_seed(0)
+    model = zeropp.shard(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    loss = model(torch.randn(3, 4)).sum()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"<root>'s weights changed between its forward and "):
+        loss.backward()
+    model(torch.randn(3, 4)).sum().backward()  # a forward after the step trains on
+    opt.step()
+
+
 def test_a_freeze_through_model_parameters_holds_and_other_requires_grad_changes_are_refused():
     """`unit.requires_grad_(False)` after shard() (a GAN's critic while the generator
     trains): no gradient and no step for it, the rest trains; unfrozen, it trains again. It
