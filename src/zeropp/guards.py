@@ -161,15 +161,15 @@ def forget_parameters(params: list[torch.nn.Parameter]) -> None:
 
 
 def _check_optimizer_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    stale = opt not in _checked and sum(_replaced.get(id(p)) is p for g in opt.param_groups
-                                        for p in g["params"])
+    params = [p for g in opt.param_groups for p in g["params"]]  # again after add_param_group
+    stale = _checked.get(opt) != len(params) and sum(_replaced.get(id(p)) is p for p in params)
     if stale:
         raise RuntimeError(
             f"zeropp: this {type(opt).__name__} holds {stale} parameter(s) of the model as it "
             "was before zeropp.shard(); after sharding they get no gradients and the step "
             "would do nothing. Build the optimizer after shard(), from model.parameters() "
             "(the fp32 master shards).")
-    _checked[opt] = True
+    _checked[opt] = len(params)
 
 
 _ONE_LINE = "_zeropp_one_line"

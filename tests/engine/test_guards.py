@@ -123,3 +123,17 @@ def test_an_optimizer_built_before_shard_is_refused_at_its_first_step():
         opt.step()
     ok = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ok.step()  # built after shard(): fine
+
+
+def test_parameters_from_before_shard_added_to_an_optimizer_after_its_first_step_are_refused():
+    """The check ran at an optimizer's first step only: a group of pre-shard parameters added
+    later (kept from before shard(), say a head to unfreeze) stepped silently, doing nothing."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    head = list(model[1].parameters())
+    zeropp.shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.add_param_group({"params": head, "lr": 0.01})
+    with pytest.raises(RuntimeError, match=r"holds 2 parameter\(s\) of the model as it was"):
+        opt.step()
