@@ -235,9 +235,15 @@ def test_a_parameter_unused_in_one_backward_and_used_in_the_next_trains_as_unsha
     'setStorage ... out of bounds for storage of size 0'). Bit for bit the unsharded run."""
     torch.manual_seed(0)
     ref = _Branchy()
-    model = zeropp.shard(copy.deepcopy(ref))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-    for step, use_a in enumerate([False, True, True]):
+    _trains_as_unsharded(ref, zeropp.shard(copy.deepcopy(ref)),
+                         lambda m: torch.optim.SGD(m.parameters(), lr=0.1), [False, True, True])
+
+
+def _trains_as_unsharded(ref: nn.Module, model: nn.Module, make_opt, uses: list) -> None:
+    """`ref` and its sharded copy `model` side by side, `_Branchy`'s branch used in each step
+    as `uses` says: every weight after them bit for bit the unsharded run's."""
+    opts = [make_opt(m) for m in (ref, model)]
+    for step, use_a in enumerate(uses):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
         for m, opt in zip((ref, model), opts):
             m(x, use_a).backward()
@@ -284,16 +290,9 @@ def test_a_branch_unused_in_some_steps_trains_as_unsharded_under_adamw_as_a_unit
     Linear) a skipped branch gets no gradient at all: bit for bit the unsharded run."""
     torch.manual_seed(0)
     ref = _Branchy()
-    model = zeropp.shard(copy.deepcopy(ref), unit_types=(nn.Linear,))
-    opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1) for m in (ref, model)]
-    for step, use_a in enumerate([True, False, False]):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        for m, opt in zip((ref, model), opts):
-            m(x, use_a).backward()
-            opt.step()
-            opt.zero_grad()
-    sd = zeropp.full_state_dict(model)
-    assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+    _trains_as_unsharded(ref, zeropp.shard(copy.deepcopy(ref), unit_types=(nn.Linear,)),
+                         lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
+                         [True, False, False])
 
 
 def test_param_groups_given_as_torch_dicts_split_the_flats_as_lists_do():
